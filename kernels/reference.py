@@ -1,0 +1,83 @@
+"""Plain-torch references of the paged-attention kernels.
+
+They define what the Triton kernels must compute, and they are the executor's attention on the CPU.
+They favour clarity over speed: the paged KV of each sequence is gathered through its block table
+and attended to with an explicit causal mask, in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores each token's key and value at its slot (block_id * block_size + offset).
+
+    Args:
+        key, value: [num_tokens, num_kv_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+        slot_mapping: [num_tokens] int64; a negative slot marks padding and is skipped.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    Args:
+        q: [num_tokens, num_q_heads, head_dim]; sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        block_tables: [num_seqs, max_blocks_per_seq] int32.
+        seq_lens: [num_seqs] int32, context length including the sequence's new tokens.
+        cu_seqlens_q: [num_seqs + 1] int32.
+        scale: softmax scale, usually head_dim ** -0.5.
+        out: optional [num_tokens, num_q_heads, head_dim] buffer to write into.
+
+    Returns:
+        [num_tokens, num_q_heads, head_dim] in q's dtype. The j-th new token of sequence i sits at
+        position seq_lens[i] - q_len_i + j and attends to every position <= its own.
+    """
+    num_q_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    result = torch.empty_like(q) if out is None else out
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for i, context_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (context_len + block_size - 1) // block_size
+        blocks = block_tables[i, :num_blocks].long()
+        k = k_cache[blocks].flatten(0, 1)[:context_len].float()  # [L, kv_heads, D]
+        v = v_cache[blocks].flatten(0, 1)[:context_len].float()
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        qi = q[q_start:q_end].float()  # [q_len, heads, D]
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        k_pos = torch.arange(context_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        result[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(result.dtype)
+    return result
