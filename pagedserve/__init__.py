@@ -1,0 +1,1 @@
+"""pagedserve: LLM serving with PagedAttention, split into a scheduler and an executor service."""
