@@ -16,7 +16,11 @@ import tempfile
 from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent
-PROTO_FILES = ("pagedserve/v1/generation.proto", "pagedserve/v1/executor.proto")
+PROTO_FILES = (
+    "pagedserve/v1/generation.proto",
+    "pagedserve/v1/executor.proto",
+    "pagedserve/v1/admin.proto",
+)
 
 
 def generate() -> dict[str, str]:

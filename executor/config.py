@@ -1,0 +1,144 @@
+"""Executor configuration: one frozen dataclass, validated at construction, and its CLI flags.
+
+Flag names follow vLLM (`--gpu-memory-utilization`, `--max-model-len`, ...) so operators can reuse
+what they know. `add_cli_args` and `ExecutorConfig.from_args` are shared with the `pagedserve` CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_PORT = 50061
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """Everything an executor needs to start; invalid values raise ValueError at construction.
+
+    Attributes:
+        model: directory of a Hugging Face checkpoint (config.json + safetensors).
+        host, port: where the gRPC server listens.
+        dtype: weights and KV dtype; "auto" = float32 on CPU, bfloat16 on CUDA.
+        device: "auto" picks CUDA when available.
+        max_model_len: longest sequence (prompt + output); None = the model's max_position_embeddings.
+        block_size: tokens per KV block (a multiple of 16, what the kernels tile by).
+        gpu_memory_utilization: fraction of total GPU memory the executor may use (weights,
+            activations and KV pool together).
+        num_gpu_blocks_override: fixes the size of the device KV pool, skipping the sizing.
+        swap_space: GiB of CPU memory for the swap pool.
+        cpu_kv_cache_space: GiB of the device KV pool when the device is the CPU.
+        max_num_batched_tokens: most tokens in one step; the profiling pass runs this many.
+        max_num_seqs: most sequences in one step.
+        enforce_eager: accepted for vLLM compatibility; CUDA graphs are not captured yet.
+    """
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 4.0
+    cpu_kv_cache_space: float = 4.0
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.model:
+            problems.append("model must name a checkpoint directory")
+        if not 0 <= self.port <= 65535:
+            problems.append(f"port must be in [0, 65535], got {self.port}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            problems.append(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            problems.append(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.block_size < 16 or self.block_size % 16:
+            problems.append(f"block_size must be a positive multiple of 16, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            problems.append(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
+        if self.swap_space < 0:
+            problems.append(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.cpu_kv_cache_space <= 0:
+            problems.append(f"cpu_kv_cache_space must be > 0 GiB, got {self.cpu_kv_cache_space}")
+        if self.max_num_batched_tokens < 1:
+            problems.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            problems.append(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if problems:
+            raise ValueError("invalid executor config: " + "; ".join(problems))
+
+    def torch_device(self) -> torch.device:
+        """The resolved device; asking for CUDA without one is an error, not a silent fallback."""
+        if self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available()):
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The resolved dtype: "auto" is float32 on the CPU (fast and exact), bfloat16 on CUDA."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * _GIB)
+
+    @property
+    def cpu_kv_cache_bytes(self) -> int:
+        return int(self.cpu_kv_cache_space * _GIB)
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace, **overrides: Any) -> ExecutorConfig:
+        """Builds a config from parsed `add_cli_args` flags; flags absent from `ns` keep defaults.
+
+        `overrides` win over `ns`, e.g. `from_args(ns, port=0)` when a parent CLI owns --port.
+        """
+        values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        values.update(overrides)
+        return cls(**values)
+
+
+def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> argparse.ArgumentParser:
+    """Adds the executor's flags (vLLM names) to `parser`.
+
+    Args:
+        parser: the parser (or argument group's parser) to extend.
+        endpoint: also add --host/--port; a CLI that starts several services may want its own.
+    """
+    group = parser.add_argument_group("executor")
+    group.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    if endpoint:
+        group.add_argument("--host", default=ExecutorConfig.host, help="gRPC listen address")
+        group.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC listen port (0 = any)")
+    group.add_argument("--dtype", choices=DTYPES, default="auto")
+    group.add_argument("--device", choices=DEVICES, default="auto")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    group.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    group.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap pool")
+    group.add_argument(
+        "--cpu-kv-cache-space", type=float, default=4.0, help="GiB of KV pool when running on the CPU"
+    )
+    group.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--enforce-eager", action="store_true", help="accepted; CUDA graphs come later")
+    return parser

@@ -1,0 +1,223 @@
+"""Our Llama-family forward pass (Llama, Mistral, Qwen2) over a flattened, unpadded batch of tokens.
+
+Every sequence of a step contributes its new tokens to one [num_tokens, hidden] matrix, so prefill
+chunks and decode tokens share the same matmuls. Attention writes the new K/V into the paged pool
+(`kernels.write_kv`) and attends over it (`kernels.paged_attention`); where each token goes and
+what it sees travels in an explicit `AttentionMetadata`, never in module globals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from executor.loader import ModelSpec, RopeConfig
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a step's tokens sit; all tensors on the model's device.
+
+    Attributes:
+        positions: [num_tokens] int64, position of each token in its sequence.
+        slot_mapping: [num_tokens] int64, block_id * block_size + offset where its K/V is written.
+        block_tables: [num_seqs, max_blocks] int32, each sequence's physical blocks (zero padded).
+        seq_lens: [num_seqs] int32, context length of each sequence including its new tokens.
+        cu_seqlens_q: [num_seqs + 1] int32, row ranges of each sequence's tokens.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] (float32), with linear or Llama-3 scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+        # (as in Meta's reference and transformers' `_compute_llama3_parameters`).
+        old_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_len / rope.low_freq_factor
+        high_freq_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin precomputed up to max_model_len, gathered by position (neox / rotate-half layout)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, device: torch.device) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(rope, head_dim).to(device)
+        freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_len, head_dim / 2], float32
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotates each x [num_tokens, heads, head_dim]; computed in float32, returned in x's dtype."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        out = []
+        for x in xs:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            out.append(rotated.to(x.dtype))
+        return tuple(out)
+
+
+def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialised on purpose: the loader overwrites every parameter, and random init of an 8B
+    # model would cost seconds for nothing.
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the reduction in float32 as in the reference implementations."""
+
+    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with uninitialised parameters (nn.Linear would initialise them randomly)."""
+
+    def __init__(self, rows: int, cols: int, bias: bool, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(rows, cols, device=device, dtype=dtype)
+        self.bias = _param(rows, device=device, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table (its weight doubles as the LM head when embeddings are tied)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(vocab_size, hidden_size, device=device, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class Attention(nn.Module):
+    """GQA/MHA self-attention with fused q/k/v projection over the paged KV pool."""
+
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.scale = spec.head_dim**-0.5
+        self.rotary = rotary
+        self.qkv_proj = Linear(self.q_size + 2 * self.kv_size, spec.hidden_size, spec.qkv_bias, device, dtype)
+        self.o_proj = Linear(spec.hidden_size, self.q_size, spec.o_bias, device, dtype)
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(meta.positions, q, k)
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = kernels.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale
+        )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU with gate and up fused into one matmul."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(2 * spec.intermediate_size, spec.hidden_size, False, device, dtype)
+        self.down_proj = Linear(spec.hidden_size, spec.intermediate_size, False, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.self_attn = Attention(spec, rotary, device, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.mlp = MLP(spec, device, dtype)
+
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack plus LM head. Parameters are allocated uninitialised; `loader` fills them.
+
+    Parameter names (embed_tokens, layers.N.self_attn.qkv_proj, ..., norm, lm_head) are what
+    `executor.loader` maps checkpoint tensors onto.
+    """
+
+    def __init__(self, spec: ModelSpec, max_model_len: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, device, dtype)
+        rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_model_len, device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, device, dtype) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.lm_head = (
+            None
+            if spec.tie_word_embeddings
+            else _param(spec.vocab_size, spec.hidden_size, device=device, dtype=dtype)
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs the step's tokens and returns float32 logits [len(logits_indices), vocab].
+
+        Args:
+            input_ids: [num_tokens] int64.
+            meta: positions and paged-cache layout of the tokens.
+            kv_caches: per layer (k_cache, v_cache), written in place.
+            logits_indices: [num_rows] int64 rows of the batch that need logits (each sampling
+                sequence's last token); the LM head runs on those rows only.
+        """
+        x = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, meta, k_cache, v_cache)
+        x = self.norm(x[logits_indices])
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()

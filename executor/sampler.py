@@ -1,0 +1,130 @@
+"""Token sampling for a batch of rows, each with its own parameters.
+
+Greedy rows (temperature 0) take the argmax. Other rows are scaled by temperature, masked by top-k
+and top-p (one sort serves both), then sampled with the exponential race: argmax(p / E), E ~ Exp(1)
+i.i.d., picks token i with probability p_i, and unlike torch.multinomial needs only one noise
+vector per row that we can draw from a generator of our choosing.
+
+A seeded row draws its noise from a generator seeded with mix(seed, position of the sampled
+token): its tokens depend only on its own logits, seed and position, never on which other rows share
+the batch, or on whether the request was pre-empted and re-created in between.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_M64 = (1 << 64) - 1
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. Raises ValueError on values that make no sense."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    return_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed <= _M64:
+            raise ValueError(f"seed must be a uint64, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: torch.Tensor | None  # [num_rows] float32, None when no row asked
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A well-spread 63-bit generator seed for (request seed, token position)."""
+    return _splitmix64(seed ^ _splitmix64(position)) >> 1
+
+
+def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Sets to -inf every logit outside each row's top-k and top-p nucleus (one sort for both).
+
+    Args:
+        logits: [rows, vocab] float32 (already temperature-scaled).
+        top_k: [rows] int64, vocab size where off.
+        top_p: [rows] float32, 1 where off.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=logits.device)
+    sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the mass before it is below top_p: the top token always survives.
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits.masked_fill_(mass_before > top_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _exponential_noise(probs: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]):
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, p in enumerate(params) if p.seed is None]
+    if unseeded:
+        rows = torch.tensor(unseeded, device=probs.device)
+        noise[rows] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+    for i, p in enumerate(params):
+        if p.seed is not None:
+            generator = torch.Generator(device=probs.device).manual_seed(mix_seed(p.seed, positions[i]))
+            noise[i].exponential_(generator=generator)
+    return noise
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> SamplerOutput:
+    """Samples one token per row.
+
+    Args:
+        logits: [rows, vocab] float32, raw model output.
+        params: one per row.
+        positions: one per row, the position the sampled token will take in its sequence (seeds
+            are mixed with it so every position draws fresh, reproducible noise).
+    """
+    rows, vocab = logits.shape
+    token_ids = logits.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled_rows:
+        device = logits.device
+        sub_params = [params[i] for i in sampled_rows]
+        rows_t = torch.tensor(sampled_rows, device=device)
+        temperature = torch.tensor([p.temperature for p in sub_params], device=device)
+        scaled = logits[rows_t] / temperature[:, None]
+        if any(0 < p.top_k < vocab or p.top_p < 1 for p in sub_params):
+            top_k = torch.tensor(
+                [p.top_k if 0 < p.top_k < vocab else vocab for p in sub_params], device=device
+            )
+            top_p = torch.tensor([p.top_p for p in sub_params], device=device)
+            scaled = _mask_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        noise = _exponential_noise(probs, sub_params, [positions[i] for i in sampled_rows])
+        token_ids[rows_t] = (probs / noise).argmax(dim=-1)
+    logprobs = None
+    if any(p.return_logprobs for p in params):
+        logprobs = logits.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1)
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

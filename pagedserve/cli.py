@@ -1,0 +1,223 @@
+"""The `pagedserve` command: serve, scheduler, executor, generate, health.
+
+`pagedserve serve` is the embedded default: it starts one executor and one scheduler as two
+processes on loopback (the same topology as docker-compose.yml) and stops both when either stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path(os.environ.get("PAGEDSERVE_HOME", Path.home() / ".cache" / "pagedserve")) / "default-model"
+
+# Flags `serve` forwards to each of its two processes (dest name -> flag).
+EXECUTOR_FLAGS = (
+    "dtype",
+    "device",
+    "max_model_len",
+    "block_size",
+    "gpu_memory_utilization",
+    "num_gpu_blocks_override",
+    "swap_space",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enforce_eager",
+)
+SCHEDULER_FLAGS = (
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "preemption_mode",
+    "max_queue_len",
+    "served_model_name",
+)
+
+
+def ensure_default_model(directory: Path = DEFAULT_MODEL_DIR) -> Path:
+    """Writes the built-in tiny model once (random weights, local tokenizer); no download."""
+    if not (directory / "model.safetensors").exists():
+        from pagedserve.tiny_model import write_tiny_model
+
+        print(f"pagedserve: writing the built-in default model to {directory}", file=sys.stderr)
+        write_tiny_model(directory)
+    return directory
+
+
+def _forward(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """Turns parsed values back into the child's flags (only those set away from None)."""
+    argv: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if name == "enable_prefix_caching":
+                argv.append(flag if value else "--no-enable-prefix-caching")
+            elif value:
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--host", default="127.0.0.1", help="public address to bind")
+    parser.add_argument("--port", type=int, default=50051, help="public gRPC port")
+    parser.add_argument("--executor-port", type=int, default=None, help="internal port (default: port + 10)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--enforce-eager", action="store_true")
+    from scheduler.service_config import ServiceConfig
+
+    ServiceConfig.add_cli_args(parser, shared_only=True)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs executor + scheduler as child processes until a signal or until one of them exits."""
+    model = Path(args.model) if args.model else ensure_default_model()
+    executor_port = args.executor_port or args.port + 10
+    python = sys.executable
+    executor_cmd = [
+        python, "-m", "executor", "--model", str(model), "--host", "127.0.0.1", "--port", str(executor_port),
+        *_forward(args, EXECUTOR_FLAGS),
+    ]  # fmt: skip
+    scheduler_cmd = [
+        python, "-m", "scheduler", "--model", str(model), "--host", args.host, "--port", str(args.port),
+        "--executor", f"127.0.0.1:{executor_port}", *_forward(args, SCHEDULER_FLAGS),
+    ]  # fmt: skip
+    children = [subprocess.Popen(executor_cmd), subprocess.Popen(scheduler_cmd)]
+    stopping = False
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    while not stopping and all(child.poll() is None for child in children):
+        time.sleep(0.2)
+    for child in reversed(children):  # scheduler first, so clients get a clean shutdown
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + 15
+    for child in reversed(children):
+        try:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+    codes = [child.returncode for child in children]
+    return 0 if stopping else next((c for c in codes if c), 1)
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Streams one completion to stdout as its deltas arrive."""
+    import grpc
+
+    from pagedserve.client import make_request, stream
+
+    request = make_request(
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+        try:
+            for response in stream(channel, request, timeout=args.timeout):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if response.finish_reason:
+                    u = response.usage
+                    print(
+                        f"\n[finish={response.finish_reason} prompt_tokens={u.prompt_tokens} "
+                        f"completion_tokens={u.completion_tokens} cached_prompt_tokens={u.cached_prompt_tokens}]",
+                        file=sys.stderr,
+                    )
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def health(args: argparse.Namespace) -> int:
+    """Exit 0 when the service answers: the scheduler once attached, the executor once loaded."""
+    import grpc
+
+    from protos import executor_pb2, executor_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+        try:
+            if args.executor:
+                executor_pb2_grpc.ExecutorStub(channel).GetStats(executor_pb2.GetStatsRequest(), timeout=args.timeout)
+            else:
+                generation_pb2_grpc.GenerationStub(channel).GetModelInfo(
+                    generation_pb2.GetModelInfoRequest(), timeout=args.timeout
+                )
+        except grpc.RpcError as exc:
+            print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention over gRPC")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    add_serve_args(sub.add_parser("serve", help="executor + scheduler on loopback (the embedded default)"))
+    sub.add_parser("scheduler", help="the scheduler service alone", add_help=False)
+    sub.add_parser("executor", help="the executor service alone", add_help=False)
+
+    gen = sub.add_parser("generate", help="stream one completion from a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--host", default="127.0.0.1")
+    gen.add_argument("--port", type=int, default=50051)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=None)
+
+    hc = sub.add_parser("health", help="exit 0 if the service answers")
+    hc.add_argument("--host", default="127.0.0.1")
+    hc.add_argument("--port", type=int, default=50051)
+    hc.add_argument("--executor", action="store_true", help="probe an executor instead of a scheduler")
+    hc.add_argument("--timeout", type=float, default=5.0)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("scheduler", "executor"):  # their own parsers own their flags
+        if argv[0] == "scheduler":
+            from scheduler.__main__ import main as scheduler_main
+
+            scheduler_main(argv[1:])
+        else:
+            from executor.__main__ import main as executor_main
+
+            executor_main(argv[1:])
+        return 0
+    args = parser.parse_args(argv)
+    return {"serve": serve, "generate": generate, "health": health}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""`python -m scheduler --model DIR --executor HOST:PORT --port P`: the scheduler service alone."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.logs import configure_logging
+from scheduler.service import serve
+from scheduler.service_config import ServiceConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedserve scheduler", description=__doc__)
+    ServiceConfig.add_cli_args(parser)
+    config = ServiceConfig.from_args(parser.parse_args(argv))
+    configure_logging("scheduler")
+    serve(config)
+
+
+if __name__ == "__main__":
+    main()

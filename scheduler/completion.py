@@ -1,0 +1,94 @@
+"""Turns each request's sampled tokens into the deltas its client receives, and decides when it stops.
+
+One `Completion` per request. It owns the request's stop conditions (EOS, stop token ids, stop
+strings, max_tokens, min_tokens) and its detokenizer, and it holds back just enough text that a
+stop string split across tokens is never streamed (the text the client gets never contains it).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class FinishReason(enum.IntEnum):
+    """Values match `pagedserve.v1.FinishReason`."""
+
+    LENGTH = 1
+    STOP = 2
+    ABORT = 3
+
+
+@dataclass(frozen=True)
+class StopConditions:
+    """What ends a request; validated by the service before it gets here."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()  # EOS ids included unless ignore_eos
+
+
+@dataclass
+class Delta:
+    """What one GenerateResponse carries."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+
+class Completion:
+    """Output state of one request: generated tokens, text streamed so far, and whether it ended."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: StopConditions) -> None:
+        self.stop = stop
+        self.num_tokens = 0
+        self.finish_reason: FinishReason | None = None
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._text = ""  # all text decoded so far, cut at a stop string once one is found
+        self._emitted = 0  # characters of _text already sent
+        self._holdback = max((len(s) for s in stop.stop_strings), default=1) - 1
+
+    def add_token(self, token_id: int, logprob: float | None = None) -> Delta:
+        """Accounts for one sampled token and returns the delta to stream (possibly empty)."""
+        if self.finish_reason is not None:
+            raise RuntimeError("token added to a finished completion")
+        self.num_tokens += 1
+        delta = Delta(token_ids=[token_id], logprobs=[] if logprob is None else [logprob])
+        may_stop = self.num_tokens >= self.stop.min_tokens
+        if may_stop and token_id in self.stop.stop_token_ids:
+            self.finish_reason = FinishReason.STOP  # the stop token's own text is not streamed
+        else:
+            self._text += self._detokenizer.add(token_id)
+            if may_stop and self._cut_at_stop_string():
+                self.finish_reason = FinishReason.STOP
+        if self.finish_reason is None and self.num_tokens >= self.stop.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+            self._text += self._detokenizer.flush()
+        delta.finish_reason = self.finish_reason
+        delta.text = self._take_text(final=self.finish_reason is not None)
+        return delta
+
+    def abort(self) -> Delta:
+        """Ends the completion early (client gone, executor lost, shutdown)."""
+        self.finish_reason = FinishReason.ABORT
+        return Delta(text=self._take_text(final=True), finish_reason=FinishReason.ABORT)
+
+    def _cut_at_stop_string(self) -> bool:
+        # A stop string can only end in text not yet streamed, and can start up to its length before.
+        search_from = max(0, self._emitted - self._holdback)
+        hits = [i for s in self.stop.stop_strings if (i := self._text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        self._text = self._text[: min(hits)]
+        return True
+
+    def _take_text(self, final: bool) -> str:
+        end = len(self._text) if final else max(self._emitted, len(self._text) - self._holdback)
+        chunk = self._text[self._emitted : end]
+        self._emitted = end
+        return chunk

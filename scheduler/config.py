@@ -1,0 +1,50 @@
+"""Scheduler configuration: frozen, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """What the scheduler needs to know; block counts come from the executor's Attach.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_gpu_blocks: physical KV blocks on the GPU.
+        num_cpu_blocks: blocks of the executor's CPU swap pool (0: swap preemption always falls
+            back to recompute).
+        max_model_len: the longest sequence (prompt + generated tokens).
+        max_num_seqs: the most requests running (holding GPU blocks) at once.
+        max_num_batched_tokens: the token budget of one step.
+        enable_prefix_caching: reuse full blocks whose token chain was computed before.
+        preemption_mode: "recompute" (free blocks, compute again later) or "swap" (copy blocks to
+            the CPU pool and back).
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int
+    num_cpu_blocks: int = 0
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        # A lone request must always fit, or the scheduler could pre-empt forever.
+        if self.num_gpu_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_gpu_blocks * block_size = {self.num_gpu_blocks * self.block_size} slots cannot hold "
+                f"one sequence of max_model_len = {self.max_model_len} tokens"
+            )

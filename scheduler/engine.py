@@ -1,0 +1,306 @@
+"""The step loop: plans steps with the scheduling core, streams them to the executor, and routes
+the sampled tokens back to each request's client.
+
+One `Engine` drives one executor over one long-lived bidirectional gRPC stream. It keeps one plan
+in flight ahead of the executor (the plan of step N+1 is sent before the output of step N is read),
+so the executor never waits on this process; the executor feeds each request's last sampled token
+to its next step itself. A stop found late costs one discarded token, never streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from protos import executor_pb2, executor_pb2_grpc
+from scheduler.completion import Completion, Delta, StopConditions
+from scheduler.config import SchedulerConfig
+from scheduler.core import Scheduler, StepPlan
+from scheduler.request import Request, SamplingOptions, SeqId
+from scheduler.service_config import ServiceConfig
+
+log = structlog.get_logger()
+
+# Plans sent ahead of the output being read: the one executing and the one queued behind it.
+PLANS_IN_FLIGHT = 2
+STATS_LOG_INTERVAL_S = 10.0
+
+
+class EngineUnavailable(Exception):
+    """No executor is attached (or it was lost): the request cannot be served now."""
+
+
+class EngineFull(Exception):
+    """The engine already holds max_queue_len requests."""
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """What the executor reported on attach."""
+
+    lease_epoch: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+
+
+@dataclass(eq=False)
+class ActiveRequest:
+    """A request between submission and its last delta; the client reads `deltas`."""
+
+    request_id: str
+    request: Request
+    completion: Completion
+    deltas: asyncio.Queue[Delta | Exception] = field(default_factory=asyncio.Queue)
+
+    @property
+    def done(self) -> bool:
+        return self.completion.finish_reason is not None
+
+
+def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executor_pb2.StepPlan:
+    """The core's plan dataclasses map one to one onto the protocol's messages; the stop
+    conditions the executor enforces while sampling (min_tokens) come from each request's
+    completion."""
+
+    def new_request(r) -> executor_pb2.NewRequest:
+        s = r.sampling
+        stop = active[r.seq_id].completion.stop
+        request = active[r.seq_id].request
+        return executor_pb2.NewRequest(
+            seq_id=r.seq_id,
+            token_ids=r.token_ids,
+            num_computed_tokens=r.num_computed_tokens,
+            num_new_tokens=r.num_new_tokens,
+            block_ids=r.block_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling=executor_pb2.Sampling(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                has_seed=s.seed is not None,
+                seed=s.seed or 0,
+                return_logprobs=s.return_logprobs,
+                min_tokens=stop.min_tokens,
+                stop_token_ids=sorted(stop.stop_token_ids) if stop.min_tokens else [],
+            ),
+        )
+
+    return executor_pb2.StepPlan(
+        step_id=plan.step_id,
+        removed_seq_ids=plan.removed_seq_ids,
+        swap_out=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.swap_out],
+        swap_in=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.swap_in],
+        new_requests=[new_request(r) for r in plan.new_requests],
+        running=[
+            executor_pb2.RunningRequest(
+                seq_id=r.seq_id, num_new_tokens=r.num_new_tokens, new_block_ids=r.new_block_ids
+            )
+            for r in plan.running
+        ],
+    )
+
+
+class Engine:
+    """Owns the scheduling core, the executor stream and the table of active requests."""
+
+    def __init__(self, config: ServiceConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.info: ExecutorInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self._active: dict[SeqId, ActiveRequest] = {}
+        self._next_seq_id = 1
+        self._wakeup = asyncio.Event()
+        self._attached = asyncio.Event()
+        self._channel: grpc.aio.Channel | None = None
+        self.steps = 0
+        self.tokens_generated = 0
+
+    # ---- attach -------------------------------------------------------------------------------
+
+    async def attach(self, timeout: float | None = None) -> ExecutorInfo:
+        """Takes the executor's lease, waiting for it to come up; starts a fresh scheduling core."""
+        timeout = self.config.attach_timeout if timeout is None else timeout
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.config.executor,
+                options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+            )
+        stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        reply = await stub.Attach(
+            executor_pb2.AttachRequest(scheduler_id=f"scheduler:{self.config.port}"),
+            wait_for_ready=True,
+            timeout=timeout,
+        )
+        max_model_len = min(reply.max_model_len, self.config.max_model_len or reply.max_model_len)
+        self.info = ExecutorInfo(
+            lease_epoch=reply.lease_epoch,
+            model=self.config.served_model_name or reply.model,
+            max_model_len=max_model_len,
+            vocab_size=reply.vocab_size,
+            block_size=reply.block_size,
+            num_gpu_blocks=reply.num_gpu_blocks,
+            num_cpu_blocks=reply.num_cpu_blocks,
+            eos_token_ids=tuple(reply.eos_token_ids),
+            device=reply.device,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=reply.block_size,
+                num_gpu_blocks=reply.num_gpu_blocks,
+                num_cpu_blocks=reply.num_cpu_blocks,
+                max_model_len=max_model_len,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+                preemption_mode=self.config.preemption_mode,
+            )
+        )
+        log.info("attached", executor=self.config.executor, **dataclasses.asdict(self.info))
+        return self.info
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._active)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        stop: StopConditions,
+        priority: int = 0,
+    ) -> ActiveRequest:
+        """Queues a validated request; its deltas arrive on the returned ActiveRequest."""
+        if self.scheduler is None or not self._attached.is_set():
+            raise EngineUnavailable("no executor is attached")
+        if len(self._active) >= self.config.max_queue_len:
+            raise EngineFull(f"{len(self._active)} requests are queued (--max-queue-len)")
+        seq_id = SeqId(self._next_seq_id)
+        self._next_seq_id += 1
+        request = Request(
+            seq_id=seq_id,
+            prompt_token_ids=prompt_token_ids,
+            max_tokens=stop.max_tokens,
+            sampling=sampling,
+            priority=priority,
+        )
+        active = ActiveRequest(request_id, request, Completion(self.tokenizer, prompt_token_ids, stop))
+        self._active[seq_id] = active
+        self.scheduler.add_request(request)
+        self._wakeup.set()
+        return active
+
+    def abort(self, active: ActiveRequest) -> None:
+        """Drops a request whose client went away; its blocks return to the pool."""
+        if self._active.pop(active.request.seq_id, None) is not None:
+            if not active.done:
+                active.completion.abort()
+            if self.scheduler is not None:
+                self.scheduler.abort_request(active.request.seq_id)
+            self._wakeup.set()
+            log.debug("aborted", request_id=active.request_id, seq_id=active.request.seq_id)
+
+    # ---- the step loop ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Attaches, then runs steps until cancelled; re-attaches after losing the executor."""
+        while True:
+            try:
+                if self.scheduler is None:
+                    await self.attach()
+                self._attached.set()
+                await self._step_loop()
+            except asyncio.CancelledError:
+                self._fail_all(EngineUnavailable("the scheduler is shutting down"))
+                raise
+            except (grpc.aio.AioRpcError, RuntimeError) as exc:
+                self._attached.clear()
+                details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                log.error("executor lost", error=details)
+                self._fail_all(EngineUnavailable(f"executor lost: {details}"))
+                self.scheduler = None
+                await asyncio.sleep(1.0)
+
+    async def _step_loop(self) -> None:
+        assert self.info is not None and self.scheduler is not None
+        stub = executor_pb2_grpc.ExecutorStub(self._channel)
+        call = stub.Step(metadata=(("lease-epoch", str(self.info.lease_epoch)),))
+        in_flight: deque[StepPlan] = deque()
+        last_log = time.monotonic()
+        try:
+            while True:
+                plan = None
+                if len(in_flight) < PLANS_IN_FLIGHT:
+                    plan = self.scheduler.schedule()
+                    if plan.is_empty:
+                        plan = None
+                    else:
+                        await call.write(plan_to_proto(plan, self._active))
+                        in_flight.append(plan)
+                if in_flight and (plan is None or len(in_flight) >= PLANS_IN_FLIGHT):
+                    output = await call.read()
+                    if output is grpc.aio.EOF:
+                        raise RuntimeError("the executor closed the step stream")
+                    self._on_output(in_flight.popleft(), output)
+                elif not in_flight:
+                    await self._wait_for_work()
+                if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
+                    last_log = time.monotonic()
+                    self._log_stats()
+        finally:
+            call.cancel()
+
+    async def _wait_for_work(self) -> None:
+        """Sleeps until a request arrives or is aborted (or briefly, if queued work cannot run)."""
+        assert self.scheduler is not None
+        self._wakeup.clear()
+        timeout = 0.05 if self.scheduler.has_unfinished_requests() else None
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def _on_output(self, plan: StepPlan, output: executor_pb2.StepOutput) -> None:
+        assert self.scheduler is not None
+        if output.step_id != plan.step_id:
+            raise RuntimeError(f"step output {output.step_id} arrived for plan {plan.step_id}")
+        self.steps += 1
+        seq_ids, token_ids = list(output.seq_ids), list(output.token_ids)
+        self.scheduler.process_output(output.step_id, seq_ids, token_ids)
+        logprobs = list(output.logprobs)
+        for i, (seq_id, token_id) in enumerate(zip(seq_ids, token_ids, strict=True)):
+            active = self._active.get(SeqId(seq_id))
+            if active is None or active.done:
+                continue  # aborted, or the one discarded token after a late stop
+            self.tokens_generated += 1
+            logprob = logprobs[i] if active.request.sampling.return_logprobs else None
+            delta = active.completion.add_token(token_id, logprob)
+            active.deltas.put_nowait(delta)
+            if active.done:
+                del self._active[active.request.seq_id]
+                self.scheduler.abort_request(active.request.seq_id)
+
+    def _fail_all(self, error: Exception) -> None:
+        for active in self._active.values():
+            active.deltas.put_nowait(error)
+        self._active.clear()
+
+    def _log_stats(self) -> None:
+        if self.scheduler is not None:
+            log.info("engine stats", steps=self.steps, tokens=self.tokens_generated, **dataclasses.asdict(self.scheduler.stats))

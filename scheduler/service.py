@@ -1,0 +1,263 @@
+"""The public gRPC API (`pagedserve.v1.Generation`): validation, status codes and streaming.
+
+Every bad input is refused with INVALID_ARGUMENT and a message naming what was wrong; UNAVAILABLE
+when no executor is attached; RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests.
+A client that cancels its stream aborts its request, whose blocks return to the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import signal
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from scheduler.completion import Delta, StopConditions
+from scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
+from scheduler.request import SamplingOptions
+from scheduler.service_config import ServiceConfig
+
+log = structlog.get_logger()
+
+
+class InvalidRequest(ValueError):
+    """A GenerateRequest that can never be served; the message says why."""
+
+
+def sampling_options(request: generation_pb2.GenerateRequest) -> SamplingOptions:
+    s = request.sampling
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    top_k = s.top_k if s.HasField("top_k") else 0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest(f"temperature must be a finite number >= 0, got {temperature}")
+    if not (0 < top_p <= 1):
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    return SamplingOptions(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        return_logprobs=request.return_logprobs,
+    )
+
+
+def stop_conditions(
+    request: generation_pb2.GenerateRequest, num_prompt_tokens: int, info: ExecutorInfo
+) -> StopConditions:
+    st = request.stopping
+    room = info.max_model_len - num_prompt_tokens
+    if room < 1:
+        raise InvalidRequest(
+            f"the prompt has {num_prompt_tokens} tokens; max_model_len is {info.max_model_len}, "
+            "which leaves no room to generate"
+        )
+    max_tokens = st.max_tokens if st.HasField("max_tokens") else room
+    if max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1")
+    if max_tokens > room:
+        raise InvalidRequest(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+            f"max_model_len ({info.max_model_len})"
+        )
+    if st.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({st.min_tokens}) exceeds max_tokens ({max_tokens})")
+    if any(s == "" for s in st.stop):
+        raise InvalidRequest("stop strings must not be empty")
+    bad_ids = [i for i in st.stop_token_ids if i >= info.vocab_size]
+    if bad_ids:
+        raise InvalidRequest(f"stop_token_ids {bad_ids} are outside the vocabulary (size {info.vocab_size})")
+    stop_ids = set(st.stop_token_ids)
+    if not st.ignore_eos:
+        stop_ids.update(info.eos_token_ids)
+    return StopConditions(
+        max_tokens=max_tokens,
+        min_tokens=st.min_tokens,
+        stop_strings=tuple(st.stop),
+        stop_token_ids=frozenset(stop_ids),
+    )
+
+
+def to_response(request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
+    return generation_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=delta.logprobs,
+        finish_reason=int(delta.finish_reason or 0),
+    )
+
+
+def merge(first: Delta, queue: asyncio.Queue[Delta | Exception]) -> Delta | Exception:
+    """Folds deltas that queued up behind `first` (a slow client) into one message."""
+    merged = first
+    while not queue.empty() and merged.finish_reason is None:
+        nxt = queue.get_nowait()
+        if isinstance(nxt, Exception):
+            return nxt
+        merged = Delta(
+            token_ids=merged.token_ids + nxt.token_ids,
+            text=merged.text + nxt.text,
+            logprobs=merged.logprobs + nxt.logprobs,
+            finish_reason=nxt.finish_reason,
+        )
+    return merged
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def _info(self) -> ExecutorInfo:
+        if self.engine.info is None or self.engine.scheduler is None:
+            raise EngineUnavailable("no executor is attached")
+        return self.engine.info
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
+        code = {
+            InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+            EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+            EngineFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        }[type(exc)]
+        await context.abort(code, str(exc))
+
+    def _prompt_ids(self, request: generation_pb2.GenerateRequest, info: ExecutorInfo) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            ids = list(self.engine.tokenizer.encode(request.text))
+        elif which == "token_ids":
+            ids = list(request.token_ids.ids)
+            bad = [i for i in ids if i >= info.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt token ids {bad[:8]} are outside the vocabulary (size {info.vocab_size})"
+                )
+        else:
+            ids = []
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(ids) > info.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than max_model_len ({info.max_model_len})")
+        return ids
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            info = self._info()
+            prompt_ids = self._prompt_ids(request, info)
+            active = self.engine.submit(
+                request_id,
+                prompt_ids,
+                sampling_options(request),
+                stop_conditions(request, len(prompt_ids), info),
+                priority=request.priority,
+            )
+        except (InvalidRequest, EngineUnavailable, EngineFull) as exc:
+            await self._abort(context, exc)
+            return
+        try:
+            async for response in self._stream(active):
+                yield response
+        except EngineUnavailable as exc:
+            await self._abort(context, exc)
+        finally:
+            self.engine.abort(active)  # no-op once finished; frees the blocks of a cancelled stream
+
+    async def _stream(self, active: ActiveRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        while True:
+            item = await active.deltas.get()
+            if not isinstance(item, Exception):
+                item = merge(item, active.deltas)
+            if isinstance(item, Exception):
+                raise item
+            response = to_response(active.request_id, item)
+            if item.finish_reason is not None:
+                request = active.request
+                response.usage.prompt_tokens = len(request.prompt_token_ids)
+                response.usage.completion_tokens = active.completion.num_tokens
+                response.usage.cached_prompt_tokens = request.num_cached_prompt_tokens
+                yield response
+                return
+            yield response
+
+    async def Tokenize(self, request, context):
+        return generation_pb2.TokenizeResponse(ids=self.engine.tokenizer.encode(request.text))
+
+    async def GetModelInfo(self, request, context):
+        try:
+            info = self._info()
+        except EngineUnavailable as exc:
+            await self._abort(context, exc)
+            return
+        return generation_pb2.ModelInfo(
+            model=info.model,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=info.block_size,
+            num_gpu_blocks=info.num_gpu_blocks,
+            eos_token_id=info.eos_token_ids[0] if info.eos_token_ids else 0,
+        )
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    """Counters of the scheduling core, for operators, tests and `pagedserve bench`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def GetStats(self, request, context):
+        stats = admin_pb2.SchedulerStats(
+            steps=self.engine.steps,
+            tokens_generated=self.engine.tokens_generated,
+            num_active_requests=self.engine.num_active_requests,
+        )
+        if self.engine.scheduler is not None:
+            core = self.engine.scheduler.stats
+            for f in dataclasses.fields(core):
+                if f.name in admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name:
+                    setattr(stats, f.name, getattr(core, f.name))
+        return stats
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+async def serve_async(config: ServiceConfig) -> None:
+    """Serves the public API until SIGINT/SIGTERM; the engine attaches to the executor meanwhile."""
+    engine = Engine(config, load_tokenizer(config.model))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(engine), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(engine), server)
+    address = f"{config.host}:{config.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    log.info("scheduler listening", address=address, executor=config.executor)
+    engine_task = asyncio.create_task(engine.run())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([engine_task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    log.info("scheduler stopping")
+    engine_task.cancel()
+    await server.stop(grace=2.0)
+    if engine_task.done() and not engine_task.cancelled() and engine_task.exception():
+        raise engine_task.exception()
+
+
+def serve(config: ServiceConfig) -> None:
+    asyncio.run(serve_async(config))

@@ -1,0 +1,72 @@
+"""Configuration of the scheduler service; CLI flags map onto it one to one (vLLM's names)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How the scheduler serves clients and drives its executor.
+
+    The executor decides the KV layout (block size, number of blocks) and reports it on attach;
+    everything here is policy.
+    """
+
+    model: str  # model directory: the tokenizer is loaded from it
+    executor: str = "127.0.0.1:50061"  # executor address, host:port
+    host: str = "127.0.0.1"
+    port: int = 50051
+    served_model_name: str | None = None
+    max_model_len: int | None = None  # None: the executor's
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    max_queue_len: int = 4096  # requests held (waiting + running) before RESOURCE_EXHAUSTED
+    attach_timeout: float = 600.0  # seconds to wait for the executor at startup
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode"
+            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.max_queue_len < 1:
+            raise ValueError(f"max_queue_len must be positive, got {self.max_queue_len}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, shared_only: bool = False) -> None:
+        """Adds the scheduler's flags. With shared_only, only those `pagedserve serve` adds here
+        (model, host, port and the batch limits are added by serve itself)."""
+        if not shared_only:
+            parser.add_argument("--model", required=True, help="model directory (tokenizer files)")
+            parser.add_argument("--host", default="127.0.0.1")
+            parser.add_argument("--port", type=int, default=50051, help="public gRPC port")
+            parser.add_argument("--max-model-len", type=int, default=None)
+            parser.add_argument("--max-num-seqs", type=int, default=256)
+            parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+            parser.add_argument("--executor", default="127.0.0.1:50061", help="executor host:port")
+            parser.add_argument("--attach-timeout", type=float, default=600.0)
+        parser.add_argument("--served-model-name", default=None)
+        parser.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        )
+        parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+        parser.add_argument("--max-queue-len", type=int, default=4096)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> ServiceConfig:
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in vars(args).items() if k in names}
+        values.update(overrides)
+        return cls(**values)
