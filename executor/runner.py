@@ -48,6 +48,7 @@ class RequestState:
 
     seq_id: SeqId
     token_ids: list[int]  # prompt, then every sampled token (the last one may not be computed yet)
+    num_prompt: int  # the leading token_ids that are prompt (min_tokens counts the rest)
     num_computed: int  # tokens whose K/V is in the pool
     block_ids: list[int]  # the block table, in order
     sampling: SamplingParams
@@ -127,6 +128,8 @@ def sampling_from_proto(s: executor_pb2.Sampling) -> SamplingParams:
         top_k=s.top_k,
         seed=s.seed if s.has_seed else None,
         return_logprobs=s.return_logprobs,
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
     )
 
 
@@ -254,8 +257,14 @@ class ModelRunner:
 
         scheduled: list[_Scheduled] = []
         for req, params in zip(plan.new_requests, new_params, strict=True):
+            tokens = list(req.token_ids)
             state = RequestState(
-                req.seq_id, list(req.token_ids), req.num_computed_tokens, list(req.block_ids), params
+                seq_id=req.seq_id,
+                token_ids=tokens,
+                num_prompt=req.num_prompt_tokens or len(tokens),  # proto3: 0 = unset = all prompt
+                num_computed=req.num_computed_tokens,
+                block_ids=list(req.block_ids),
+                sampling=params,
             )
             self._requests[req.seq_id] = state
             scheduled.append(_Scheduled(state, req.num_new_tokens))
@@ -297,7 +306,13 @@ class ModelRunner:
         sampling = [s.state for s, wants in zip(scheduled, samples, strict=True) if wants]
         if not sampling:
             return
-        result = sample(logits, [st.sampling for st in sampling], [len(st.token_ids) for st in sampling])
+        banned = [st.sampling.banned_ids(len(st.token_ids) - st.num_prompt) for st in sampling]
+        result = sample(
+            logits,
+            [st.sampling for st in sampling],
+            [len(st.token_ids) for st in sampling],
+            banned if any(banned) else None,
+        )
         token_ids = result.token_ids.tolist()  # the one host sync of a step
         logprobs = result.logprobs.tolist() if result.logprobs is not None else [0.0] * len(token_ids)
         for st, token, logprob in zip(sampling, token_ids, logprobs, strict=True):
@@ -327,12 +342,14 @@ class ModelRunner:
             seen.add(req.seq_id)
             if not req.token_ids:
                 raise PlanError(f"{where}: has no token_ids")
-            if max(req.token_ids) >= self.spec.vocab_size:
-                raise PlanError(
-                    f"{where}: token id {max(req.token_ids)} >= vocab_size {self.spec.vocab_size}"
-                )
+            self._check_request_tokens(where, req)
             self._check_span(
-                where, req.num_computed_tokens, req.num_new_tokens, len(req.token_ids), req.block_ids
+                where,
+                req.num_computed_tokens,
+                req.num_new_tokens,
+                len(req.token_ids),
+                num_blocks=len(req.block_ids),
+                unchecked_blocks=req.block_ids,
             )
             try:
                 params.append(sampling_from_proto(req.sampling))
@@ -347,9 +364,13 @@ class ModelRunner:
                 raise PlanError(f"{where}: appears twice in the plan")
             seen.add(req.seq_id)
             state = self._requests[req.seq_id]
-            blocks = itertools.chain(state.block_ids, req.new_block_ids)
             self._check_span(
-                where, state.num_computed, req.num_new_tokens, len(state.token_ids), list(blocks)
+                where,
+                state.num_computed,
+                req.num_new_tokens,
+                len(state.token_ids),
+                num_blocks=len(state.block_ids) + len(req.new_block_ids),
+                unchecked_blocks=req.new_block_ids,  # the held ones were checked when they came
             )
             total_tokens += req.num_new_tokens
         if total_tokens > self.max_num_batched_tokens:
@@ -360,8 +381,27 @@ class ModelRunner:
             raise PlanError(f"plan schedules {len(seen)} sequences > max_num_seqs {self.max_num_seqs}")
         return params
 
+    def _check_request_tokens(self, where: str, req: executor_pb2.NewRequest) -> None:
+        vocab = self.spec.vocab_size
+        if max(req.token_ids) >= vocab:
+            raise PlanError(f"{where}: token id {max(req.token_ids)} >= vocab_size {vocab}")
+        if req.num_prompt_tokens > len(req.token_ids):
+            raise PlanError(
+                f"{where}: num_prompt_tokens {req.num_prompt_tokens} > its {len(req.token_ids)} tokens"
+            )
+        stop_ids = req.sampling.stop_token_ids
+        if stop_ids and max(stop_ids) >= vocab:
+            raise PlanError(f"{where}: stop token id {max(stop_ids)} >= vocab_size {vocab}")
+
     def _check_span(
-        self, where: str, num_computed: int, num_new: int, num_tokens: int, blocks: list[int]
+        self,
+        where: str,
+        num_computed: int,
+        num_new: int,
+        num_tokens: int,
+        *,
+        num_blocks: int,
+        unchecked_blocks: Sequence[int],
     ) -> None:
         end = num_computed + num_new
         if end > num_tokens:
@@ -373,13 +413,15 @@ class ModelRunner:
             raise PlanError(
                 f"{where}: computes up to position {end - 1}, max_model_len is {self.max_model_len}"
             )
-        if len(blocks) * self.block_size < end:
+        if num_blocks * self.block_size < end:
             raise PlanError(
-                f"{where}: {len(blocks)} blocks of {self.block_size} tokens cannot hold {end} tokens"
+                f"{where}: {num_blocks} blocks of {self.block_size} tokens cannot hold {end} tokens"
             )
-        if blocks and max(blocks) >= self.kv_cache.num_device_blocks:
+        if unchecked_blocks and max(unchecked_blocks) >= self.kv_cache.num_device_blocks:
             limit = self.kv_cache.num_device_blocks
-            raise PlanError(f"{where}: block id {max(blocks)} out of range (num_gpu_blocks={limit})")
+            raise PlanError(
+                f"{where}: block id {max(unchecked_blocks)} out of range (num_gpu_blocks={limit})"
+            )
 
 
 def _check_moves(what: str, moves: Sequence[executor_pb2.BlockMove], num_src: int, num_dst: int) -> None:

@@ -31,6 +31,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     return_logprobs: bool = False
+    min_tokens: int = 0  # until this many tokens are generated, stop_token_ids are never sampled
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -41,6 +43,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed <= _M64:
             raise ValueError(f"seed must be a uint64, got {self.seed}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    def banned_ids(self, num_generated: int) -> tuple[int, ...]:
+        """Token ids this request may not sample after `num_generated` generated tokens."""
+        return self.stop_token_ids if num_generated < self.min_tokens else ()
 
     @property
     def greedy(self) -> bool:
@@ -97,7 +105,22 @@ def _exponential_noise(probs: torch.Tensor, params: Sequence[SamplingParams], po
     return noise
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> SamplerOutput:
+def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    rows = [i for i, ids in enumerate(banned) for _ in ids]
+    if not rows:
+        return logits
+    cols = [t for ids in banned for t in ids]
+    logits = logits.clone()
+    logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    banned: Sequence[Sequence[int]] | None = None,
+) -> SamplerOutput:
     """Samples one token per row.
 
     Args:
@@ -105,7 +128,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
         params: one per row.
         positions: one per row, the position the sampled token will take in its sequence (seeds
             are mixed with it so every position draws fresh, reproducible noise).
+        banned: per row, token ids that must not be sampled (min_tokens). Logprobs are still those
+            of the raw distribution.
     """
+    raw = logits
+    if banned is not None:
+        logits = _ban(logits, banned)
     rows, vocab = logits.shape
     token_ids = logits.argmax(dim=-1)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -126,5 +154,5 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
         token_ids[rows_t] = (probs / noise).argmax(dim=-1)
     logprobs = None
     if any(p.return_logprobs for p in params):
-        logprobs = logits.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1)
+        logprobs = raw.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

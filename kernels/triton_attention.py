@@ -253,22 +253,19 @@ def _decode_kernel(
 
     # Which sequence owns this token: token t belongs to sequence t in a pure decode batch (checked
     # with two loads); otherwise search cu_seqlens_q.
-    c0 = tl.load(cu_seqlens_q_ptr + token)
-    c1 = tl.load(cu_seqlens_q_ptr + token + 1)
-    plain = (c0 == token) & (c1 == token + 1)
-    zero = token * 0
-    seq = _find_seq(
-        cu_seqlens_q_ptr,
-        token,
-        tl.where(plain, token, zero),
-        tl.where(plain, token, num_seqs - 1),
-        1,
-        False,
-    )
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_end = seq_len - q_len + (token - q_start) + 1  # keys < context_end are visible
+    # Which sequence owns this token: in a pure decode batch token t belongs to sequence t, which
+    # two loads confirm (issued together with the context length, saving a round trip); otherwise
+    # binary-search cu_seqlens_q.
+    seq = token
+    q_start = tl.load(cu_seqlens_q_ptr + token)
+    q_end = tl.load(cu_seqlens_q_ptr + token + 1)
+    seq_len = tl.load(seq_lens_ptr + token)
+    if (q_start != token) | (q_end != token + 1):
+        seq = _find_seq(cu_seqlens_q_ptr, token, token * 0, token * 0 + num_seqs - 1, 1, False)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+    context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
 
     rows = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -288,10 +285,42 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     kv_start = split * tokens_per_split
     kv_end = tl.minimum(kv_start + tokens_per_split, context_end)
+    full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head_off = kv_head.to(tl.int64) * stride_kh
     v_head_off = kv_head.to(tl.int64) * stride_vh
-    for k0 in range(kv_start, kv_end, BLOCK_N):
+    # Whole key blocks without masks, then the partial last block (if any) with them.
+    for k0 in range(kv_start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_ptr,
+            v_ptr,
+            block_table_ptr,
+            k0,
+            kv_end,
+            rows,
+            k_head_off,
+            v_head_off,
+            stride_kb,
+            stride_kt,
+            stride_kd,
+            stride_vb,
+            stride_vt,
+            stride_vd,
+            qk_scale,
+            BLOCK_N,
+            PAGE_SIZE,
+            HEAD_DIM,
+            D_PAD,
+            False,
+            False,
+            DOT_PREC,
+            DOT_FP32,
+        )
+    for k0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc,
             m_i,
@@ -330,7 +359,9 @@ def _decode_kernel(
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=row_mask[:, None])
     else:
         result = acc / l_i[:, None]
-        o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + d[None, :] * stride_od
+        o_ptrs = (
+            out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + d[None, :] * stride_od
+        )
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -546,16 +577,29 @@ class PrefillConfig:
 
 
 def default_decode_config(head_dim_pad: int, dtype: torch.dtype) -> DecodeConfig:
-    """Decode reads keys and values once: favour many loads in flight over big tiles."""
-    if head_dim_pad >= 256 or dtype == torch.float32:
+    """Decode reads keys and values once: enough loads in flight matters more than tile size.
+
+    fp32 and head_dim 256 take smaller tiles so registers and shared memory suffice (checked with
+    ptxas for sm_90: no spills).
+    """
+    if dtype == torch.float32:
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=2)
+    if head_dim_pad >= 256:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 
 
 def default_prefill_config(head_dim_pad: int, dtype: torch.dtype) -> PrefillConfig:
-    """Prefill is matrix-bound: big tiles for 2-byte types, smaller ones where shared memory is short."""
-    if head_dim_pad >= 256 or dtype == torch.float32:
-        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    """Prefill is matrix-bound: big tiles for 2-byte types, smaller ones where registers run short.
+
+    fp32 runs its products exactly (no tensor cores) and is a correctness path, not a fast one.
+    """
+    if dtype == torch.float32:
+        if head_dim_pad >= 256:
+            return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+        return PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+    if head_dim_pad >= 256:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
@@ -567,7 +611,9 @@ def _sm_count(device: torch.device) -> int:
     return 132
 
 
-def choose_num_splits(num_tokens: int, num_kv_heads: int, max_context: int, block_n: int, sm_count: int) -> int:
+def choose_num_splits(
+    num_tokens: int, num_kv_heads: int, max_context: int, block_n: int, sm_count: int
+) -> int:
     """Split-KV partitions for the decode kernel, from shapes only.
 
     Enough programs to give every SM `_DECODE_PROGRAMS_PER_SM` of them, but no partition shorter
@@ -666,12 +712,16 @@ def _launch_decode(
     config = config or default_decode_config(d_pad, q.dtype)
     max_context = block_tables.shape[1] * page_size
     if num_splits is None:
-        num_splits = choose_num_splits(num_tokens, num_kv_heads, max_context, config.block_n, _sm_count(q.device))
+        num_splits = choose_num_splits(
+            num_tokens, num_kv_heads, max_context, config.block_n, _sm_count(q.device)
+        )
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), config.block_n) * config.block_n
     num_splits = triton.cdiv(max_context, tokens_per_split)
     split = num_splits > 1
     if split:
-        part_acc = torch.empty((num_tokens, num_q_heads, num_splits, d_pad), dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(
+            (num_tokens, num_q_heads, num_splits, d_pad), dtype=torch.float32, device=q.device
+        )
         part_m = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     else:

@@ -14,7 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = Path(os.environ.get("PAGEDSERVE_HOME", Path.home() / ".cache" / "pagedserve")) / "default-model"
+DEFAULT_MODEL_DIR = (
+    Path(os.environ.get("PAGEDSERVE_HOME", Path.home() / ".cache" / "pagedserve")) / "default-model"
+)
 
 # Flags `serve` forwards to each of its two processes (dest name -> flag).
 EXECUTOR_FLAGS = (
@@ -148,7 +150,8 @@ def generate(args: argparse.Namespace) -> int:
                     u = response.usage
                     print(
                         f"\n[finish={response.finish_reason} prompt_tokens={u.prompt_tokens} "
-                        f"completion_tokens={u.completion_tokens} cached_prompt_tokens={u.cached_prompt_tokens}]",
+                        f"completion_tokens={u.completion_tokens} "
+                        f"cached_prompt_tokens={u.cached_prompt_tokens}]",
                         file=sys.stderr,
                     )
         except grpc.RpcError as exc:
@@ -166,7 +169,9 @@ def health(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
         try:
             if args.executor:
-                executor_pb2_grpc.ExecutorStub(channel).GetStats(executor_pb2.GetStatsRequest(), timeout=args.timeout)
+                executor_pb2_grpc.ExecutorStub(channel).GetStats(
+                    executor_pb2.GetStatsRequest(), timeout=args.timeout
+                )
             else:
                 generation_pb2_grpc.GenerationStub(channel).GetModelInfo(
                     generation_pb2.GetModelInfoRequest(), timeout=args.timeout
@@ -178,12 +183,16 @@ def health(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention over gRPC")
+    parser = argparse.ArgumentParser(
+        prog="pagedserve", description="LLM serving with PagedAttention over gRPC"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     add_serve_args(sub.add_parser("serve", help="executor + scheduler on loopback (the embedded default)"))
     sub.add_parser("scheduler", help="the scheduler service alone", add_help=False)
     sub.add_parser("executor", help="the executor service alone", add_help=False)
+    sub.add_parser("bench", help="benchmark a server over gRPC (see `pagedserve bench -h`)", add_help=False)
+    sub.add_parser("make-model", help="write a benchmark model directory (random weights)", add_help=False)
 
     gen = sub.add_parser("generate", help="stream one completion from a running server")
     gen.add_argument("prompt")
@@ -205,6 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     hc.add_argument("--timeout", type=float, default=5.0)
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from pagedserve.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "make-model":
+        from pagedserve.model_shapes import main as make_model_main
+
+        return make_model_main(argv[1:])
     if argv and argv[0] in ("scheduler", "executor"):  # their own parsers own their flags
         if argv[0] == "scheduler":
             from scheduler.__main__ import main as scheduler_main

@@ -17,9 +17,7 @@ def configure_logging(service: str, level: str | None = None, json: bool | None 
     level = (level or os.environ.get("PAGEDSERVE_LOG_LEVEL", "info")).upper()
     if json is None:
         json = os.environ.get("PAGEDSERVE_LOG_FORMAT", "console") == "json"
-    renderer = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

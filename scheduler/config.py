@@ -34,14 +34,22 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "num_gpu_blocks",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
         # A lone request must always fit, or the scheduler could pre-empt forever.
         if self.num_gpu_blocks * self.block_size < self.max_model_len:
             raise ValueError(

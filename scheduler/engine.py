@@ -137,7 +137,10 @@ class Engine:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(
                 self.config.executor,
-                options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+                options=[
+                    ("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.max_send_message_length", 64 << 20),
+                ],
             )
         stub = executor_pb2_grpc.ExecutorStub(self._channel)
         reply = await stub.Attach(
@@ -303,4 +306,9 @@ class Engine:
 
     def _log_stats(self) -> None:
         if self.scheduler is not None:
-            log.info("engine stats", steps=self.steps, tokens=self.tokens_generated, **dataclasses.asdict(self.scheduler.stats))
+            log.info(
+                "engine stats",
+                steps=self.steps,
+                tokens=self.tokens_generated,
+                **dataclasses.asdict(self.scheduler.stats),
+            )

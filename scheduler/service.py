@@ -145,7 +145,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if not ids:
             raise InvalidRequest("the prompt is empty")
         if len(ids) > info.max_model_len:
-            raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than max_model_len ({info.max_model_len})")
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens, more than max_model_len ({info.max_model_len})"
+            )
         return ids
 
     async def Generate(

@@ -58,9 +58,7 @@ class ServiceConfig:
             parser.add_argument("--executor", default="127.0.0.1:50061", help="executor host:port")
             parser.add_argument("--attach-timeout", type=float, default=600.0)
         parser.add_argument("--served-model-name", default=None)
-        parser.add_argument(
-            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-        )
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
         parser.add_argument("--max-queue-len", type=int, default=4096)
 

@@ -15,7 +15,14 @@ from pathlib import Path
 import grpc
 import yaml
 
-from protos import executor_pb2, executor_pb2_grpc, generation_pb2, generation_pb2_grpc
+from protos import (
+    admin_pb2,
+    admin_pb2_grpc,
+    executor_pb2,
+    executor_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,7 +94,9 @@ def wait_until_ready(services: Services, timeout: float = 120.0) -> None:
         while True:
             for proc, name in ((services.executor, "executor"), (services.scheduler, "scheduler")):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{getattr(services, name + '_log')()}")
+                    raise RuntimeError(
+                        f"{name} exited with {proc.returncode}:\n{getattr(services, name + '_log')()}"
+                    )
             try:
                 stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=2)
                 return
@@ -131,3 +140,27 @@ def running_services(
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def scheduler_stats(services: Services) -> admin_pb2.SchedulerStats:
+    with services.channel() as ch:
+        return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetSchedulerStatsRequest(), timeout=10)
+
+
+def wait_for_idle(services: Services, timeout: float = 20.0) -> admin_pb2.SchedulerStats:
+    """Polls until no request is active and no GPU block is held (cached free blocks may stay)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = scheduler_stats(services)
+        if stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: Hugging Face greedy generation of one unpadded prompt."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()

@@ -51,7 +51,9 @@ def test_stop_token_length_and_min_tokens(tokenizer):
     assert c.finish_reason is FinishReason.STOP and c.num_tokens == 2
     assert deltas[-1].token_ids == [eos] and deltas[-1].text == ""
 
-    c = Completion(tokenizer, [1], StopConditions(max_tokens=10, min_tokens=3, stop_token_ids=frozenset({eos})))
+    c = Completion(
+        tokenizer, [1], StopConditions(max_tokens=10, min_tokens=3, stop_token_ids=frozenset({eos}))
+    )
     run(c, [eos, eos, eos, word])
     assert c.finish_reason is FinishReason.STOP and c.num_tokens == 3  # eos ignored until min_tokens
 

@@ -7,15 +7,14 @@ greedy completions must equal Hugging Face `generate` on the same model, token f
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from pagedserve.client import generate, make_request, stream
-from protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from tests.services import free_port, running_services
+from protos import generation_pb2, generation_pb2_grpc
+from tests.services import free_port, hf_greedy, running_services, scheduler_stats, wait_for_idle
 
 pytestmark = pytest.mark.slow
 
@@ -24,35 +23,6 @@ pytestmark = pytest.mark.slow
 def services(tiny_model_dir, tmp_path_factory):
     with running_services(tiny_model_dir, tmp_path_factory.mktemp("logs")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32").eval()
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt) :].tolist()
-
-
-def scheduler_stats(services) -> admin_pb2.SchedulerStats:
-    with services.channel() as ch:
-        return admin_pb2_grpc.AdminStub(ch).GetStats(admin_pb2.GetSchedulerStatsRequest(), timeout=10)
-
-
-def wait_for_idle(services, timeout: float = 20.0) -> admin_pb2.SchedulerStats:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = scheduler_stats(services)
-        if stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0 or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
 
 
 def test_concurrent_greedy_matches_hugging_face(services, hf_model):
@@ -79,9 +49,11 @@ def test_text_prompt_streams_text(services, hf_model, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     with services.channel() as channel:
         result = generate(channel, make_request("The scheduler decides", max_tokens=12, temperature=0))
-        ids = generation_pb2_grpc.GenerationStub(channel).Tokenize(
-            generation_pb2.TokenizeRequest(text="The scheduler decides")
-        ).ids
+        ids = (
+            generation_pb2_grpc.GenerationStub(channel)
+            .Tokenize(generation_pb2.TokenizeRequest(text="The scheduler decides"))
+            .ids
+        )
     assert result.token_ids == hf_greedy(hf_model, list(ids), 12)
     assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
 
@@ -137,7 +109,9 @@ def test_stop_string_ends_the_text_before_it(services):
         assert len(full.text) > 12
         stop = full.text[6:9]
         first = full.text.index(stop)
-        cut = generate(channel, make_request(prompt, max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))
+        cut = generate(
+            channel, make_request(prompt, max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+        )
     assert cut.finish_reason == "FINISH_REASON_STOP"
     assert cut.text == full.text[:first]
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
@@ -145,7 +119,9 @@ def test_stop_string_ends_the_text_before_it(services):
 
 def test_seeded_sampling_repeats_and_logprobs(services):
     def sample(seed: int, channel) -> list[int]:
-        r = make_request([20, 21, 22], max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True, return_logprobs=True)
+        r = make_request(
+            [20, 21, 22], max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True, return_logprobs=True
+        )
         result = generate(channel, r)
         assert len(result.logprobs) == len(result.token_ids) and all(lp <= 0 for lp in result.logprobs)
         return result.token_ids

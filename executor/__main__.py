@@ -1,0 +1,26 @@
+"""`python -m executor --model DIR --port P`: the executor service alone (also `pagedserve executor`).
+
+Logging follows the shared pagedserve setup: PAGEDSERVE_LOG_LEVEL, PAGEDSERVE_LOG_FORMAT=json.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from executor.config import ExecutorConfig, add_cli_args
+from pagedserve.logs import configure_logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pagedserve executor", description=__doc__)
+    add_cli_args(parser)
+    config = ExecutorConfig.from_args(parser.parse_args(argv))
+    configure_logging("executor")
+
+    from executor.service import serve  # after parsing: --help stays fast
+
+    serve(config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The gRPC `pagedserve.v1.Executor` service around a `ModelRunner`.
+
+One scheduler at a time holds the lease: `Attach` starts a new epoch and drops every request of the
+previous one; a `Step` stream must carry the current epoch in its `lease-epoch` metadata, and is
+cut with FAILED_PRECONDITION as soon as a newer Attach supersedes it. Plans of all streams run one at
+a time under a lock (the runner is not thread-safe, and there is one GPU). A bad plan ends its
+stream with INVALID_ARGUMENT (state untouched) and the service keeps serving.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import structlog
+
+from executor.config import ExecutorConfig
+from executor.runner import ModelRunner, PlanError
+from protos import executor_pb2, executor_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+LEASE_EPOCH_KEY = "lease-epoch"
+THROUGHPUT_LOG_SECONDS = 10.0
+_MAX_MESSAGE_BYTES = 256 << 20
+
+
+class _ThroughputLog:
+    """Logs steps/s and tokens/s about every THROUGHPUT_LOG_SECONDS while steps keep coming."""
+
+    def __init__(self, runner: ModelRunner, interval: float = THROUGHPUT_LOG_SECONDS) -> None:
+        self._runner = runner
+        self._interval = interval
+        self._since = time.monotonic()
+        self._last = (0, 0, 0, 0.0)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self._since < self._interval:
+            return
+        s = self._runner.stats
+        current = (s.steps, s.tokens_computed, s.tokens_sampled, s.busy_seconds)
+        steps, computed, sampled, busy = (a - b for a, b in zip(current, self._last, strict=True))
+        elapsed = now - self._since
+        log.info(
+            "executor.throughput",
+            steps_per_s=round(steps / elapsed, 2),
+            tokens_per_s=round(computed / elapsed, 1),
+            sampled_per_s=round(sampled / elapsed, 1),
+            busy_fraction=round(busy / elapsed, 3),
+            requests=self._runner.num_requests,
+        )
+        self._since, self._last = now, current
+
+
+class ExecutorService(executor_pb2_grpc.ExecutorServicer):
+    """Lease fencing and error mapping; the work itself is `ModelRunner.execute`."""
+
+    def __init__(self, runner: ModelRunner, model_name: str) -> None:
+        self._runner = runner
+        self._model_name = model_name
+        self._lock = threading.Lock()
+        self._epoch = 0  # 0 = nobody attached yet
+        self._throughput = _ThroughputLog(runner)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def Attach(self, request: executor_pb2.AttachRequest, context: grpc.ServicerContext):
+        runner = self._runner
+        with self._lock:
+            # Epochs grow across restarts too (wall-clock microseconds), so a stream fenced by an
+            # earlier executor process can never match by accident.
+            self._epoch = max(self._epoch + 1, time.time_ns() // 1000)
+            runner.reset()
+            epoch = self._epoch
+        log.info("executor.attach", scheduler_id=request.scheduler_id, lease_epoch=epoch, peer=context.peer())
+        device = runner.device
+        device_name = str(device)
+        if device.type == "cuda":
+            import torch
+
+            device_name = f"{device} ({torch.cuda.get_device_name(device)})"
+        return executor_pb2.AttachResponse(
+            lease_epoch=epoch,
+            model=self._model_name,
+            max_model_len=runner.max_model_len,
+            vocab_size=runner.spec.vocab_size,
+            block_size=runner.block_size,
+            num_gpu_blocks=runner.kv_cache.num_device_blocks,
+            num_cpu_blocks=runner.kv_cache.num_cpu_blocks,
+            eos_token_ids=list(runner.spec.eos_token_ids),
+            device=device_name,
+        )
+
+    def Step(
+        self, request_iterator: Iterator[executor_pb2.StepPlan], context: grpc.ServicerContext
+    ) -> Iterator[executor_pb2.StepOutput]:
+        epoch = self._stream_epoch(context)
+        self._check_lease(epoch, context)
+        for plan in request_iterator:
+            with self._lock:
+                self._check_lease(epoch, context)
+                error: tuple[grpc.StatusCode, str] | None = None
+                try:
+                    output = self._runner.execute(plan)
+                except PlanError as e:
+                    log.warning("executor.bad_plan", step_id=plan.step_id, error=str(e))
+                    error = grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}"
+                except Exception as e:  # noqa: BLE001 - any failure must end the stream with a status
+                    log.exception("executor.step_failed", step_id=plan.step_id)
+                    error = grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}"
+            if error is not None:
+                context.abort(*error)
+            self._throughput.tick()
+            yield output
+
+    def GetStats(self, request: executor_pb2.GetStatsRequest, context: grpc.ServicerContext):
+        """Also the health check: it answers only once the model is loaded and the server is up."""
+        s = self._runner.stats
+        return executor_pb2.ExecutorStats(
+            steps=s.steps,
+            tokens_computed=s.tokens_computed,
+            tokens_sampled=s.tokens_sampled,
+            swap_out_blocks=s.swap_out_blocks,
+            swap_in_blocks=s.swap_in_blocks,
+            busy_seconds=s.busy_seconds,
+        )
+
+    def _stream_epoch(self, context: grpc.ServicerContext) -> int:
+        metadata = dict(context.invocation_metadata())
+        raw = metadata.get(LEASE_EPOCH_KEY)
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"Step needs the '{LEASE_EPOCH_KEY}' metadata from Attach (got {raw!r})",
+            )
+
+    def _check_lease(self, epoch: int, context: grpc.ServicerContext) -> None:
+        current = self._epoch
+        if current == 0 or epoch != current:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stale lease: stream epoch {epoch}, current epoch {current or 'none (Attach first)'}",
+            )
+
+
+class ExecutorServer:
+    """A started gRPC server with its runner; `port` is the bound port (useful with port 0)."""
+
+    def __init__(self, config: ExecutorConfig, runner: ModelRunner | None = None, max_workers: int = 16):
+        self.config = config
+        self.runner = runner if runner is not None else ModelRunner.create(config)
+        self.service = ExecutorService(self.runner, config.model)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="executor-rpc"),
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ],
+        )
+        executor_pb2_grpc.add_ExecutorServicer_to_server(self.service, self._server)
+        address = f"{config.host}:{config.port}"
+        if ":" in config.host and not config.host.startswith("["):
+            address = f"[{config.host}]:{config.port}"
+        self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind the executor to {address}")
+        self.address = address.rsplit(":", 1)[0] + f":{self.port}"
+
+    def start(self) -> ExecutorServer:
+        self._server.start()
+        log.info("executor.serving", address=self.address)
+        return self
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        """Stops accepting RPCs and waits up to `grace` seconds for running ones."""
+        self._server.stop(grace).wait()
+        log.info("executor.stopped", address=self.address)
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+
+def serve(config: ExecutorConfig) -> None:
+    """Loads the model, serves until SIGTERM/SIGINT, then drains in-flight steps and returns."""
+    server = ExecutorServer(config).start()
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("executor.signal", signal=signal.Signals(signum).name)
+        stopping.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    try:
+        while not stopping.wait(timeout=1.0):
+            pass
+    finally:
+        server.stop(grace=5.0)

@@ -1,0 +1,236 @@
+"""`pagedserve make-model`: writes benchmark model directories with random weights.
+
+Nothing can be downloaded, so the GPU benchmark model ("llama-8b-shape" in WORKLOADS.md) has
+Llama-3.1-8B's architecture and random bf16 weights. The 16 GB checkpoint is streamed to one
+model.safetensors tensor by tensor: the header is computed from the shapes up front, then each
+tensor is generated, written and dropped, so memory stays at the size of the largest tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+INIT_STD = 0.02
+LLAMA31_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama architecture; bf16 weights of this shape are generated, never a model instantiated."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = field(default=None, hash=False)
+    tokenizer_vocab_size: int = 512  # prompts are token ids, so a small trained vocabulary is enough
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.tokenizer_vocab_size > self.vocab_size:
+            raise ValueError("the tokenizer vocabulary must fit in the model's vocabulary")
+
+    def tensor_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """(HF Llama weight name, shape) in file order."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        yield "model.embed_tokens.weight", (self.vocab_size, h)
+        for n in range(self.num_hidden_layers):
+            p = f"model.layers.{n}."
+            yield p + "input_layernorm.weight", (h,)
+            yield p + "self_attn.q_proj.weight", (q, h)
+            yield p + "self_attn.k_proj.weight", (kv, h)
+            yield p + "self_attn.v_proj.weight", (kv, h)
+            yield p + "self_attn.o_proj.weight", (h, q)
+            yield p + "post_attention_layernorm.weight", (h,)
+            yield p + "mlp.gate_proj.weight", (i, h)
+            yield p + "mlp.up_proj.weight", (i, h)
+            yield p + "mlp.down_proj.weight", (h, i)
+        yield "model.norm.weight", (h,)
+        yield "lm_head.weight", (self.vocab_size, h)
+
+    def num_parameters(self) -> int:
+        total = 0
+        for _, shape in self.tensor_shapes():
+            count = 1
+            for dim in shape:
+                count *= dim
+            total += count
+        return total
+
+    def hf_config(self, bos_token_id: int, eos_token_id: int) -> dict:
+        """config.json in Llama-3.1's layout (rope_theta + rope_scaling, as the real file has)."""
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rms_norm_eps": 1e-5,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": INIT_STD,
+            "tie_word_embeddings": False,
+            "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id,
+            "torch_dtype": "bfloat16",
+            "use_cache": True,
+        }
+        return config
+
+
+SHAPES: dict[str, ModelShape] = {
+    # WORKLOADS.md's "llama-8b-shape": Llama-3.1-8B (8.03 B parameters, 16.06 GB in bf16).
+    "llama-8b": ModelShape(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rope_scaling=LLAMA31_ROPE_SCALING,
+    ),
+    # The same topology scaled down (GQA 4:1, llama3 rope, vocab > 100000) for tests and CI.
+    "llama-8b-mini": ModelShape(
+        hidden_size=128,
+        intermediate_size=448,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rope_scaling=LLAMA31_ROPE_SCALING,
+    ),
+}
+
+
+def _safetensors_header(shape: ModelShape) -> bytes:
+    """The safetensors header (8-byte length + JSON, padded to 8 bytes) for bf16 tensors of `shape`."""
+    entries: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dims in shape.tensor_shapes():
+        size = 2
+        for dim in dims:
+            size *= dim
+        entries[name] = {"dtype": "BF16", "shape": list(dims), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
+
+
+def write_weights(path: Path, shape: ModelShape, seed: int = 0, progress: bool = True) -> None:
+    """Streams normal(0, 0.02) bf16 weights (norms = 1) to one safetensors file, tensor by tensor."""
+    import torch
+    from tqdm import tqdm
+
+    generator = torch.Generator().manual_seed(seed)
+    total_bytes = 2 * shape.num_parameters()
+    tmp = path.with_suffix(".tmp")
+    with (
+        open(tmp, "wb") as f,
+        tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not progress) as bar,
+    ):
+        bar.set_description(f"writing {path.name}")
+        f.write(_safetensors_header(shape))
+        for name, dims in shape.tensor_shapes():
+            if name.endswith("norm.weight"):
+                tensor = torch.ones(dims, dtype=torch.bfloat16)
+            else:
+                tensor = torch.empty(dims, dtype=torch.bfloat16).normal_(0.0, INIT_STD, generator=generator)
+            f.write(tensor.view(torch.int16).numpy().tobytes())
+            bar.update(tensor.numel() * 2)
+            del tensor
+    tmp.replace(path)
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> tuple[int, int]:
+    """Saves a small byte-level BPE tokenizer AutoTokenizer can load; returns (bos, eos) ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedserve.tiny_model import train_tokenizer
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(vocab_size), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.save_pretrained(directory)
+    return tokenizer.bos_token_id, tokenizer.eos_token_id
+
+
+def write_shape_model(directory: str | Path, shape: ModelShape, seed: int = 0, progress: bool = True) -> Path:
+    """Writes config.json, generation_config.json, model.safetensors and the tokenizer files."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    bos, eos = write_tokenizer(directory, shape.tokenizer_vocab_size)
+    config = shape.hf_config(bos, eos)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_weights(directory / "model.safetensors", shape, seed=seed, progress=progress)
+    return directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve make-model", description="write a benchmark model directory with random weights"
+    )
+    parser.add_argument(
+        "--shape",
+        default="llama-8b",
+        choices=(*SHAPES, "tiny"),
+        help="llama-8b: WORKLOADS.md's llama-8b-shape (16 GB, bf16); llama-8b-mini: the same "
+        "topology scaled down; tiny: the built-in default model",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("directory", type=Path)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.shape == "tiny":
+        from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
+
+        write_tiny_model(args.directory, TinyModelSpec(seed=args.seed))
+    else:
+        shape = SHAPES[args.shape]
+        print(
+            f"pagedserve make-model: {args.shape}, {shape.num_parameters() / 1e9:.2f} B parameters, "
+            f"{2 * shape.num_parameters() / 1e9:.2f} GB -> {args.directory}",
+            file=sys.stderr,
+        )
+        write_shape_model(args.directory, shape, seed=args.seed)
+    print(json.dumps({"shape": args.shape, "directory": str(args.directory)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

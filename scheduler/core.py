@@ -1,0 +1,481 @@
+"""The Scheduler: queues and policy. Each ``schedule()`` returns one StepPlan that maps one to one
+onto ``pagedserve.v1.StepPlan``.
+
+Token-centric, as in vLLM V1: there is no prefill or decode phase. Every request has
+``num_computed_tokens`` and ``num_tokens``, and each step gives each request, up to the token
+budget, the tokens it lacks. Prefill, chunked prefill, prefix caching, decoding and resumption after
+preemption all follow from that one rule.
+
+One plan is in flight ahead: the engine calls ``schedule()`` for step N+1 before the output of step
+N arrives. A request whose scheduled tokens reach ``num_tokens`` samples a token in that step, so
+``schedule()`` counts it as pending at once (``num_pending_outputs += 1``); the next ``schedule()``
+can already give the request its decode token, which the executor feeds itself, and
+``process_output`` later fills in the value.
+
+Order within a step:
+1. running requests, by (priority, arrival): decodes and ongoing prefill chunks; a request that
+   needs a block when none is free pre-empts the lowest-priority, latest-arrived running request
+   (possibly itself);
+2. if nothing was pre-empted: swapped-out requests resume, in queue order;
+3. if none is left swapped: waiting requests are admitted by (priority, arrival), with prefill
+   chunks that fill the remaining budget; a head that does not fit may pre-empt a running request
+   of strictly lower priority.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import structlog
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
+
+log = structlog.get_logger()
+
+
+@dataclass(slots=True)
+class NewRequestPlan:
+    """A request the executor does not hold: new, or resumed after preemption (pagedserve.v1.NewRequest)."""
+
+    seq_id: SeqId
+    token_ids: list[int]  # every known token: prompt, then outputs so far
+    num_computed_tokens: int  # already in its blocks (prefix cache or swap-in)
+    num_new_tokens: int
+    block_ids: list[int]  # whole block table
+    sampling: SamplingOptions
+
+
+@dataclass(slots=True)
+class RunningPlan:
+    """A request the executor holds: append blocks, compute tokens (pagedserve.v1.RunningRequest)."""
+
+    seq_id: SeqId
+    num_new_tokens: int
+    new_block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step (pagedserve.v1.StepPlan). The executor applies swap_out, removed_seq_ids, swap_in,
+    then computes new_requests and running in one forward pass, then samples.
+
+    ``sampling_seq_ids`` lists, in plan order (new_requests, then running), the requests whose
+    computed tokens reach their end in this step: the executor's StepOutput carries one token for
+    each. It is not part of the wire message.
+    """
+
+    step_id: int
+    removed_seq_ids: list[SeqId] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    new_requests: list[NewRequestPlan] = field(default_factory=list)
+    running: list[RunningPlan] = field(default_factory=list)
+    sampling_seq_ids: list[SeqId] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(p.num_new_tokens for p in self.new_requests) + sum(p.num_new_tokens for p in self.running)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the executor to do (no tokens, no block moves, nothing to forget)."""
+        return not (
+            self.removed_seq_ids or self.swap_out or self.swap_in or self.new_requests or self.running
+        )
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Gauges and counters. Slot utilization is the fraction of the slots of GPU blocks in use that
+    hold (or will hold, once in-flight plans run) a token's KV."""
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_preemptions: int
+    num_gpu_blocks: int
+    gpu_blocks_in_use: int
+    peak_gpu_blocks_in_use: int
+    cached_free_blocks: int
+    slot_utilization: float
+    peak_slot_utilization: float  # at the end of the schedule() where blocks in use peaked
+    prompt_tokens_computed: int  # tokens computed at prompt positions, recomputation included
+    prefix_cache_hit_tokens: int  # tokens taken from the prefix cache, over all admissions
+    prefix_cache_queries_tokens: int  # known tokens of all admissions looked up in the cache
+
+
+@dataclass(slots=True)
+class _Step:
+    """Scratch state of one schedule() call."""
+
+    plan: StepPlan
+    budget: int
+    unserved: int = 0  # running requests still to be served this step that want tokens
+    running_plans: dict[SeqId, RunningPlan] = field(default_factory=dict)
+    sampling: set[SeqId] = field(default_factory=set)
+    admitted: set[SeqId] = field(default_factory=set)
+    preempted: set[SeqId] = field(default_factory=set)
+
+
+def _sort_key(request: Request) -> tuple[int, int]:
+    return request.sort_key
+
+
+class Scheduler:
+    """Decides, step by step, which requests run, how many tokens each computes, and their blocks.
+
+    Owns the three queues (waiting, running, swapped; each kept sorted by (priority, arrival)) and
+    the policy; block bookkeeping is delegated to the KVCacheManager.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache = KVCacheManager(
+            config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching
+        )
+        self._requests: dict[SeqId, Request] = {}  # every unfinished request
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._swapped: list[Request] = []
+        self._removed: list[SeqId] = []  # finished while the executor held them: forget next step
+        self._in_flight: dict[int, set[SeqId]] = {}  # step id -> requests that sample in it
+        self._next_step_id = 0
+        self._next_arrival = 0
+        self._num_preemptions = 0
+        self._peak_blocks_in_use = 0
+        self._peak_slot_utilization = 0.0
+        self._prompt_tokens_computed = 0
+        self._prefix_hit_tokens = 0
+        self._prefix_query_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request (WAITING, ordered by priority then arrival).
+
+        Raises:
+            ValueError: duplicate seq_id, empty prompt, max_tokens < 1, or a sequence longer than
+                max_model_len.
+        """
+        if request.seq_id in self._requests:
+            raise ValueError(f"seq {request.seq_id} is already scheduled")
+        if not request.prompt_token_ids:
+            raise ValueError(f"seq {request.seq_id}: empty prompt")
+        if request.max_tokens < 1:
+            raise ValueError(f"seq {request.seq_id}: max_tokens must be >= 1, got {request.max_tokens}")
+        if request.num_prompt_tokens + request.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"seq {request.seq_id}: prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}"
+                f" exceeds max_model_len {self.config.max_model_len}"
+            )
+        request.status = RequestStatus.WAITING
+        request.arrival = self._next_arrival
+        self._next_arrival += 1
+        self._requests[request.seq_id] = request
+        bisect.insort(self._waiting, request, key=_sort_key)
+
+    def abort_request(self, seq_id: SeqId) -> None:
+        """Finishes a request (abort or stop condition): frees its blocks (full computed ones stay
+        in the prefix cache) and marks it FINISHED. If the executor holds its state, the id goes into
+        the next plan's removed_seq_ids; a late output for it is ignored. Unknown ids are a no-op."""
+        request = self._requests.pop(seq_id, None)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self._remove_running(request)
+            self.kv_cache.free(request)
+            self._removed.append(request.seq_id)
+        elif request.status is RequestStatus.SWAPPED:
+            self._swapped.remove(request)
+            self.kv_cache.free_swapped(request)
+        else:
+            self._waiting.remove(request)
+        self.kv_cache.forget(seq_id)
+        request.status = RequestStatus.FINISHED
+
+    def get_request(self, seq_id: SeqId) -> Request | None:
+        return self._requests.get(seq_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Plans the next step. The plan may be empty (nothing to do); step ids are consecutive
+        over all calls."""
+        step = _Step(
+            StepPlan(self._next_step_id, removed_seq_ids=self._removed), self.config.max_num_batched_tokens
+        )
+        self._next_step_id += 1
+        self._removed = []
+        # Everything computed so far was computed by plans already handed out: safe to share.
+        for request in self._running:
+            self.kv_cache.cache_full_blocks(request)
+        self._schedule_running(step)
+        # A step that had to pre-empt has no room to admit anyone (and must not re-admit a victim).
+        if not step.preempted:
+            self._resume_swapped(step)
+            if not self._swapped:
+                self._admit_waiting(step)
+        self.kv_cache.end_step()
+        return self._finish_step(step)
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Gives each running request, in (priority, arrival) order, the tokens it lacks.
+
+        A chunk is capped so that every later running request that wants tokens can still get one:
+        a long prefill never stalls the decodes of others.
+        """
+        candidates = [(request, self._num_tokens_wanted(request)) for request in self._running]
+        step.unserved = sum(1 for _, wanted in candidates if wanted)
+        for request, wanted in candidates:
+            if not wanted or request.status is not RequestStatus.RUNNING:
+                continue  # done generating, or pre-empted earlier in this step
+            step.unserved -= 1
+            if step.budget == 0:
+                continue
+            num_new = min(wanted, step.budget, max(1, step.budget - step.unserved))
+            new_block_ids = self._allocate_or_preempt(request, request.num_computed_tokens + num_new, step)
+            if new_block_ids is None:
+                continue  # it pre-empted itself
+            running_plan = RunningPlan(request.seq_id, num_new, new_block_ids)
+            step.plan.running.append(running_plan)
+            step.running_plans[request.seq_id] = running_plan
+            self._schedule_tokens(request, num_new, step)
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, step: _Step) -> list[int] | None:
+        """Allocates blocks for a running request, pre-empting the lowest-priority, latest-arrived
+        running request until they fit. Returns None if the request itself was the victim.
+
+        The running list is in (priority, arrival) order and served front to back, so the victim
+        (its tail) has not been served in this step yet, or is the request itself.
+        """
+        while (new_block_ids := self.kv_cache.allocate_slots(request, num_tokens)) is None:
+            victim = self._running[-1]
+            if victim is not request and self._num_tokens_wanted(victim):
+                step.unserved -= 1
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+        return new_block_ids
+
+    def _resume_swapped(self, step: _Step) -> None:
+        """Swaps in swapped-out requests in queue order while blocks, budget and seq slots last."""
+        while self._swapped and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._swapped[0]
+            if request.num_pending_outputs:
+                break  # its last sampled token has not arrived: the executor forgot it
+            num_new = min(self._num_tokens_wanted(request), step.budget)
+            moves = self.kv_cache.swap_in(request, request.num_computed_tokens + num_new)
+            if moves is None:
+                break
+            self._swapped.pop(0)
+            step.plan.swap_in.extend(moves)
+            self._start_running(request, num_new, step)
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admits waiting requests by (priority, arrival), reusing cached prefix blocks.
+
+        Admission is strictly in order: a head that cannot be admitted blocks the ones behind it,
+        so a big request is not starved by a stream of small ones.
+        """
+        while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            if request.num_pending_outputs or request.seq_id in step.preempted:
+                break  # a victim awaiting its last output, or pre-empted in this very step
+            cached_blocks, num_cached_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached_tokens, step.budget)
+            if self.kv_cache.allocate_slots(request, num_cached_tokens + num_new, cached_blocks) is None:
+                if self._preempt_lower_priority(request, step):
+                    continue
+                break
+            self._waiting.pop(0)
+            if self.config.enable_prefix_caching:
+                self._prefix_hit_tokens += num_cached_tokens
+                self._prefix_query_tokens += request.num_tokens
+            if request.num_preemptions == 0:  # first admission
+                request.num_cached_prompt_tokens = num_cached_tokens
+            request.num_computed_tokens = num_cached_tokens
+            self._start_running(request, num_new, step)
+
+    def _preempt_lower_priority(self, request: Request, step: _Step) -> bool:
+        """Pre-empts the lowest-priority, latest-arrived running request if its priority is strictly
+        lower than ``request``'s (a larger number) and it was not admitted in this step."""
+        for victim in reversed(self._running):
+            if victim.priority <= request.priority:
+                return False
+            if victim.seq_id not in step.admitted:
+                self._preempt(victim, step)
+                return True
+        return False
+
+    def _start_running(self, request: Request, num_new: int, step: _Step) -> None:
+        """Moves an admitted or resumed request (its blocks allocated) into running and the plan."""
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=_sort_key)
+        step.admitted.add(request.seq_id)
+        step.plan.new_requests.append(
+            NewRequestPlan(
+                seq_id=request.seq_id,
+                token_ids=request.all_token_ids,
+                num_computed_tokens=request.num_computed_tokens,
+                num_new_tokens=num_new,
+                block_ids=self.kv_cache.block_ids(request.seq_id),
+                sampling=request.sampling,
+            )
+        )
+        self._schedule_tokens(request, num_new, step)
+
+    def _schedule_tokens(self, request: Request, num_new: int, step: _Step) -> None:
+        """Counts ``num_new`` tokens as computed; if that reaches the end, the step samples a token."""
+        request.num_computed_tokens += num_new
+        step.budget -= num_new
+        if request.num_computed_tokens == request.num_tokens:
+            request.num_pending_outputs += 1
+            step.sampling.add(request.seq_id)
+
+    def _unschedule(self, request: Request, step: _Step) -> None:
+        """Takes a running request back out of this step's plan (it is about to be pre-empted)."""
+        running_plan = step.running_plans.pop(request.seq_id)
+        step.plan.running.remove(running_plan)
+        request.num_computed_tokens -= running_plan.num_new_tokens
+        step.budget += running_plan.num_new_tokens
+        if request.seq_id in step.sampling:
+            step.sampling.remove(request.seq_id)
+            request.num_pending_outputs -= 1
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        """Pre-empts a running request: swap its KV out (swap mode, if the CPU pool has room) or free
+        its blocks and compute it again later (recompute). The executor forgets it either way."""
+        self._remove_running(request)
+        if request.seq_id in step.running_plans:
+            self._unschedule(request, step)
+        moves = self.kv_cache.swap_out(request) if self.config.preemption_mode == "swap" else None
+        if moves is not None:
+            mode = "swap"
+            step.plan.swap_out.extend(moves)
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self._swapped, request, key=_sort_key)
+        else:
+            mode = "recompute"
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            bisect.insort(self._waiting, request, key=_sort_key)
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        step.plan.removed_seq_ids.append(request.seq_id)
+        step.preempted.add(request.seq_id)
+        log.info(
+            "preempt", seq_id=request.seq_id, mode=mode, priority=request.priority, step_id=step.plan.step_id
+        )
+
+    def _finish_step(self, step: _Step) -> StepPlan:
+        """Fills in the sampling list, records the step as in flight, and updates the statistics."""
+        plan = step.plan
+        plan.sampling_seq_ids = [p.seq_id for p in plan.new_requests if p.seq_id in step.sampling]
+        plan.sampling_seq_ids += [p.seq_id for p in plan.running if p.seq_id in step.sampling]
+        if plan.sampling_seq_ids:
+            self._in_flight[plan.step_id] = set(plan.sampling_seq_ids)
+        for scheduled in (*plan.new_requests, *plan.running):
+            request = self._requests[scheduled.seq_id]
+            start = request.num_computed_tokens - scheduled.num_new_tokens
+            self._prompt_tokens_computed += max(
+                0, min(request.num_prompt_tokens - start, scheduled.num_new_tokens)
+            )
+        in_use = self.kv_cache.block_pool.num_blocks_in_use
+        if in_use > self._peak_blocks_in_use:
+            self._peak_blocks_in_use = in_use
+            self._peak_slot_utilization = self._slot_utilization()
+        return plan
+
+    # ---- outputs -------------------------------------------------------------------------------
+
+    def process_output(self, step_id: int, seq_ids: list[int], token_ids: list[int]) -> list[Request]:
+        """Fills in the tokens sampled in step ``step_id``.
+
+        Each listed live request gets its token appended (``num_pending_outputs -= 1``). A request
+        whose outputs reach ``max_tokens`` is finished here (blocks freed, status FINISHED).
+
+        Returns:
+            The requests that got a token, in output order: live ones, plus those this call finished
+            by length (status FINISHED). Outputs of aborted requests are ignored.
+        """
+        if len(seq_ids) != len(token_ids):
+            raise ValueError(f"step {step_id}: {len(seq_ids)} seq ids but {len(token_ids)} tokens")
+        expected = self._in_flight.pop(step_id, set())
+        updated: list[Request] = []
+        for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
+            request = self._requests.get(SeqId(seq_id))
+            if request is None:
+                continue  # finished or aborted while the step ran
+            if seq_id not in expected or request.num_pending_outputs == 0:
+                log.warning("unexpected_output", step_id=step_id, seq_id=seq_id)
+                continue
+            request.output_token_ids.append(token_id)
+            request.num_pending_outputs -= 1
+            updated.append(request)
+            if len(request.output_token_ids) >= request.max_tokens:
+                self.abort_request(request.seq_id)
+        return updated
+
+    # ---- helpers and stats ---------------------------------------------------------------------
+
+    def _num_tokens_wanted(self, request: Request) -> int:
+        """Tokens the request lacks; 0 once its last allowed token is sampled (the final token's
+        KV is never needed)."""
+        if request.num_sampled_tokens >= request.max_tokens:
+            return 0
+        return request.num_tokens - request.num_computed_tokens
+
+    def _remove_running(self, request: Request) -> None:
+        if self._running and self._running[-1] is request:
+            self._running.pop()
+        else:
+            self._running.remove(request)
+
+    def _slot_utilization(self) -> float:
+        """Only a request's last block can be partly filled, and shared blocks are full, so the
+        empty slots are the per-request tails."""
+        in_use = self.kv_cache.block_pool.num_blocks_in_use
+        if in_use == 0:
+            return 0.0
+        size = self.config.block_size
+        empty = sum(self.kv_cache.num_blocks(r.seq_id) * size - r.num_computed_tokens for r in self._running)
+        return 1.0 - empty / (in_use * size)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        pool = self.kv_cache.block_pool
+        return SchedulerStats(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_swapped=len(self._swapped),
+            num_preemptions=self._num_preemptions,
+            num_gpu_blocks=pool.num_blocks,
+            gpu_blocks_in_use=pool.num_blocks_in_use,
+            peak_gpu_blocks_in_use=self._peak_blocks_in_use,
+            cached_free_blocks=pool.num_cached_free_blocks,
+            slot_utilization=self._slot_utilization(),
+            peak_slot_utilization=self._peak_slot_utilization,
+            prompt_tokens_computed=self._prompt_tokens_computed,
+            prefix_cache_hit_tokens=self._prefix_hit_tokens,
+            prefix_cache_queries_tokens=self._prefix_query_tokens,
+        )
+
+    # Read-only views for tests and the engine's metrics.
+    @property
+    def waiting(self) -> tuple[Request, ...]:
+        return tuple(self._waiting)
+
+    @property
+    def running(self) -> tuple[Request, ...]:
+        return tuple(self._running)
+
+    @property
+    def swapped(self) -> tuple[Request, ...]:
+        return tuple(self._swapped)

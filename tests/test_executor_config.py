@@ -1,0 +1,84 @@
+"""Executor config, CLI flags and KV pool sizing arithmetic (no model needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from executor.config import ExecutorConfig, add_cli_args
+from executor.kv_cache import (
+    KVCache,
+    KVCacheLayout,
+    KVCacheTooSmallError,
+    check_fits,
+    cpu_device_num_blocks,
+    gpu_num_blocks,
+)
+
+
+def test_cli_flags_map_onto_config():
+    parser = add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(
+        "--model m --port 0 --dtype bfloat16 --device cpu --max-model-len 128 --block-size 32 "
+        "--gpu-memory-utilization 0.5 --num-gpu-blocks-override 10 --swap-space 1.5 "
+        "--max-num-batched-tokens 512 --max-num-seqs 8 --enforce-eager".split()
+    )
+    config = ExecutorConfig.from_args(ns)
+    assert config == ExecutorConfig(
+        model="m", port=0, dtype="bfloat16", device="cpu", max_model_len=128, block_size=32,
+        gpu_memory_utilization=0.5, num_gpu_blocks_override=10, swap_space=1.5,
+        max_num_batched_tokens=512, max_num_seqs=8, enforce_eager=True,
+    )  # fmt: skip
+    assert config.torch_dtype(torch.device("cpu")) == torch.bfloat16
+
+
+def test_cli_without_endpoint_flags_takes_overrides():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=50051)  # a parent CLI's own --port
+    add_cli_args(parser, endpoint=False)
+    ns = parser.parse_args(["--model", "m"])
+    config = ExecutorConfig.from_args(ns, port=50061)
+    assert (config.port, config.host) == (50061, "127.0.0.1")
+    assert config.torch_device() == torch.device("cpu") or torch.cuda.is_available()
+    assert ExecutorConfig(model="m", device="cpu").torch_dtype(torch.device("cpu")) == torch.float32
+
+
+def test_invalid_config_lists_every_problem():
+    with pytest.raises(ValueError) as err:
+        ExecutorConfig(model="m", block_size=24, gpu_memory_utilization=1.5, dtype="int8", max_num_seqs=0)
+    message = str(err.value)
+    for word in ("block_size", "gpu_memory_utilization", "dtype", "max_num_seqs"):
+        assert word in message
+
+
+LAYOUT = KVCacheLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+
+
+def test_pool_sizing():
+    assert LAYOUT.bytes_per_block == 2 * 2 * 16 * 2 * 8 * 4
+    # CPU: the space, capped at max_num_seqs full-length sequences.
+    assert cpu_device_num_blocks(LAYOUT, 100 * LAYOUT.bytes_per_block, max_num_seqs=4, max_model_len=64) == 16
+    assert cpu_device_num_blocks(LAYOUT, 10 * LAYOUT.bytes_per_block, max_num_seqs=4, max_model_len=64) == 10
+    # CUDA: utilization x total minus profiled peak and non-torch memory.
+    total = 1000 * LAYOUT.bytes_per_block
+    assert (
+        gpu_num_blocks(LAYOUT, total, 0.5, 200 * LAYOUT.bytes_per_block, 50 * LAYOUT.bytes_per_block) == 250
+    )
+    assert gpu_num_blocks(LAYOUT, total, 0.1, total, 0) == 0
+    with pytest.raises(KVCacheTooSmallError, match="largest length that fits is 48"):
+        check_fits(LAYOUT, 3, 100, why="test")
+    check_fits(LAYOUT, 7, 100, why="test")
+
+
+def test_swap_moves_blocks_between_pools():
+    cache = KVCache(LAYOUT, num_device_blocks=6, num_cpu_blocks=4, device=torch.device("cpu"))
+    cache.device_pool.copy_(torch.randn_like(cache.device_pool))
+    original = cache.device_pool.clone()
+    cache.swap_out([5, 1], [0, 3])
+    cache.swap_in([3, 0], [2, 4])
+    torch.testing.assert_close(cache.device_pool[:, :, 2], original[:, :, 1], rtol=0, atol=0)
+    torch.testing.assert_close(cache.device_pool[:, :, 4], original[:, :, 5], rtol=0, atol=0)
+    k, v = cache.layer_caches()[1]
+    assert k.shape == (6, 16, 2, 8) and k.is_contiguous() and v.is_contiguous()

@@ -1,0 +1,197 @@
+"""The real gRPC executor on a loopback port: attach, stream steps, lease fencing, errors, swap."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from executor.config import ExecutorConfig
+from executor.service import ExecutorServer
+from executor.testing import ToyScheduler
+from protos import executor_pb2, executor_pb2_grpc
+
+NUM_BLOCKS = 48
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    config = ExecutorConfig(
+        model=str(tiny_model_dir), host="127.0.0.1", port=0, device="cpu",
+        num_gpu_blocks_override=NUM_BLOCKS, swap_space=0.002, max_model_len=256,
+    )  # fmt: skip
+    server = ExecutorServer(config).start()
+    yield server
+    server.stop(grace=1)
+
+
+@pytest.fixture
+def stub(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield executor_pb2_grpc.ExecutorStub(channel)
+
+
+class StepStream:
+    """One Step stream driven plan by plan (the request iterator blocks on a queue)."""
+
+    def __init__(self, stub: executor_pb2_grpc.ExecutorStub, epoch: int | None) -> None:
+        self._plans: queue.Queue = queue.Queue()
+        metadata = () if epoch is None else (("lease-epoch", str(epoch)),)
+        self._outputs = stub.Step(iter(self._plans.get, None), metadata=metadata, timeout=60)
+
+    def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepOutput:
+        self._plans.put(plan)
+        return next(self._outputs)
+
+    def close(self) -> None:
+        self._plans.put(None)
+
+
+def _attach(stub) -> executor_pb2.AttachResponse:
+    return stub.Attach(executor_pb2.AttachRequest(scheduler_id="test"))
+
+
+def test_attach_describes_the_executor(stub, tiny_model_dir):
+    info = _attach(stub)
+    assert info.lease_epoch > 0
+    assert info.model == str(tiny_model_dir)
+    assert (info.max_model_len, info.vocab_size, info.block_size) == (256, 512, 16)
+    assert info.num_gpu_blocks == NUM_BLOCKS and info.num_cpu_blocks > 0
+    assert list(info.eos_token_ids) == [2]
+    assert info.device == "cpu"
+    assert _attach(stub).lease_epoch > info.lease_epoch
+
+
+def _generate(
+    stub, prompts: dict[int, list[int]], max_new: int, swap_at: int | None = None
+) -> dict[int, list[int]]:
+    """Greedy generation over one stream; with swap_at, seq 1 is swapped out after that many tokens,
+    its blocks are reused by a newcomer (seq 9), then it is swapped back in and resumed."""
+    info = _attach(stub)
+    sched = ToyScheduler(info.num_gpu_blocks, info.num_cpu_blocks, info.block_size, seed=1)
+    for seq_id, prompt in prompts.items():
+        sched.add(seq_id, prompt)
+    stream = StepStream(stub, info.lease_epoch)
+    try:
+        swapped = False
+        while min(len(sched.seqs[s].generated) for s in prompts) < max_new:
+            if swap_at is not None and not swapped and len(sched.seqs[1].generated) == swap_at:
+                others = {s: 1 for s in prompts if s != 1}
+                sched.observe(stream.step(sched.plan(others, swap_out=[1])))
+                sched.add(9, list(range(3, 40)))
+                sched.observe(stream.step(sched.plan({**others, 9: 37})))
+                sched.observe(stream.step(sched.plan(others, remove=[9])))
+                del sched.seqs[9]
+                sched.observe(stream.step(sched.plan(swap_in=[1])))
+                swapped = True
+                continue
+            sched.observe(stream.step(sched.plan()))
+    finally:
+        stream.close()
+    return {s: sched.seqs[s].generated[:max_new] for s in prompts}
+
+
+PROMPTS = {1: [5, 17, 99, 3, 250, 7, 7, 31, 400, 12, 8, 64, 65, 66, 67, 90, 91, 92, 11], 2: [42, 43, 44]}
+
+
+def test_swap_round_trip_equals_uninterrupted_generation(stub, server):
+    before = stub.GetStats(executor_pb2.GetStatsRequest())
+    plain = _generate(stub, PROMPTS, max_new=12)
+    swapped = _generate(stub, PROMPTS, max_new=12, swap_at=5)
+    assert swapped == plain
+    stats = stub.GetStats(executor_pb2.GetStatsRequest())
+    assert stats.swap_out_blocks - before.swap_out_blocks == 2  # 19 prompt + 5 generated tokens
+    assert stats.swap_in_blocks - before.swap_in_blocks == 2
+    assert stats.tokens_sampled > before.tokens_sampled and stats.busy_seconds > 0
+
+
+def test_stale_or_missing_epoch_is_refused(stub):
+    old = _attach(stub).lease_epoch
+    current = _attach(stub).lease_epoch
+    for epoch in (old, None):
+        stream = StepStream(stub, epoch)
+        with pytest.raises(grpc.RpcError) as err:
+            stream.step(executor_pb2.StepPlan(step_id=1))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    stream = StepStream(stub, current)
+    assert stream.step(executor_pb2.StepPlan(step_id=7)).step_id == 7
+    _attach(stub)  # a newer scheduler takes the lease: the open stream is cut at its next plan
+    with pytest.raises(grpc.RpcError) as err:
+        stream.step(executor_pb2.StepPlan(step_id=8))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "stale lease" in err.value.details()
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (
+            executor_pb2.StepPlan(running=[executor_pb2.RunningRequest(seq_id=77, num_new_tokens=1)]),
+            "unknown",
+        ),
+        (
+            executor_pb2.StepPlan(
+                new_requests=[
+                    executor_pb2.NewRequest(
+                        seq_id=3, token_ids=[4, 5], num_new_tokens=2, block_ids=[NUM_BLOCKS]
+                    )
+                ]
+            ),
+            "out of range",
+        ),
+    ],
+)
+def test_bad_plan_is_invalid_argument_and_server_keeps_serving(stub, plan, message):
+    epoch = _attach(stub).lease_epoch
+    stream = StepStream(stub, epoch)
+    with pytest.raises(grpc.RpcError) as err:
+        stream.step(plan)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    stream = StepStream(stub, epoch)  # same lease, new stream
+    ok = executor_pb2.NewRequest(seq_id=3, token_ids=[4, 5], num_new_tokens=2, block_ids=[0])
+    out = stream.step(executor_pb2.StepPlan(step_id=2, new_requests=[ok]))
+    assert list(out.seq_ids) == [3] and out.step_seconds > 0
+    stream.close()
+
+
+def test_python_m_executor_serves_and_stops_on_sigterm(tiny_model_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "executor", "--model", str(tiny_model_dir), "--port", str(port)]
+    cmd += "--device cpu --num-gpu-blocks-override 64 --swap-space 0.01".split()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_LOG_FORMAT": "json"}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            while True:
+                try:
+                    stub.GetStats(executor_pb2.GetStatsRequest(), timeout=1)  # the health check
+                    break
+                except grpc.RpcError:
+                    assert proc.poll() is None and time.monotonic() < deadline, "executor did not come up"
+                    time.sleep(0.2)
+            assert _attach(stub).num_gpu_blocks == 64
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        logs = proc.stdout.read()
+        assert '"event": "executor.loaded"' in logs and '"event": "executor.attach"' in logs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,414 @@
+"""Triton paged-attention kernels against the plain-torch reference, and the reference against SDPA.
+
+Off the GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set below before
+Triton is imported). On a CUDA machine the same cases run the compiled kernels on CUDA tensors,
+plus a few tests that only make sense there (CUDA graph capture, offsets beyond 2^31 elements).
+Every check draws fresh random inputs; outputs are poisoned with NaN first so unwritten rows fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Must happen before triton is imported: @triton.jit picks the interpreter at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels import triton_attention as ta  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(
+    not HAS_CUDA and not INTERPRETED, reason="Triton needs CUDA or TRITON_INTERPRET=1 (set too late?)"
+)
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+# --------------------------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------------------------- #
+
+
+def make_batch(
+    q_lens: list[int],
+    context_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    num_blocks: int | None = None,
+    min_block_id: int = 0,
+    extra_table_cols: int = 1,
+    device: str = DEVICE,
+    seed: int = 0,
+) -> dict:
+    """A random paged batch: shuffled block tables over a pool, random KV in the blocks in use.
+
+    Blocks in use are drawn from [min_block_id, num_blocks); the block tables get a spare column
+    (filled with a wrong-but-valid block) so kernels that read past a sequence's end would be caught.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(c + block_size - 1) // block_size for c in context_lens]
+    needed = sum(blocks_per_seq)
+    if num_blocks is None:
+        num_blocks = min_block_id + needed + 8
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.empty(cache_shape, dtype=dtype, device=device)
+    v_cache = torch.empty(cache_shape, dtype=dtype, device=device)
+    ids = min_block_id + torch.randperm(num_blocks - min_block_id, generator=gen)[: needed + 1]
+    used, spare = ids[:needed], ids[needed]
+    # Only the blocks in use (and the spare) hold data: a big pool stays cheap.
+    touched = ids.to(device)
+    k_cache[touched] = torch.randn((needed + 1, *cache_shape[1:]), generator=gen).to(dtype).to(device)
+    v_cache[touched] = torch.randn((needed + 1, *cache_shape[1:]), generator=gen).to(dtype).to(device)
+    width = max(blocks_per_seq + [1]) + extra_table_cols
+    block_tables = torch.full((len(q_lens), width), int(spare), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_tables[i, :n] = used[start : start + n]
+        start += n
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn((int(cu[-1]), num_q_heads, head_dim), generator=gen).to(dtype).to(device)
+    return dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=cu.to(device),
+        scale=head_dim**-0.5,
+    )
+
+
+def reference_fp32(batch: dict) -> torch.Tensor:
+    """The reference on fp32 copies of the inputs, on the CPU."""
+    return reference.paged_attention(
+        batch["q"].float().cpu(),
+        batch["k_cache"].float().cpu(),
+        batch["v_cache"].float().cpu(),
+        batch["block_tables"].cpu(),
+        batch["seq_lens"].cpu(),
+        batch["cu_seqlens_q"].cpu(),
+        batch["scale"],
+    )
+
+
+def run_triton(batch: dict, **overrides) -> torch.Tensor:
+    out = torch.full_like(batch["q"], float("nan"))
+    result = ta.paged_attention(**batch, out=out, **overrides)
+    assert result is out
+    return out
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCE[dtype]
+    actual = actual.float().cpu()
+    assert not actual.isnan().any(), "output has NaN (unwritten rows?)"
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+# A mixed batch: a decode, a chunk with cached context, a sequence with no new tokens, a whole
+# prompt, another decode; lengths end mid-block.
+MIXED_Q_LENS = [1, 7, 0, 19, 1]
+MIXED_CONTEXT = [33, 40, 5, 19, 70]
+DECODE_CONTEXT = [1, 17, 64, 45]
+
+SHAPES = [
+    # dtype, head_dim, num_q_heads, num_kv_heads, block_size
+    pytest.param(torch.float32, 64, 4, 4, 16, id="fp32-d64-1to1-bs16"),
+    pytest.param(torch.bfloat16, 128, 8, 2, 16, id="bf16-d128-4to1-bs16"),
+    pytest.param(torch.float16, 80, 10, 2, 32, id="fp16-d80-5to1-bs32"),
+    pytest.param(torch.bfloat16, 96, 4, 1, 32, id="bf16-d96-4to1-bs32"),
+    pytest.param(torch.float16, 256, 2, 1, 16, id="fp16-d256-2to1-bs16"),
+    pytest.param(torch.float32, 256, 5, 1, 16, id="fp32-d256-5to1-bs16"),
+    pytest.param(torch.bfloat16, 64, 10, 2, 48, id="bf16-d64-5to1-bs48"),
+]
+
+
+# --------------------------------------------------------------------------------------------- #
+# The reference against something nobody here wrote
+# --------------------------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2)])
+def test_reference_matches_sdpa_on_contiguous_cache(num_q_heads: int, num_kv_heads: int) -> None:
+    """The reference equals SDPA with a bottom-right causal mask, sequence by sequence."""
+    batch = make_batch([3, 1, 9], [10, 20, 9], num_q_heads, num_kv_heads, 32, 16, torch.float32, device="cpu")
+    expected = torch.empty_like(batch["q"])
+    cu = batch["cu_seqlens_q"].tolist()
+    for i, ctx in enumerate(batch["seq_lens"].tolist()):
+        q_len = cu[i + 1] - cu[i]
+        n = (ctx + 15) // 16
+        blocks = batch["block_tables"][i, :n].long()
+        k = batch["k_cache"][blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [kv_heads, ctx, D]
+        v = batch["v_cache"][blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+        q = batch["q"][cu[i] : cu[i + 1]].transpose(0, 1)  # [heads, q_len, D]
+        mask = torch.ones(q_len, ctx, dtype=torch.bool).tril(diagonal=ctx - q_len)
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, scale=batch["scale"], enable_gqa=True
+        )
+        expected[cu[i] : cu[i + 1]] = o[0].transpose(0, 1)
+    actual = reference.paged_attention(**batch)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_write_kv_skips_padding() -> None:
+    k_cache = torch.zeros(4, 16, 2, 8)
+    v_cache = torch.zeros(4, 16, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    reference.write_kv(key, value, k_cache, v_cache, torch.tensor([17, -1, 63]))
+    torch.testing.assert_close(k_cache[1, 1], key[0])
+    torch.testing.assert_close(v_cache[3, 15], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2
+
+
+# --------------------------------------------------------------------------------------------- #
+# Triton against the reference
+# --------------------------------------------------------------------------------------------- #
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, head_dim, num_q_heads, num_kv_heads, block_size", SHAPES)
+def test_mixed_batch_matches_reference(dtype, head_dim, num_q_heads, num_kv_heads, block_size) -> None:
+    """Varlen kernel: decodes, chunks with cached context, whole prompts and q_len 0 in one call."""
+    batch = make_batch(MIXED_Q_LENS, MIXED_CONTEXT, num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    assert_matches(run_triton(batch), reference_fp32(batch), dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, head_dim, num_q_heads, num_kv_heads, block_size", SHAPES)
+def test_decode_batch_matches_reference(dtype, head_dim, num_q_heads, num_kv_heads, block_size) -> None:
+    """Decode kernel (num_tokens == num_seqs), with and without split-KV."""
+    q_lens = [1] * len(DECODE_CONTEXT)
+    batch = make_batch(q_lens, DECODE_CONTEXT, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=1)
+    expected = reference_fp32(batch)
+    assert_matches(run_triton(batch, num_splits=1), expected, dtype)
+    assert_matches(run_triton(batch, num_splits=3), expected, dtype)
+
+
+@needs_triton
+def test_long_decode_uses_split_kv() -> None:
+    """A small batch with a long context splits by default, and every split count agrees."""
+    batch = make_batch([1, 1], [700, 3], 8, 2, 64, 16, torch.bfloat16, seed=2)
+    max_context = batch["block_tables"].shape[1] * 16
+    config = ta.default_decode_config(64, torch.bfloat16)
+    assert ta.choose_num_splits(2, 2, max_context, config.block_n, 132) > 1
+    expected = reference_fp32(batch)
+    assert_matches(run_triton(batch), expected, torch.bfloat16)
+    assert_matches(run_triton(batch, num_splits=7), expected, torch.bfloat16)
+
+
+def test_split_heuristic_depends_on_shapes_only() -> None:
+    assert ta.choose_num_splits(256, 8, 1024, 64, 132) == 1  # the batch fills the GPU
+    assert ta.choose_num_splits(1, 8, 4096, 64, 132) > 8  # one sequence needs splitting
+    assert ta.choose_num_splits(1, 8, 64, 64, 132) == 1  # too short to split
+
+
+@needs_triton
+def test_decode_shape_with_uneven_q_lens() -> None:
+    """num_tokens == num_seqs does not imply q_len 1 everywhere: [2, 0, 1] must still be right."""
+    batch = make_batch([2, 0, 1], [5, 9, 30], 4, 2, 64, 16, torch.float32, seed=3)
+    expected = reference_fp32(batch)
+    assert_matches(run_triton(batch), expected, torch.float32)
+    assert_matches(run_triton(batch, num_splits=2), expected, torch.float32)
+
+
+@needs_triton
+def test_prefill_longer_than_one_tile() -> None:
+    """Whole prompts and chunks spanning several query tiles and key blocks, with GQA 5:1."""
+    batch = make_batch([150, 70, 1], [150, 200, 33], 10, 2, 64, 16, torch.float16, seed=4)
+    assert_matches(run_triton(batch), reference_fp32(batch), torch.float16)
+
+
+@needs_triton
+def test_block_ids_beyond_2_pow_15() -> None:
+    """A pool of 33000 blocks, every block in use above 2^15."""
+    batch = make_batch(
+        [1, 6, 1], [40, 30, 17], 4, 1, 64, 16, torch.float16, num_blocks=33000, min_block_id=32768, seed=5
+    )
+    expected = reference_fp32(batch)
+    assert_matches(run_triton(batch), expected, torch.float16)
+    decode = make_batch([1, 1], [40, 17], 4, 1, 64, 16, torch.float16, num_blocks=33000, min_block_id=32768)
+    assert_matches(run_triton(decode), reference_fp32(decode), torch.float16)
+
+
+@needs_triton
+def test_noncontiguous_q_and_out() -> None:
+    """q as a view of a fused qkv projection; out as a view into a wider buffer."""
+    heads, kv_heads, d = 8, 2, 64
+    batch = make_batch([1, 5, 3], [20, 5, 40], heads, kv_heads, d, 16, torch.bfloat16, seed=6)
+    tokens = batch["q"].shape[0]
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, device=DEVICE).to(torch.bfloat16)
+    batch["q"] = qkv[:, : heads * d].view(tokens, heads, d)
+    assert not batch["q"].is_contiguous()
+    wide = torch.full((tokens, heads, 2 * d), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = wide[:, :, :d]
+    ta.paged_attention(**batch, out=out)
+    assert_matches(out, reference_fp32(batch), torch.bfloat16)
+    assert wide[:, :, d:].isnan().all(), "wrote outside out"
+
+
+@needs_triton
+def test_empty_batch() -> None:
+    batch = make_batch([0, 0], [3, 4], 4, 2, 64, 16, torch.float16)
+    assert run_triton(batch).shape == (0, 4, 64)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_write_kv_matches_reference_with_padding(dtype: torch.dtype) -> None:
+    """Random slots with -1 padding, head_dim 80 (masked lanes); nothing else in the pool changes."""
+    num_blocks, block_size, kv_heads, d = 64, 32, 2, 80
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d).to(dtype).to(DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size)[:9]
+    slots[[2, 7]] = -1
+    slots = slots.to(DEVICE)
+    key = torch.randn(9, kv_heads, d).to(dtype).to(DEVICE)
+    value = torch.randn(9, kv_heads, d).to(dtype).to(DEVICE)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, k_expected, v_expected, slots)
+    ta.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expected)
+    assert torch.equal(v_cache, v_expected)
+
+
+@needs_triton
+def test_write_kv_into_big_pool() -> None:
+    """Slots in blocks beyond 2^15 of a 33000-block pool land where the reference puts them."""
+    num_blocks, block_size, kv_heads, d = 33000, 16, 2, 64
+    k_cache = torch.empty(num_blocks, block_size, kv_heads, d, dtype=torch.bfloat16, device=DEVICE)
+    v_cache = torch.empty_like(k_cache)
+    low = torch.randperm(32768 * block_size)[:3]
+    high = 32768 * block_size + torch.randperm((num_blocks - 32768) * block_size)[:4]
+    slots = torch.cat([low, torch.tensor([-1]), high]).to(DEVICE)
+    key = torch.randn(8, kv_heads, d).to(torch.bfloat16).to(DEVICE)
+    value = torch.randn(8, kv_heads, d).to(torch.bfloat16).to(DEVICE)
+    ta.write_kv(key, value, k_cache, v_cache, slots)
+    keep = slots >= 0
+    blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
+    assert torch.equal(k_cache[blocks, offsets], key[keep])
+    assert torch.equal(v_cache[blocks, offsets], value[keep])
+
+
+@needs_triton
+def test_write_kv_then_attend_roundtrip() -> None:
+    """write_kv with a strided key (view of a fused projection) feeds paged_attention."""
+    batch = make_batch([4, 1], [4, 9], 4, 2, 64, 16, torch.float16, seed=7)
+    tokens = 5
+    kv = torch.randn(tokens, 2, 2, 64, device=DEVICE).to(torch.float16)
+    key, value = kv[:, 0], kv[:, 1]
+    bt = batch["block_tables"].cpu()
+    positions = [(0, p) for p in range(4)] + [(1, 8)]
+    slots = torch.tensor([int(bt[s, p // 16]) * 16 + p % 16 for s, p in positions], device=DEVICE)
+    ta.write_kv(key, value, batch["k_cache"], batch["v_cache"], slots)
+    assert_matches(run_triton(batch), reference_fp32(batch), torch.float16)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Dispatch
+# --------------------------------------------------------------------------------------------- #
+
+
+def test_dispatch_uses_reference_on_cpu_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION", raising=False)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("Triton must not run on CPU tensors by default")
+
+    monkeypatch.setattr(ta, "paged_attention", fail)
+    monkeypatch.setattr(ta, "write_kv", fail)
+    batch = make_batch([1, 3], [5, 3], 4, 2, 32, 16, torch.float32, device="cpu")
+    torch.testing.assert_close(kernels.paged_attention(**batch), reference.paged_attention(**batch))
+    kernels.write_kv(
+        batch["q"][:, :2], batch["q"][:, :2], batch["k_cache"], batch["v_cache"], torch.tensor([0, -1, 5, 6])
+    )
+
+
+@needs_triton
+@pytest.mark.skipif(not INTERPRETED, reason="Triton on CPU tensors needs the interpreter")
+def test_dispatch_forced_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION", "triton")
+    calls = []
+    original = ta.paged_attention
+    monkeypatch.setattr(ta, "paged_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    batch = make_batch([1, 3], [5, 3], 4, 2, 32, 16, torch.float32, device="cpu")
+    torch.testing.assert_close(kernels.paged_attention(**batch), reference_fp32(batch), atol=2e-4, rtol=2e-4)
+    assert calls
+
+
+@needs_cuda
+def test_dispatch_triton_on_cuda_and_forced_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION", raising=False)
+    batch = make_batch([1, 3], [5, 3], 4, 2, 64, 16, torch.float16)
+    expected = reference_fp32(batch)
+    assert_matches(kernels.paged_attention(**batch), expected, torch.float16)
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION", "reference")
+    monkeypatch.setattr(ta, "paged_attention", None)  # would fail if called
+    assert_matches(kernels.paged_attention(**batch), expected, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------- #
+# CUDA only
+# --------------------------------------------------------------------------------------------- #
+
+
+@needs_cuda
+def test_cuda_graph_capture_of_decode() -> None:
+    """Capture once, then change lengths and block tables in place: replays follow the new values."""
+    shape = dict(
+        num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=16, dtype=torch.bfloat16, num_blocks=128
+    )
+    batch = make_batch([1] * 4, [300, 20, 1, 77], **shape, extra_table_cols=30)
+    out = torch.empty_like(batch["q"])
+    ta.paged_attention(**batch, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ta.paged_attention(**batch, out=out)
+    for step in range(3):
+        fresh = make_batch([1] * 4, [200 + step, 2, 33, 500], **shape, seed=10 + step)
+        width = fresh["block_tables"].shape[1]
+        assert width <= batch["block_tables"].shape[1]
+        batch["k_cache"].copy_(fresh["k_cache"])
+        batch["v_cache"].copy_(fresh["v_cache"])
+        batch["block_tables"].zero_()
+        batch["block_tables"][:, :width].copy_(fresh["block_tables"])
+        batch["seq_lens"].copy_(fresh["seq_lens"])
+        batch["q"].copy_(fresh["q"])
+        graph.replay()
+        assert_matches(out, reference_fp32(batch), torch.bfloat16)
+
+
+@needs_cuda
+def test_cuda_offsets_beyond_2_pow_31_elements() -> None:
+    """Blocks whose element offset overflows int32 (a 4.3 GB pool): 64-bit addressing is needed."""
+    block_size, kv_heads, d = 16, 8, 128
+    per_block = block_size * kv_heads * d
+    num_blocks = (2**31) // per_block + 64
+    batch = make_batch(
+        [1, 1, 5], [40, 300, 21], 32, kv_heads, d, block_size, torch.bfloat16,
+        num_blocks=num_blocks, min_block_id=num_blocks - 60, seed=8,
+    )  # fmt: skip
+    assert int(batch["block_tables"].min()) * per_block >= 2**31
+    expected = reference_fp32(batch)
+    assert_matches(run_triton(batch), expected, torch.bfloat16)
+    decode = {**batch, "q": batch["q"][:3], "cu_seqlens_q": torch.arange(4, dtype=torch.int32, device=DEVICE)}
+    assert_matches(run_triton(decode), reference_fp32(decode), torch.bfloat16)
+    slots = batch["block_tables"][:, 0].long() * block_size + 5
+    key = torch.randn(3, kv_heads, d, device=DEVICE).to(torch.bfloat16)
+    ta.write_kv(key, key, batch["k_cache"], batch["v_cache"], slots)
+    torch.testing.assert_close(batch["k_cache"][batch["block_tables"][:, 0].long(), 5], key)
