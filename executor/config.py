@@ -36,7 +36,8 @@ class ExecutorConfig:
         cpu_kv_cache_space: GiB of the device KV pool when the device is the CPU.
         max_num_batched_tokens: most tokens in one step; the profiling pass runs this many.
         max_num_seqs: most sequences in one step.
-        enforce_eager: accepted for vLLM compatibility; CUDA graphs are not captured yet.
+        enforce_eager: run every step eagerly; otherwise decode-only steps on CUDA replay CUDA graphs
+            captured at startup (see executor.cuda_graphs).
     """
 
     model: str
@@ -140,5 +141,5 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
     )
     group.add_argument("--max-num-batched-tokens", type=int, default=8192)
     group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--enforce-eager", action="store_true", help="accepted; CUDA graphs come later")
+    group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
     return parser

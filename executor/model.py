@@ -204,7 +204,8 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs the step's tokens and returns float32 logits [len(logits_indices), vocab].
 
@@ -213,11 +214,19 @@ class LlamaModel(nn.Module):
             meta: positions and paged-cache layout of the tokens.
             kv_caches: per layer (k_cache, v_cache), written in place.
             logits_indices: [num_rows] int64 rows of the batch that need logits (each sampling
-                sequence's last token); the LM head runs on those rows only.
+                sequence's last token); the LM head runs on those rows only. None = every row
+                (a decode batch, where each row samples).
+            out: float32 [num_rows, vocab] to write the logits into: a CUDA graph keeps one buffer
+                for all its batch sizes instead of one output per captured graph.
         """
         x = self.embed_tokens(input_ids)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, meta, k_cache, v_cache)
-        x = self.norm(x[logits_indices])
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.norm(x)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        logits = F.linear(x, head)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)

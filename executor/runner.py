@@ -1,9 +1,13 @@
 """The step engine: applies StepPlans to per-request state and the KV pool, runs the model, samples.
 
-It knows nothing of gRPC: `execute(plan) -> StepOutput` is the whole interface (plus `reset` for a
-new lease). Each request's state persists between steps: its tokens (prompt, then every token it
-sampled itself, so the scheduler never sends decode tokens back), how many of them have their KV in
-the pool, its block table and sampling parameters.
+It knows nothing of gRPC. `launch(plan) -> PendingStep` queues a step on the device and returns at
+once; `finish(pending) -> StepOutput` waits for its sampled tokens. `execute(plan)` does both. The
+service launches step N+1 before finishing step N, so the GPU never waits for the host between them.
+
+Each request's state persists between steps: the token ids the host knows (NewRequest.token_ids),
+how many tokens it has (counting those sampled here, whose values stay on the device), how many of
+them have their KV in the pool, its slot (device block table row and last sampled token, see
+`executor.step_inputs`) and its sampling parameters.
 
 A plan is validated in full against the current state before anything is applied, so a bad plan
 (`PlanError`) leaves state and pool exactly as they were.
@@ -11,31 +15,30 @@ A plan is validated in full against the current state before anything is applied
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
 import torch
 
 from executor.config import ExecutorConfig
-from executor.kv_cache import (
-    KVCache,
-    KVCacheLayout,
-    check_fits,
-    cpu_device_num_blocks,
-    gpu_num_blocks,
-)
+from executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from executor.kv_cache import KVCache, KVCacheLayout, check_fits, cpu_device_num_blocks, gpu_num_blocks
 from executor.loader import ModelSpec, load_model_spec, load_weights
-from executor.model import AttentionMetadata, LlamaModel
+from executor.model import LlamaModel
+from executor.profiling import profile_cuda
 from executor.sampler import SamplingParams, sample
+from executor.step_inputs import HostBatch, RequestSlots, build_host_batch, build_step_inputs, stage_batch
+from executor.transfer import to_host
 from protos import executor_pb2
 
 log = structlog.get_logger(__name__)
 
 SeqId = int
+
+__all__ = ["ModelRunner", "PendingStep", "PlanError", "RequestState", "build_step_inputs"]
 
 
 class PlanError(ValueError):
@@ -47,10 +50,12 @@ class RequestState:
     """What the executor holds for one sequence between steps."""
 
     seq_id: SeqId
-    token_ids: list[int]  # prompt, then every sampled token (the last one may not be computed yet)
-    num_prompt: int  # the leading token_ids that are prompt (min_tokens counts the rest)
+    slot: int  # its row in the device block table and in last_token
+    known_ids: np.ndarray  # int64 ids known on the host: the prompt, then any outputs a resume re-sent
+    num_tokens: int  # len(known_ids) + tokens sampled here since (their values live on the device)
+    num_prompt: int  # the leading tokens that are prompt (min_tokens counts the rest)
     num_computed: int  # tokens whose K/V is in the pool
-    block_ids: list[int]  # the block table, in order
+    num_blocks: int  # length of its block table
     sampling: SamplingParams
 
 
@@ -61,62 +66,25 @@ class RunnerStats:
     tokens_sampled: int = 0
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
-    busy_seconds: float = 0.0
+    busy_seconds: float = 0.0  # wall time with at least one step in flight (overlaps counted once)
+    graph_steps: int = 0  # steps that replayed a CUDA graph
 
 
-@dataclass(frozen=True)
-class StepInputs:
-    """Device tensors for one forward pass."""
+@dataclass(slots=True)
+class PendingStep:
+    """A launched step; its sampled tokens are being copied to pinned host memory behind `done`."""
 
-    input_ids: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor
+    step_id: int
+    started: float
+    seq_ids: list[SeqId] = field(default_factory=list)  # the sampling requests, in output order
+    wants_logprobs: list[bool] = field(default_factory=list)
+    token_ids: torch.Tensor | None = None  # host tensor, valid once `done` has completed
+    logprobs: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None  # None on the CPU (everything ran synchronously)
 
-
-def build_step_inputs(
-    chunks: Sequence[Sequence[int]],
-    starts: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    needs_logits: Sequence[bool],
-    block_size: int,
-    device: torch.device,
-) -> StepInputs:
-    """Flattens the scheduled sequences into one batch.
-
-    Args:
-        chunks: per sequence, the token ids it computes this step (non-empty).
-        starts: per sequence, the position of its first new token (= tokens already computed).
-        block_tables: per sequence, its block ids (covering every new position).
-        needs_logits: per sequence, whether its last new token is sampled from.
-    """
-    num_seqs = len(chunks)
-    q_lens = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=num_seqs)
-    starts_np = np.asarray(starts, dtype=np.int64)
-    cu = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu[1:])
-    num_tokens = int(cu[-1])
-    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-    positions = np.arange(num_tokens) - cu[:-1][seq_of_token] + starts_np[seq_of_token]
-    tables = np.zeros((num_seqs, max(len(t) for t in block_tables)), dtype=np.int32)
-    for i, table in enumerate(block_tables):
-        tables[i, : len(table)] = table
-    slots = (
-        tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    )
-    input_ids = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int64, count=num_tokens)
-    logits_indices = (cu[1:] - 1)[np.asarray(needs_logits, dtype=bool)]
-
-    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(a).to(device=device, dtype=dtype)
-
-    meta = AttentionMetadata(
-        positions=dev(positions, torch.int64),
-        slot_mapping=dev(slots, torch.int64),
-        block_tables=dev(tables, torch.int32),
-        seq_lens=dev(starts_np + q_lens, torch.int32),
-        cu_seqlens_q=dev(cu, torch.int32),
-    )
-    return StepInputs(dev(input_ids, torch.int64), meta, dev(logits_indices, torch.int64))
+    def ready(self) -> bool:
+        """Whether finishing it would not block."""
+        return self.done is None or self.done.query()
 
 
 def sampling_from_proto(s: executor_pb2.Sampling) -> SamplingParams:
@@ -149,16 +117,17 @@ def resolve_max_model_len(config: ExecutorConfig, spec: ModelSpec) -> int:
     return config.max_model_len
 
 
-@dataclass
+@dataclass(slots=True)
 class _Scheduled:
     state: RequestState
     num_new: int
 
 
 class ModelRunner:
-    """Holds the model, the KV pool and every request's state; runs one StepPlan at a time.
+    """Holds the model, the KV pool and every request's state; runs StepPlans.
 
-    Not thread-safe: the service serialises calls.
+    Not thread-safe: the service serialises calls. Steps run in launch order on one CUDA stream, so
+    step N+1 may be launched while step N runs: it reads only what N leaves on the device.
     """
 
     def __init__(
@@ -169,6 +138,7 @@ class ModelRunner:
         max_model_len: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -178,13 +148,21 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.stats = RunnerStats()
         self._requests: dict[SeqId, RequestState] = {}
         self._layer_caches = kv_cache.layer_caches()
+        self.slots = RequestSlots(max_num_seqs, self.max_blocks_per_seq, self.device)
+        self._busy_until = 0.0
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(model, self._layer_caches, self.slots, graph_batch_sizes(max_num_seqs))
+            self.graphs.capture()
 
     @classmethod
     def create(cls, config: ExecutorConfig) -> ModelRunner:
-        """Loads the model and sizes and allocates the KV pools (profiling first on CUDA)."""
+        """Loads the model, sizes and allocates the KV pools (profiling first on CUDA), then
+        captures the decode CUDA graphs (on CUDA, unless enforce_eager)."""
         device = config.torch_device()
         dtype = config.torch_dtype(device)
         spec = load_model_spec(config.model)
@@ -192,14 +170,22 @@ class ModelRunner:
         model = LlamaModel(spec, max_model_len, device, dtype)
         load_weights(model, spec, config.model)
         layout = KVCacheLayout(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+        cuda_graphs = device.type == "cuda" and not config.enforce_eager
+        graph_reserve = 0
         if config.num_gpu_blocks_override is not None:
             num_blocks, why = config.num_gpu_blocks_override, "--num-gpu-blocks-override"
         elif device.type == "cuda":
-            peak, non_torch, total = _profile_cuda(model, layout, config, max_model_len)
-            num_blocks = gpu_num_blocks(layout, total, config.gpu_memory_utilization, peak, non_torch)
+            sizes = graph_batch_sizes(config.max_num_seqs) if cuda_graphs else []
+            mem = profile_cuda(model, layout, config, max_model_len, sizes)
+            graph_reserve = mem.graph_reserve_bytes
+            num_blocks = gpu_num_blocks(
+                layout, mem.total_bytes, config.gpu_memory_utilization,
+                mem.peak_bytes + graph_reserve, mem.non_torch_bytes,
+            )  # fmt: skip
             why = (
-                f"{config.gpu_memory_utilization:.2f} of {total / 2**30:.1f} GiB minus a peak of "
-                f"{peak / 2**30:.2f} GiB and {non_torch / 2**30:.2f} GiB outside torch"
+                f"{config.gpu_memory_utilization:.2f} of {mem.total_bytes / 2**30:.1f} GiB minus a peak of "
+                f"{mem.peak_bytes / 2**30:.2f} GiB, {mem.non_torch_bytes / 2**30:.2f} GiB outside torch "
+                f"and {graph_reserve / 2**30:.2f} GiB for CUDA graphs"
             )
         else:
             num_blocks = cpu_device_num_blocks(
@@ -222,15 +208,24 @@ class ModelRunner:
             kv_pool_gib=round(num_blocks * layout.bytes_per_block / 2**30, 3),
             swap_pool_gib=round(num_cpu_blocks * layout.bytes_per_block / 2**30, 3),
             weights_gib=round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 3),
+            cuda_graphs=cuda_graphs,
             sizing=why,
         )
-        return cls(
+        runner = cls(
             model,
             kv_cache,
             max_model_len=max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
+            cuda_graphs=cuda_graphs,
         )
+        if runner.graphs is not None and graph_reserve and runner.graphs.device_bytes > graph_reserve:
+            log.warning(
+                "executor.graph_reserve_exceeded",
+                reserved_gib=round(graph_reserve / 2**30, 3),
+                used_gib=round(runner.graphs.device_bytes / 2**30, 3),
+            )
+        return runner
 
     @property
     def num_requests(self) -> int:
@@ -239,87 +234,145 @@ class ModelRunner:
     def reset(self) -> None:
         """Forgets every request (a new lease); the pool's contents become meaningless."""
         self._requests.clear()
+        self.slots.reset()
 
     def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepOutput:
-        """Applies `plan` (swap_out, removed, swap_in, new, running), runs one forward pass over the
-        scheduled tokens and samples for every request whose tokens are now all computed.
+        """Runs one plan to completion (`launch`, then `finish`)."""
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: executor_pb2.StepPlan) -> PendingStep:
+        """Applies `plan` (swap_out, removed, swap_in, new, running) and queues one forward pass over
+        the scheduled tokens plus sampling for every request whose tokens are then all computed.
+        Returns without waiting for the device.
 
         Raises:
             PlanError: the plan is inconsistent; nothing was applied.
         """
-        start = time.perf_counter()
+        pending = PendingStep(plan.step_id, time.perf_counter())
         new_params = self._validate(plan)
         kv = self.kv_cache
         kv.swap_out([m.src for m in plan.swap_out], [m.dst for m in plan.swap_out])
         for seq_id in plan.removed_seq_ids:
-            self._requests.pop(seq_id, None)
+            state = self._requests.pop(seq_id, None)
+            if state is not None:
+                self.slots.release(state.slot)
         kv.swap_in([m.src for m in plan.swap_in], [m.dst for m in plan.swap_in])
+        scheduled = [s for s in self._admit(plan, new_params) if s.num_new > 0]
+        if scheduled:
+            self._launch_forward(scheduled, pending)
+        stats = self.stats
+        stats.steps += 1
+        stats.tokens_computed += sum(s.num_new for s in scheduled)
+        stats.tokens_sampled += len(pending.seq_ids)
+        stats.swap_out_blocks += len(plan.swap_out)
+        stats.swap_in_blocks += len(plan.swap_in)
+        return pending
 
+    def finish(self, pending: PendingStep) -> executor_pb2.StepOutput:
+        """Waits for a launched step's sampled tokens and reports them, in plan order."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        output = executor_pb2.StepOutput(step_id=pending.step_id, seq_ids=pending.seq_ids)
+        if pending.seq_ids:
+            output.token_ids.extend(pending.token_ids.tolist())
+            if pending.logprobs is None:
+                output.logprobs.extend([0.0] * len(pending.seq_ids))
+            else:
+                logprobs = pending.logprobs.tolist()
+                output.logprobs.extend(
+                    lp if want else 0.0 for lp, want in zip(logprobs, pending.wants_logprobs, strict=True)
+                )
+        now = time.perf_counter()
+        output.step_seconds = now - pending.started
+        self.stats.busy_seconds += max(0.0, now - max(pending.started, self._busy_until))
+        self._busy_until = now
+        return output
+
+    def _admit(self, plan: executor_pb2.StepPlan, new_params: list[SamplingParams]) -> list[_Scheduled]:
+        """Creates the new requests' state, appends the running ones' new blocks, updates the
+        device block table; returns every scheduled request in plan order."""
         scheduled: list[_Scheduled] = []
         for req, params in zip(plan.new_requests, new_params, strict=True):
-            tokens = list(req.token_ids)
+            known = np.fromiter(req.token_ids, dtype=np.int64, count=len(req.token_ids))
             state = RequestState(
                 seq_id=req.seq_id,
-                token_ids=tokens,
-                num_prompt=req.num_prompt_tokens or len(tokens),  # proto3: 0 = unset = all prompt
+                slot=self.slots.allocate(),
+                known_ids=known,
+                num_tokens=len(known),
+                num_prompt=req.num_prompt_tokens or len(known),  # proto3: 0 = unset = all prompt
                 num_computed=req.num_computed_tokens,
-                block_ids=list(req.block_ids),
+                num_blocks=len(req.block_ids),
                 sampling=params,
             )
+            self.slots.set_blocks(state.slot, 0, req.block_ids)
             self._requests[req.seq_id] = state
             scheduled.append(_Scheduled(state, req.num_new_tokens))
         for req in plan.running:
             state = self._requests[req.seq_id]
-            state.block_ids.extend(req.new_block_ids)
+            self.slots.set_blocks(state.slot, state.num_blocks, req.new_block_ids)
+            state.num_blocks += len(req.new_block_ids)
             scheduled.append(_Scheduled(state, req.num_new_tokens))
+        self.slots.flush()
+        return scheduled
 
-        output = executor_pb2.StepOutput(step_id=plan.step_id)
-        scheduled = [s for s in scheduled if s.num_new > 0]
-        if scheduled:
-            self._run(scheduled, output)
-        elapsed = time.perf_counter() - start
-        output.step_seconds = elapsed
-        stats = self.stats
-        stats.steps += 1
-        stats.tokens_computed += sum(s.num_new for s in scheduled)
-        stats.tokens_sampled += len(output.seq_ids)
-        stats.swap_out_blocks += len(plan.swap_out)
-        stats.swap_in_blocks += len(plan.swap_in)
-        stats.busy_seconds += elapsed
-        return output
-
-    @torch.inference_mode()
-    def _run(self, scheduled: list[_Scheduled], output: executor_pb2.StepOutput) -> None:
-        ends = [s.state.num_computed + s.num_new for s in scheduled]
-        samples = [end == len(s.state.token_ids) for s, end in zip(scheduled, ends, strict=True)]
-        inputs = build_step_inputs(
-            [s.state.token_ids[s.state.num_computed : end] for s, end in zip(scheduled, ends, strict=True)],
-            [s.state.num_computed for s in scheduled],
-            [s.state.block_ids for s in scheduled],
-            samples,
-            self.block_size,
-            self.device,
+    def _host_batch(self, scheduled: list[_Scheduled]) -> HostBatch:
+        """The step's inputs on the host: one cheap pass per sequence, then NumPy over tokens."""
+        rows, starts, q_lens, samples, chunks = [], [], [], [], []
+        empty = np.zeros(0, dtype=np.int64)
+        for s in scheduled:
+            st = s.state
+            start, end, known = st.num_computed, st.num_computed + s.num_new, len(st.known_ids)
+            rows.append(st.slot)
+            starts.append(start)
+            q_lens.append(s.num_new)
+            samples.append(end == st.num_tokens)
+            chunks.append(st.known_ids[start : min(end, known)] if start < known else empty)
+        return build_host_batch(
+            rows=np.array(rows, dtype=np.int64),
+            starts=np.array(starts, dtype=np.int64),
+            q_lens=np.array(q_lens, dtype=np.int64),
+            samples=np.array(samples, dtype=bool),
+            host_chunks=chunks,
+            table=self.slots.table_host,
+            block_size=self.block_size,
         )
-        for s, end in zip(scheduled, ends, strict=True):
-            s.state.num_computed = end
-        logits = self.model(inputs.input_ids, inputs.meta, self._layer_caches, inputs.logits_indices)
-        sampling = [s.state for s, wants in zip(scheduled, samples, strict=True) if wants]
+
+    def _launch_forward(self, scheduled: list[_Scheduled], pending: PendingStep) -> None:
+        """Queues the forward pass (a CUDA graph when the step is decode-only), the sampler, the
+        device-side token feed and the copy of the sampled tokens to the host."""
+        batch = self._host_batch(scheduled)
+        sampling = [s.state for s in scheduled if s.state.num_computed + s.num_new == s.state.num_tokens]
+        for s in scheduled:
+            s.state.num_computed += s.num_new
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+            sample_rows = self.graphs.sample_rows(batch.num_seqs)
+            self.stats.graph_steps += 1
+        else:
+            inputs = stage_batch(batch, self.slots)
+            indices = None if batch.decode_only else inputs.logits_indices
+            logits = self.model(inputs.input_ids, inputs.meta, self._layer_caches, indices)
+            sample_rows = inputs.sample_rows
         if not sampling:
             return
-        banned = [st.sampling.banned_ids(len(st.token_ids) - st.num_prompt) for st in sampling]
+        banned = [st.sampling.banned_ids(st.num_tokens - st.num_prompt) for st in sampling]
         result = sample(
             logits,
             [st.sampling for st in sampling],
-            [len(st.token_ids) for st in sampling],
+            [st.num_tokens for st in sampling],  # the position each sampled token takes
             banned if any(banned) else None,
         )
-        token_ids = result.token_ids.tolist()  # the one host sync of a step
-        logprobs = result.logprobs.tolist() if result.logprobs is not None else [0.0] * len(token_ids)
-        for st, token, logprob in zip(sampling, token_ids, logprobs, strict=True):
-            st.token_ids.append(token)
-            output.seq_ids.append(st.seq_id)
-            output.token_ids.append(token)
-            output.logprobs.append(logprob if st.sampling.return_logprobs else 0.0)
+        self.slots.store_sampled(sample_rows, result.token_ids)
+        for st in sampling:
+            st.num_tokens += 1
+        pending.seq_ids = [st.seq_id for st in sampling]
+        pending.wants_logprobs = [st.sampling.return_logprobs for st in sampling]
+        pending.token_ids = to_host(result.token_ids)
+        pending.logprobs = None if result.logprobs is None else to_host(result.logprobs)
+        if self.device.type == "cuda":
+            pending.done = torch.cuda.Event()
+            pending.done.record()
 
     # --- validation -------------------------------------------------------------------------------
 
@@ -368,8 +421,8 @@ class ModelRunner:
                 where,
                 state.num_computed,
                 req.num_new_tokens,
-                len(state.token_ids),
-                num_blocks=len(state.block_ids) + len(req.new_block_ids),
+                state.num_tokens,
+                num_blocks=state.num_blocks + len(req.new_block_ids),
                 unchecked_blocks=req.new_block_ids,  # the held ones were checked when they came
             )
             total_tokens += req.num_new_tokens
@@ -379,6 +432,11 @@ class ModelRunner:
             )
         if len(seen) > self.max_num_seqs:
             raise PlanError(f"plan schedules {len(seen)} sequences > max_num_seqs {self.max_num_seqs}")
+        if len(held) + len(plan.new_requests) > self.slots.capacity:
+            raise PlanError(
+                f"the executor would hold {len(held) + len(plan.new_requests)} requests > max_num_seqs "
+                f"{self.slots.capacity} (remove finished requests first)"
+            )
         return params
 
     def _check_request_tokens(self, where: str, req: executor_pb2.NewRequest) -> None:
@@ -417,6 +475,11 @@ class ModelRunner:
             raise PlanError(
                 f"{where}: {num_blocks} blocks of {self.block_size} tokens cannot hold {end} tokens"
             )
+        if num_blocks > self.max_blocks_per_seq:
+            raise PlanError(
+                f"{where}: a table of {num_blocks} blocks is longer than max_model_len "
+                f"{self.max_model_len} needs ({self.max_blocks_per_seq} blocks)"
+            )
         if unchecked_blocks and max(unchecked_blocks) >= self.kv_cache.num_device_blocks:
             limit = self.kv_cache.num_device_blocks
             raise PlanError(
@@ -433,50 +496,3 @@ def _check_moves(what: str, moves: Sequence[executor_pb2.BlockMove], num_src: in
             )
     if len({m.dst for m in moves}) != len(moves):
         raise PlanError(f"{what}: several moves write the same destination block")
-
-
-def _profile_cuda(
-    model: LlamaModel, layout: KVCacheLayout, config: ExecutorConfig, max_model_len: int
-) -> tuple[int, int, int]:
-    """Runs the worst step the config allows and measures memory.
-
-    The step is max_num_batched_tokens tokens spread over up to max_num_seqs prefills, all sampled
-    with top-k/top-p (the sampler's sort is the largest temporary). Its scratch KV pool is
-    subtracted from the peak, as the real pool is sized separately.
-
-    Returns:
-        (peak bytes allocated by torch, bytes used outside torch, total device bytes).
-    """
-    device = next(model.parameters()).device
-    num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens))
-    per_seq = min(max_model_len, -(-config.max_num_batched_tokens // num_seqs))
-    lens = [per_seq] * num_seqs
-    tables, next_block = [], 0
-    for n in lens:
-        tables.append(list(range(next_block, next_block + layout.blocks_for(n))))
-        next_block += layout.blocks_for(n)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    scratch = KVCache(layout, next_block, 0, device)
-    scratch_bytes = scratch.device_pool.numel() * scratch.device_pool.element_size()
-    inputs = build_step_inputs(
-        [[0] * n for n in lens], [0] * num_seqs, tables, [True] * num_seqs, layout.block_size, device
-    )
-    with torch.inference_mode():
-        logits = model(inputs.input_ids, inputs.meta, scratch.layer_caches(), inputs.logits_indices)
-        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs
-        sample(logits, params, lens)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
-    del scratch, inputs, logits
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
-    log.info(
-        "executor.profiled",
-        tokens=sum(lens),
-        seqs=num_seqs,
-        peak_gib=round(peak / 2**30, 3),
-        non_torch_gib=round(non_torch / 2**30, 3),
-    )
-    return peak, non_torch, total

@@ -8,6 +8,10 @@ vector per row that we can draw from a generator of our choosing.
 A seeded row draws its noise from a generator seeded with mix(seed, position of the sampled
 token): its tokens depend only on its own logits, seed and position, never on which other rows share
 the batch, or on whether the request was pre-empted and re-created in between.
+
+Nothing here waits for the device: per-row parameters travel through pinned memory
+(`executor.transfer.to_device`), so the executor can queue the next step behind this one. An
+all-greedy batch without logprobs costs a single argmax.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from executor.transfer import to_device
 
 _M64 = (1 << 64) - 1
 _GREEDY_EPS = 1e-5
@@ -93,15 +99,18 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 def _exponential_noise(probs: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]):
+    """Exp(1) noise per row: one batched draw for the unseeded rows, a seeded generator per seeded row."""
+    seeded = [i for i, p in enumerate(params) if p.seed is not None]
+    if not seeded:
+        return torch.empty_like(probs).exponential_()
     noise = torch.empty_like(probs)
-    unseeded = [i for i, p in enumerate(params) if p.seed is None]
-    if unseeded:
-        rows = torch.tensor(unseeded, device=probs.device)
+    if len(seeded) < len(params):
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        rows = to_device(unseeded, torch.int64, probs.device)
         noise[rows] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
-    for i, p in enumerate(params):
-        if p.seed is not None:
-            generator = torch.Generator(device=probs.device).manual_seed(mix_seed(p.seed, positions[i]))
-            noise[i].exponential_(generator=generator)
+    for i in seeded:
+        generator = torch.Generator(device=probs.device).manual_seed(mix_seed(params[i].seed, positions[i]))
+        noise[i].exponential_(generator=generator)
     return noise
 
 
@@ -111,7 +120,8 @@ def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
         return logits
     cols = [t for ids in banned for t in ids]
     logits = logits.clone()
-    logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+    device = logits.device
+    logits[to_device(rows, torch.int64, device), to_device(cols, torch.int64, device)] = float("-inf")
     return logits
 
 
@@ -121,7 +131,7 @@ def sample(
     positions: Sequence[int],
     banned: Sequence[Sequence[int]] | None = None,
 ) -> SamplerOutput:
-    """Samples one token per row.
+    """Samples one token per row, without waiting for the device (the result stays on it).
 
     Args:
         logits: [rows, vocab] float32, raw model output.
@@ -134,25 +144,38 @@ def sample(
     raw = logits
     if banned is not None:
         logits = _ban(logits, banned)
-    rows, vocab = logits.shape
-    token_ids = logits.argmax(dim=-1)
+    token_ids = logits.argmax(dim=-1)  # all that an all-greedy batch needs
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
-        device = logits.device
-        sub_params = [params[i] for i in sampled_rows]
-        rows_t = torch.tensor(sampled_rows, device=device)
-        temperature = torch.tensor([p.temperature for p in sub_params], device=device)
-        scaled = logits[rows_t] / temperature[:, None]
-        if any(0 < p.top_k < vocab or p.top_p < 1 for p in sub_params):
-            top_k = torch.tensor(
-                [p.top_k if 0 < p.top_k < vocab else vocab for p in sub_params], device=device
-            )
-            top_p = torch.tensor([p.top_p for p in sub_params], device=device)
-            scaled = _mask_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        noise = _exponential_noise(probs, sub_params, [positions[i] for i in sampled_rows])
-        token_ids[rows_t] = (probs / noise).argmax(dim=-1)
+        _sample_rows(logits, token_ids, params, positions, sampled_rows)
     logprobs = None
     if any(p.return_logprobs for p in params):
         logprobs = raw.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    rows: list[int],
+) -> None:
+    """Overwrites token_ids[rows] with tokens sampled by temperature, top-k/top-p and the race."""
+    device, vocab = logits.device, logits.shape[1]
+    every_row = len(rows) == len(params)
+    sub = params if every_row else [params[i] for i in rows]
+    rows_t = None if every_row else to_device(rows, torch.int64, device)
+    temperature = to_device([p.temperature for p in sub], torch.float32, device)
+    scaled = (logits if rows_t is None else logits[rows_t]) / temperature[:, None]
+    if any(0 < p.top_k < vocab or p.top_p < 1 for p in sub):
+        top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in sub], torch.int64, device)
+        top_p = to_device([p.top_p for p in sub], torch.float32, device)
+        scaled = _mask_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    noise = _exponential_noise(probs, sub, positions if every_row else [positions[i] for i in rows])
+    choice = (probs / noise).argmax(dim=-1)
+    if rows_t is None:
+        token_ids.copy_(choice)
+    else:
+        token_ids[rows_t] = choice

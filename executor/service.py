@@ -2,13 +2,20 @@
 
 One scheduler at a time holds the lease: `Attach` starts a new epoch and drops every request of the
 previous one; a `Step` stream must carry the current epoch in its `lease-epoch` metadata, and is
-cut with FAILED_PRECONDITION as soon as a newer Attach supersedes it. Plans of all streams run one at
-a time under a lock (the runner is not thread-safe, and there is one GPU). A bad plan ends its
-stream with INVALID_ARGUMENT (state untouched) and the service keeps serving.
+cut with FAILED_PRECONDITION as soon as a newer Attach supersedes it. Runner calls of all streams
+are serialised under a lock (the runner is not thread-safe, and there is one GPU). A bad plan ends
+its stream with INVALID_ARGUMENT (state untouched) and the service keeps serving.
+
+Overlap: a Step stream's plans are read by a thread of their own into a queue, and the loop that
+runs them launches plan N+1 *before* waiting for step N's sampled tokens whenever N+1 has arrived
+by then, so the GPU goes from one step straight into the next. It never waits for a plan while a
+step is finished: the scheduler, once it has nothing more to plan, waits for output N before it
+sends anything, so holding output N back for plan N+1 would deadlock. Outputs leave in plan order.
 """
 
 from __future__ import annotations
 
+import queue
 import signal
 import threading
 import time
@@ -19,14 +26,48 @@ import grpc
 import structlog
 
 from executor.config import ExecutorConfig
-from executor.runner import ModelRunner, PlanError
+from executor.runner import ModelRunner, PendingStep, PlanError
 from protos import executor_pb2, executor_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
 LEASE_EPOCH_KEY = "lease-epoch"
 THROUGHPUT_LOG_SECONDS = 10.0
+# While a step runs, how often the loop checks whether it finished (it wakes at once for a plan).
+POLL_SECONDS = 0.0002
 _MAX_MESSAGE_BYTES = 256 << 20
+_END = object()  # the plan stream ended (closed, cancelled or broken)
+_STEP_DONE = object()  # the pending step finished before another plan arrived
+
+
+class _PlanReader:
+    """Reads a Step stream's plans on a thread of its own, so the step loop can look for the next
+    plan without blocking on the network."""
+
+    def __init__(self, request_iterator: Iterator[executor_pb2.StepPlan]) -> None:
+        self._plans: queue.Queue = queue.Queue()
+        self._iterator = request_iterator
+        threading.Thread(target=self._read, name="executor-plan-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for plan in self._iterator:
+                self._plans.put(plan)
+        except Exception:  # noqa: BLE001 - a cancelled or broken stream just ends
+            log.debug("executor.plan_stream_ended", exc_info=True)
+        finally:
+            self._plans.put(_END)
+
+    def next(self, pending: PendingStep | None) -> object:
+        """The next plan (or _END); with a step pending, _STEP_DONE as soon as it finished first."""
+        if pending is None:
+            return self._plans.get()
+        while True:
+            try:
+                return self._plans.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if pending.ready():
+                    return _STEP_DONE
 
 
 class _ThroughputLog:
@@ -103,22 +144,44 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     ) -> Iterator[executor_pb2.StepOutput]:
         epoch = self._stream_epoch(context)
         self._check_lease(epoch, context)
-        for plan in request_iterator:
-            with self._lock:
-                self._check_lease(epoch, context)
-                error: tuple[grpc.StatusCode, str] | None = None
-                try:
-                    output = self._runner.execute(plan)
-                except PlanError as e:
-                    log.warning("executor.bad_plan", step_id=plan.step_id, error=str(e))
-                    error = grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}"
-                except Exception as e:  # noqa: BLE001 - any failure must end the stream with a status
-                    log.exception("executor.step_failed", step_id=plan.step_id)
-                    error = grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}"
+        plans = _PlanReader(request_iterator)
+        pending: PendingStep | None = None  # launched, output not sent yet
+        while True:
+            item = plans.next(pending)
+            if item is _STEP_DONE or (item is _END and pending is not None):
+                yield self._finish(pending)
+                pending = None
+                continue
+            if item is _END:
+                return
+            launched, error = self._launch(item, epoch, context)
+            if pending is not None:  # step N's output goes out after step N+1 is queued
+                yield self._finish(pending)
             if error is not None:
                 context.abort(*error)
-            self._throughput.tick()
-            yield output
+            pending = launched
+
+    def _launch(
+        self, plan: executor_pb2.StepPlan, epoch: int, context: grpc.ServicerContext
+    ) -> tuple[PendingStep | None, tuple[grpc.StatusCode, str] | None]:
+        with self._lock:
+            self._check_lease(epoch, context)
+            try:
+                return self._runner.launch(plan), None
+            except PlanError as e:
+                log.warning("executor.bad_plan", step_id=plan.step_id, error=str(e))
+                return None, (grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
+            except Exception as e:  # noqa: BLE001 - any failure must end the stream with a status
+                log.exception("executor.step_failed", step_id=plan.step_id)
+                return None, (grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}")
+
+    def _finish(self, pending: PendingStep) -> executor_pb2.StepOutput:
+        if pending.done is not None:
+            pending.done.synchronize()  # outside the lock: Attach and other streams need not wait
+        with self._lock:
+            output = self._runner.finish(pending)
+        self._throughput.tick()
+        return output
 
     def GetStats(self, request: executor_pb2.GetStatsRequest, context: grpc.ServicerContext):
         """Also the health check: it answers only once the model is loaded and the server is up."""

@@ -31,7 +31,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -223,6 +223,7 @@ class PassResult:
     sampled_peak_blocks: int = 0
     sampled_slot_utilization: float = 0.0  # slot utilization when the sampled block count peaked
     prefix_caching: bool | None = None
+    seed: int | None = None  # the prompts' seed
 
 
 @dataclass(frozen=True)
@@ -408,6 +409,7 @@ def summarize(result: PassResult) -> dict:
         "label": result.label,
         "request_rate": "inf" if math.isinf(result.request_rate) else result.request_rate,
         "prefix_caching": result.prefix_caching,
+        "seed": result.seed,
         "num_requests": len(records),
         "completed": len(ok),
         "failed": len(records) - len(ok),
@@ -743,6 +745,7 @@ def baseline_table(reference: dict, baselines: Sequence[dict], total_requests: i
 def write_plot(path: Path, runs: Sequence[dict], passes: Sequence[PassResult]) -> None:
     """Histograms of TTFT, ITL and E2E, and output tokens/s per 1 s bin, one colour per pass."""
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -758,16 +761,20 @@ def write_plot(path: Path, runs: Sequence[dict], passes: Sequence[PassResult]) -
         (axes[1, 0], "E2E latency (ms)", lambda p: [r.e2e * 1000 for r in p.records if r.ok]),
     )
     for ax, title, values in panels:
-        for run, p in zip(runs, passes, strict=True):
-            data = values(p)
-            if data:
-                ax.hist(data, bins=40, alpha=0.5, label=run["label"])
+        data = [values(p) for p in passes]
+        if not any(data):
+            continue
+        edges = np.histogram_bin_edges(np.concatenate([d for d in data if d]), bins=40)  # shared bins
+        for run, d in zip(runs, data, strict=True):
+            if d:
+                ax.hist(d, bins=edges, alpha=0.5, label=run["label"])
         ax.set_title(title)
         ax.set_ylabel("count")
     ax = axes[1, 1]
     for run in runs:
         timeline = run["throughput_timeline"]
-        ax.plot(range(len(timeline)), timeline, drawstyle="steps-post", label=run["label"])
+        if timeline:
+            ax.stairs(timeline, np.arange(len(timeline) + 1), label=run["label"])
     ax.set_title("output throughput over time")
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("output tokens/s (1 s bins)")
@@ -875,22 +882,75 @@ def _rate_label(rate: float) -> str:
 def _measure(
     address: str, workload: Workload, rates: Sequence[float], args: argparse.Namespace, tag: str = ""
 ) -> tuple[list[BenchRequest], list[PassResult]]:
-    """Every pass against one server: model info, requests, optional warmup, one pass per rate."""
+    """Every pass against one server: model info, optional warmup, one pass per rate.
+
+    Pass k draws its prompts with seed + k: the first pass sends exactly the workload, and later
+    passes of a sweep do not find their prompts in the prefix cache. Returns the first pass's
+    requests (the ones the baselines replay) and the passes."""
     info = get_model_info(address)
-    requests = generate_requests(workload, info.vocab_size, info.max_model_len or None)
+    max_len = info.max_model_len or None
     options = SendOptions(
         args.temperature, args.ignore_eos, args.seed, args.max_concurrency, args.request_timeout
     )
     if args.num_warmups:
         warmup = warmup_requests(args.num_warmups, info.vocab_size, info.max_model_len)
         run_pass(address, warmup, math.inf, options, "warmup")
-    passes = []
-    for rate in rates:
+    passes, first = [], []
+    for k, rate in enumerate(rates):
+        requests = generate_requests(replace(workload, seed=workload.seed + k), info.vocab_size, max_len)
+        first = first or requests
         parts = [tag] if tag else []
         if len(rates) > 1 or not tag:
             parts.append(_rate_label(rate))
         passes.append(run_pass(address, requests, rate, options, ", ".join(parts)))
+        passes[-1].seed = workload.seed + k
+    return first, passes
+
+
+def run_pagedserve(
+    args: argparse.Namespace, workload: Workload, rates: Sequence[float]
+) -> tuple[list[BenchRequest], list[PassResult]]:
+    """All pagedserve passes: against --host/--port, or launched servers (twice to compare caching)."""
+    if not args.launch:
+        return _measure(f"{args.host}:{args.port}", workload, rates, args)
+    log_dir = args.log_dir or args.result_file.parent / "logs"
+    executor_args, scheduler_args = shlex.split(args.executor_args), shlex.split(args.scheduler_args)
+    settings = [(None, scheduler_args)]
+    if args.compare_prefix_caching:
+        settings = [(True, scheduler_args), (False, [*scheduler_args, "--no-enable-prefix-caching"])]
+    passes: list[PassResult] = []
+    for caching, sched in settings:
+        tag = "" if caching is None else f"prefix caching {'on' if caching else 'off'}"
+        sub_dir = log_dir if caching is None else log_dir / ("caching-on" if caching else "caching-off")
+        with launched_server(args.model, sub_dir, executor_args, sched, args.launch_timeout) as address:
+            requests, results = _measure(address, workload, rates, args, tag)
+        for result in results:
+            result.prefix_caching = caching
+        passes += results
     return requests, passes
+
+
+def caching_comparison(on: PassResult, off: PassResult, greedy: bool) -> dict:
+    """W2's report: prefill work, hit rate and total time with prefix caching on vs off."""
+    run_on, run_off = summarize(on), summarize(off)
+    s_on, s_off = run_on["server"] or {}, run_off["server"] or {}
+    computed_on, computed_off = s_on.get("prompt_tokens_computed"), s_off.get("prompt_tokens_computed")
+    outputs = compare_outputs(on, off)
+    comparison = {
+        "prefill tokens computed (on)": computed_on,
+        "prefill tokens computed (off)": computed_off,
+        "prefill computed ratio on/off": computed_on / computed_off if computed_on and computed_off else None,
+        "prefix cache hit rate (on, hit/query)": s_on.get("prefix_cache_hit_rate"),
+        "cached prompt tokens (on, usage)": run_on["cached_prompt_fraction"],
+        "total time on (s)": run_on["duration_s"],
+        "total time off (s)": run_off["duration_s"],
+        "total time ratio on/off": run_on["duration_s"] / run_off["duration_s"],
+        "greedy outputs identical": outputs["identical"] if greedy else None,
+        "requests compared": outputs["compared"],
+    }
+    if outputs["differing"]:
+        comparison["differing request indices"] = ",".join(map(str, outputs["differing"]))
+    return comparison
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -900,60 +960,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pagedserve bench: --launch and --baseline need --model DIR")
     if args.compare_prefix_caching and not args.launch:
         raise SystemExit("pagedserve bench: --compare-prefix-caching needs --launch")
-    log_dir = args.log_dir or args.result_file.parent / "logs"
-    executor_args, scheduler_args = shlex.split(args.executor_args), shlex.split(args.scheduler_args)
 
-    passes: list[PassResult] = []
-    if not args.launch:
-        requests, passes = _measure(f"{args.host}:{args.port}", workload, rates, args)
-    else:
-        settings = [(None, scheduler_args)]
-        if args.compare_prefix_caching:
-            settings = [(True, scheduler_args), (False, [*scheduler_args, "--no-enable-prefix-caching"])]
-        for caching, sched in settings:
-            tag = "" if caching is None else f"prefix caching {'on' if caching else 'off'}"
-            sub_dir = log_dir if caching is None else log_dir / ("caching-on" if caching else "caching-off")
-            with launched_server(args.model, sub_dir, executor_args, sched, args.launch_timeout) as address:
-                requests, results = _measure(address, workload, rates, args, tag)
-            for result in results:
-                result.prefix_caching = caching
-            passes += results
-
+    requests, passes = run_pagedserve(args, workload, rates)
     runs = [summarize(p) for p in passes]
     comparison = None
-    if args.compare_prefix_caching:
-        on, off = runs[0], runs[len(runs) // 2]
-        s_on, s_off = on["server"] or {}, off["server"] or {}
-        outputs = compare_outputs(passes[0], passes[len(passes) // 2])
-        computed_on, computed_off = s_on.get("prompt_tokens_computed"), s_off.get("prompt_tokens_computed")
-        comparison = {
-            "prefill tokens computed (on)": computed_on,
-            "prefill tokens computed (off)": computed_off,
-            "prefill computed ratio on/off": computed_on / computed_off
-            if computed_on and computed_off
-            else None,
-            "prefix cache hit rate (on, hit/query)": s_on.get("prefix_cache_hit_rate"),
-            "cached prompt tokens (on, usage)": on["cached_prompt_fraction"],
-            "total time on (s)": on["duration_s"],
-            "total time off (s)": off["duration_s"],
-            "total time ratio on/off": on["duration_s"] / off["duration_s"],
-            "greedy outputs identical": outputs["identical"] if args.temperature == 0 else None,
-            "requests compared": outputs["compared"],
-        }
-        if outputs["differing"]:
-            comparison["differing request indices"] = ",".join(map(str, outputs["differing"]))
-
-    baselines = []
-    subset = requests[: args.baseline_num_prompts]  # the very requests pagedserve served
-    for name in args.baseline:
-        print(f"bench: baseline {name} on {len(subset)} of {len(requests)} requests", file=sys.stderr)
-        if name == "hf-static":
-            baselines.append(
-                run_hf_static(args.model, subset, args.baseline_batch_size, args.baseline_device)
-            )
-        else:
-            baselines.append(run_hf_cb(args.model, subset, args.baseline_device))
-
+    if args.compare_prefix_caching:  # passes: [on at each rate..., off at each rate...]
+        comparison = caching_comparison(passes[0], passes[len(passes) // 2], args.temperature == 0)
     report = {
         "config": {
             **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -964,17 +976,27 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": runs,
         "comparison": comparison,
-        "baselines": baselines,
+        "baselines": [],
     }
     args.result_file.parent.mkdir(parents=True, exist_ok=True)
-    args.result_file.write_text(json.dumps(report, indent=2) + "\n")
+    args.result_file.write_text(json.dumps(report, indent=2) + "\n")  # again below, with baselines
     if not args.no_plot:
         write_plot(args.plot or args.result_file.with_suffix(".png"), runs, passes)
 
+    subset = requests[: args.baseline_num_prompts]  # the very requests the first pass sent
+    for name in args.baseline:
+        print(f"bench: baseline {name} on {len(subset)} of {len(requests)} requests", file=sys.stderr)
+        if name == "hf-static":
+            result = run_hf_static(args.model, subset, args.baseline_batch_size, args.baseline_device)
+        else:
+            result = run_hf_cb(args.model, subset, args.baseline_device)
+        report["baselines"].append(result)
+        args.result_file.write_text(json.dumps(report, indent=2) + "\n")
+
     print(results_table(runs, comparison))
-    if baselines:
+    if report["baselines"]:
         print()
-        print(baseline_table(runs[0], baselines, workload.num_prompts))
+        print(baseline_table(runs[0], report["baselines"], workload.num_prompts))
     print(f"\nresults: {args.result_file}", file=sys.stderr)
     return 0
 

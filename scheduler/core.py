@@ -352,8 +352,7 @@ class Scheduler:
         """Pre-empts a running request: swap its KV out (swap mode, if the CPU pool has room) or free
         its blocks and compute it again later (recompute). The executor forgets it either way."""
         self._remove_running(request)
-        if request.seq_id in step.running_plans:
-            self._unschedule(request, step)
+        pass
         moves = self.kv_cache.swap_out(request) if self.config.preemption_mode == "swap" else None
         if moves is not None:
             mode = "swap"

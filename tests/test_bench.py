@@ -242,6 +242,24 @@ def test_bench_against_a_fake_server(fake_server, tmp_path, capsys):
     assert "output throughput (tok/s)" in out and "queue full" in out
 
 
+def test_a_sweep_gives_each_pass_fresh_prompts(fake_server, tmp_path):
+    fake, port = fake_server
+    result = tmp_path / "sweep.json"
+    argv = ["--port", str(port), "--num-prompts", "3", "--input-len", "5", "--output-len", "2"]
+    argv += ["--request-rates", "100,inf", "--result-file", str(result), "--no-plot"]
+    assert bench.main(argv) == 0
+    runs = json.loads(result.read_text())["runs"]
+    assert [(r["label"], r["seed"], r["request_rate"]) for r in runs] == [
+        ("rate 100", 1, 100.0),
+        ("rate inf", 2, "inf"),
+    ]
+    first = bench.generate_requests(Workload("random", 3, LengthRange(5, 5), LengthRange(2, 2)), 300, 64)
+    sent = {r.request_id: tuple(r.token_ids.ids) for r in fake.seen}
+    assert [sent[f"bench-rate-100-{i}"] for i in range(3)] == [r.prompt for r in first]
+    assert not {sent[f"bench-rate-inf-{i}"] for i in range(3)} & {r.prompt for r in first}
+    assert not result.with_suffix(".png").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Hugging Face baselines, directly on the tiny model
 

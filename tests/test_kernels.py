@@ -215,6 +215,8 @@ def test_split_heuristic_depends_on_shapes_only() -> None:
     assert ta.choose_num_splits(256, 8, 1024, 64, 132) == 1  # the batch fills the GPU
     assert ta.choose_num_splits(1, 8, 4096, 64, 132) > 8  # one sequence needs splitting
     assert ta.choose_num_splits(1, 8, 64, 64, 132) == 1  # too short to split
+    assert ta.choose_num_splits(32, 8, 16384, 64, 132) == 2  # 512 programs: one nearly full wave
+    assert ta.choose_num_splits(8, 8, 4096, 64, 132) == 8
 
 
 @needs_triton
@@ -227,10 +229,20 @@ def test_decode_shape_with_uneven_q_lens() -> None:
 
 
 @needs_triton
-def test_prefill_longer_than_one_tile() -> None:
-    """Whole prompts and chunks spanning several query tiles and key blocks, with GQA 5:1."""
-    batch = make_batch([150, 70, 1], [150, 200, 33], 10, 2, 64, 16, torch.float16, seed=4)
+@pytest.mark.parametrize("lookup", ["vector", "binary-search"])
+def test_prefill_longer_than_one_tile(lookup: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole prompts and chunks spanning several query tiles and key blocks, with GQA 5:1; both
+    ways the varlen kernel finds a tile's sequence."""
+    if lookup == "binary-search":
+        monkeypatch.setattr(ta, "_MAX_VECTOR_SEQS", 0)
+    batch = make_batch([150, 70, 1, 0, 9], [150, 200, 33, 4, 9], 10, 2, 64, 16, torch.float16, seed=4)
     assert_matches(run_triton(batch), reference_fp32(batch), torch.float16)
+
+
+@needs_triton
+def test_single_prompt() -> None:
+    batch = make_batch([37], [37], 4, 2, 64, 32, torch.bfloat16, seed=9)
+    assert_matches(run_triton(batch), reference_fp32(batch), torch.bfloat16)
 
 
 @needs_triton

@@ -182,10 +182,10 @@ def test_lru_eviction_of_cached_free_blocks() -> None:
     assert p.new_requests[0].block_ids == [2, 3, 0]
     assert [b.block_id for b in pool.free_queue()] == [1] and pool.num_cached_free_blocks == 1
     deliver(s, p)
-    add(s, 4, [1, 2, 7], max_tokens=1)
     add(s, 5, [3, 4, 7], max_tokens=1)
+    add(s, 4, [1, 2, 7], max_tokens=1)
     p = s.schedule()
-    assert [(r.seq_id, r.num_computed_tokens) for r in p.new_requests] == [(4, 0), (5, 2)]
+    assert [(r.seq_id, r.num_computed_tokens) for r in p.new_requests] == [(5, 2), (4, 0)]
 
 
 def test_prefix_caching_off() -> None:
@@ -379,28 +379,26 @@ def test_requester_preempts_itself_when_it_is_the_latest() -> None:
 
 
 def test_preempted_request_waits_for_its_pending_output() -> None:
-    s, a, b = _two_growing_requests()
-    # Plan step 2 while step 1's output is still in flight: b is pre-empted with a pending token.
-    p1_output = s.schedule()  # step 2 ... see below
-    assert p1_output.removed_seq_ids == [2]
-    assert b.num_pending_outputs == 0  # _two_growing_requests delivered step 1
-    s2 = make_scheduler(block_size=2, num_gpu_blocks=4, max_model_len=8)
-    a = add(s2, 1, [1, 2, 3], max_tokens=5)
-    b = add(s2, 2, [4, 5, 6], max_tokens=5)
-    p0 = s2.schedule()
-    p1 = s2.schedule()  # output of step 0 not in yet: both decode their pending token
-    deliver(s2, p0)
-    p2 = s2.schedule()  # step 1's output still in flight: a needs a block, b is pre-empted
-    assert p2.removed_seq_ids == [2] and b.num_pending_outputs == 1
-    assert b.status is RequestStatus.WAITING
-    deliver(s2, p1)
-    assert b.num_pending_outputs == 0 and len(b.output_token_ids) == 2
-    # Now it may be resumed (once blocks allow), with every token including the late one.
-    while b.status is RequestStatus.WAITING:
-        plan = s2.schedule()
-        deliver(s2, plan)
-    (resumed,) = [p for p in plan.new_requests if p.seq_id == 2]
-    assert resumed.token_ids == [4, 5, 6, token_for(2, 0), token_for(2, 1)]
+    s = make_scheduler(block_size=2, num_gpu_blocks=4, max_model_len=8)
+    a = add(s, 1, [1, 2, 3], max_tokens=5)
+    b = add(s, 2, [4, 5, 6], max_tokens=5)
+    p0 = s.schedule()
+    p1 = s.schedule()  # step 0's output not in yet: both decode their pending token
+    assert tokens_by_seq(p1) == {1: 1, 2: 1}
+    deliver(s, p0)
+    p2 = s.schedule()  # step 1's output still in flight: a needs a block, b is pre-empted
+    assert p2.removed_seq_ids == [2] and p2.running == [RunningPlan(1, 1, [3])]
+    assert b.status is RequestStatus.WAITING and b.num_pending_outputs == 1
+    s.abort_request(a.seq_id)
+    p3 = s.schedule()  # every block is free, but b's sampled token has not arrived
+    assert p3.removed_seq_ids == [1] and p3.new_requests == []
+    deliver(s, p1)
+    assert b.num_pending_outputs == 0 and b.output_token_ids == [token_for(2, 0), token_for(2, 1)]
+    p4 = s.schedule()
+    # Block 2 ([4, 5]) is still cached; block 3 ([6, t0]) was evicted when a took it.
+    assert p4.new_requests == [
+        NewRequestPlan(2, [4, 5, 6, token_for(2, 0), token_for(2, 1)], 2, 3, [2, 3, 1], SamplingOptions())
+    ]
 
 
 # ---- abort ---------------------------------------------------------------------------------------

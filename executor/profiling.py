@@ -1,0 +1,110 @@
+"""Sizing the device KV pool on CUDA: measure what everything but the pool needs, give it the rest.
+
+The pool takes all memory left under `gpu_memory_utilization` after
+* the profiled peak of the worst eager step the config allows (weights + activations),
+* memory outside torch's allocator (CUDA context, cuBLAS workspaces), and
+* a reserve for the CUDA graphs, which are captured *after* the pool exists (their kernels must
+  see the real pool's addresses) and keep their own memory pool that eager steps cannot reuse.
+
+The graph reserve is measured, not guessed: a decode forward pass at the largest graph size, writing
+into a logits buffer of the graphs' shape, is profiled the same way (graphs captured largest first
+into one shared pool need about that much), plus a fixed allowance per graph for what the driver
+keeps for each instantiated graph. After capture the runner logs the memory the graphs actually took.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from executor.config import ExecutorConfig
+from executor.kv_cache import KVCache, KVCacheLayout
+from executor.model import LlamaModel
+from executor.sampler import SamplingParams, sample
+from executor.step_inputs import build_step_inputs
+
+log = structlog.get_logger(__name__)
+
+# Driver memory per instantiated graph (its exec object and kernel-parameter buffers) is outside
+# torch's allocator; 1-2 MiB per graph of the 32-layer model was an upper bound where we looked.
+GRAPH_OVERHEAD_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    peak_bytes: int  # torch's peak over the worst eager step, weights included, scratch pool excluded
+    non_torch_bytes: int  # used outside torch's allocator (CUDA context, libraries)
+    total_bytes: int  # the device's memory
+    graph_reserve_bytes: int  # set aside for CUDA graphs (0 without them)
+
+
+def _scratch_pool(layout: KVCacheLayout, lens: list[int], device: torch.device):
+    tables, next_block = [], 0
+    for n in lens:
+        tables.append(list(range(next_block, next_block + layout.blocks_for(n))))
+        next_block += layout.blocks_for(n)
+    return KVCache(layout, next_block, 0, device), tables
+
+
+def _worst_step_peak(model: LlamaModel, layout: KVCacheLayout, config: ExecutorConfig, max_model_len: int):
+    """max_num_batched_tokens tokens over up to max_num_seqs prefills, all sampled with top-k/top-p
+    (the sampler's sort is the largest temporary); returns (tokens, seqs, peak without the pool)."""
+    device = next(model.parameters()).device
+    num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens))
+    per_seq = min(max_model_len, -(-config.max_num_batched_tokens // num_seqs))
+    lens = [per_seq] * num_seqs
+    torch.cuda.reset_peak_memory_stats(device)
+    scratch, tables = _scratch_pool(layout, lens, device)
+    scratch_bytes = scratch.device_pool.numel() * scratch.device_pool.element_size()
+    inputs = build_step_inputs([[0] * n for n in lens], [0] * num_seqs, tables, [True] * num_seqs,
+                               layout.block_size, device)  # fmt: skip
+    logits = model(inputs.input_ids, inputs.meta, scratch.layer_caches(), inputs.logits_indices)
+    sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs, lens)
+    torch.cuda.synchronize(device)
+    return sum(lens), num_seqs, torch.cuda.max_memory_allocated(device) - scratch_bytes
+
+
+def _decode_graph_bytes(model: LlamaModel, layout: KVCacheLayout, batch: int) -> int:
+    """Torch memory a decode pass of `batch` rows allocates beyond what is live before it."""
+    device = next(model.parameters()).device
+    scratch, tables = _scratch_pool(layout, [1] * batch, device)
+    inputs = build_step_inputs([[0]] * batch, [0] * batch, tables, [True] * batch, layout.block_size, device)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = torch.empty((batch, model.spec.vocab_size), dtype=torch.float32, device=device)
+    model(inputs.input_ids, inputs.meta, scratch.layer_caches(), None, out=out)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+@torch.inference_mode()
+def profile_cuda(
+    model: LlamaModel,
+    layout: KVCacheLayout,
+    config: ExecutorConfig,
+    max_model_len: int,
+    graph_sizes: list[int],
+) -> MemoryProfile:
+    """Measures the memory everything but the KV pool needs (see the module docstring)."""
+    device = next(model.parameters()).device
+    torch.cuda.empty_cache()
+    tokens, seqs, peak = _worst_step_peak(model, layout, config, max_model_len)
+    graph_reserve = 0
+    if graph_sizes:
+        graph_reserve = _decode_graph_bytes(model, layout, max(graph_sizes))
+        graph_reserve += GRAPH_OVERHEAD_BYTES * len(graph_sizes)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    log.info(
+        "executor.profiled",
+        tokens=tokens,
+        seqs=seqs,
+        peak_gib=round(peak / 2**30, 3),
+        non_torch_gib=round(non_torch / 2**30, 3),
+        graph_reserve_gib=round(graph_reserve / 2**30, 3),
+    )
+    return MemoryProfile(peak, non_torch, total, graph_reserve)

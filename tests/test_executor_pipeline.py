@@ -1,0 +1,297 @@
+"""The executor's fast path on the CPU: device-side token feed with one plan in flight ahead,
+the persistent slot block table, padded (CUDA-graph shaped) decode batches, and the overlapped
+service loop's ordering."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from executor.config import ExecutorConfig
+from executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from executor.runner import ModelRunner, PendingStep
+from executor.service import ExecutorService
+from executor.testing import ToyScheduler
+from protos import executor_pb2
+
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    config = ExecutorConfig(
+        model=str(tiny_model_dir), device="cpu", num_gpu_blocks_override=NUM_BLOCKS, swap_space=0.002,
+        max_model_len=256, max_num_seqs=8,
+    )  # fmt: skip
+    return ModelRunner.create(config)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
+    out = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0, min_length=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+class AheadScheduler:
+    """Plans like the real scheduler: step N+1 is planned (and launched) before output N is read,
+    so every decode token it schedules is one whose value only the executor's device knows."""
+
+    def __init__(self, prompts: dict[int, list[int]], block_size: int, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.free = list(range(NUM_BLOCKS))
+        np.random.default_rng(seed).shuffle(self.free)
+        self.prompts = prompts
+        self.num_tokens = {s: len(p) for s, p in prompts.items()}  # counts pending samples
+        self.num_blocks = dict.fromkeys(prompts, 0)
+        self.outputs: dict[int, list[int]] = {s: [] for s in prompts}
+        self.step_id = 0
+
+    def _blocks(self, seq_id: int, end: int) -> list[int]:
+        need = -(-end // self.block_size) - self.num_blocks[seq_id]
+        self.num_blocks[seq_id] += max(need, 0)
+        return [self.free.pop() for _ in range(max(need, 0))]
+
+    def plan(self) -> executor_pb2.StepPlan:
+        self.step_id += 1
+        plan = executor_pb2.StepPlan(step_id=self.step_id)
+        for seq_id, prompt in self.prompts.items():
+            if self.step_id == 1:
+                plan.new_requests.append(
+                    executor_pb2.NewRequest(
+                        seq_id=seq_id, token_ids=prompt, num_new_tokens=len(prompt),
+                        block_ids=self._blocks(seq_id, len(prompt)),
+                    )
+                )  # fmt: skip
+            else:
+                end = self.num_tokens[seq_id]
+                plan.running.append(
+                    executor_pb2.RunningRequest(
+                        seq_id=seq_id, num_new_tokens=1, new_block_ids=self._blocks(seq_id, end)
+                    )
+                )
+            self.num_tokens[seq_id] += 1  # every request samples in every step
+        return plan
+
+    def observe(self, output: executor_pb2.StepOutput) -> None:
+        for seq_id, token in zip(output.seq_ids, output.token_ids, strict=True):
+            self.outputs[seq_id].append(token)
+
+
+def test_one_plan_ahead_matches_hf(runner, hf_model):
+    """Decode inputs come from the device's last_token: planned before their values are known."""
+    runner.reset()
+    prompts = {1: _prompt(21, seed=1), 2: _prompt(16, seed=2), 3: _prompt(3, seed=3)}
+    sched = AheadScheduler(prompts, runner.block_size)
+    in_flight: deque[PendingStep] = deque()
+    max_new = 18
+    for _ in range(max_new):
+        in_flight.append(runner.launch(sched.plan()))
+        if len(in_flight) == 2:
+            sched.observe(runner.finish(in_flight.popleft()))
+    sched.observe(runner.finish(in_flight.popleft()))
+    for seq_id, prompt in prompts.items():
+        assert sched.outputs[seq_id] == _hf_greedy(hf_model, prompt, max_new), seq_id
+
+
+def _check_tables(runner: ModelRunner, sched: ToyScheduler) -> None:
+    """Host mirror == device table, and each held request's row starts with its block ids."""
+    assert torch.equal(runner.slots.table, torch.from_numpy(runner.slots.table_host))
+    slots = set()
+    for seq in sched.seqs.values():
+        if seq.held:
+            state = runner._requests[seq.seq_id]
+            slots.add(state.slot)
+            assert runner.slots.table_host[state.slot, : len(seq.block_ids)].tolist() == seq.block_ids
+    assert len(slots) == runner.num_requests  # no two requests share a slot
+
+
+def test_block_table_stays_right_across_removal_readd_and_swap(runner, hf_model):
+    runner.reset()
+    sched = ToyScheduler(NUM_BLOCKS, runner.kv_cache.num_cpu_blocks, runner.block_size, seed=7)
+    prompts = {1: _prompt(30, seed=4), 2: _prompt(9, seed=5), 3: _prompt(14, seed=6)}
+    for seq_id, prompt in prompts.items():
+        sched.add(seq_id, prompt)
+    for _ in range(5):
+        sched.observe(runner.execute(sched.plan()))
+        _check_tables(runner, sched)
+    sched.observe(runner.execute(sched.plan({2: 1, 3: 1}, swap_out=[1])))  # 1 leaves its slot
+    _check_tables(runner, sched)
+    sched.observe(runner.execute(sched.plan({2: 1}, remove=[3])))  # 3 leaves too
+    sched.add(4, _prompt(40, seed=7))  # reuses a freed slot and freed blocks
+    sched.observe(runner.execute(sched.plan({2: 1, 4: 40})))
+    _check_tables(runner, sched)
+    sched.observe(runner.execute(sched.plan({2: 1, 4: 1, 1: 1}, swap_in=[1])))
+    sched.observe(runner.execute(sched.plan({2: 1, 4: 1, 3: len(sched.seqs[3].token_ids)})))
+    _check_tables(runner, sched)
+    while min(len(sched.seqs[s].generated) for s in prompts) < 14:
+        sched.observe(runner.execute(sched.plan()))
+        _check_tables(runner, sched)
+    for seq_id, prompt in prompts.items():
+        assert sched.seqs[seq_id].generated[:14] == _hf_greedy(hf_model, prompt, 14), seq_id
+
+
+def test_slots_are_limited_to_max_num_seqs(runner):
+    from executor.runner import PlanError
+
+    runner.reset()
+    new = [
+        executor_pb2.NewRequest(seq_id=i, token_ids=[5], num_new_tokens=1, block_ids=[i]) for i in range(9)
+    ]
+    with pytest.raises(PlanError, match="max_num_seqs"):
+        runner.execute(executor_pb2.StepPlan(new_requests=new))
+    assert runner.slots.num_free == 8
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(256)[:8] == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert graph_batch_sizes(256)[-3:] == [224, 240, 256]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+
+
+def test_padded_decode_batch_equals_eager(runner):
+    """What a CUDA graph computes for 3 sequences padded to 4 (CPU, no capture): the same logits
+    as the eager step, and the padding row writes no KV anywhere."""
+    runner.reset()
+    sched = ToyScheduler(NUM_BLOCKS, 0, runner.block_size, seed=9)
+    for seq_id, n in ((1, 17), (2, 5), (3, 33)):
+        sched.add(seq_id, _prompt(n, seed=seq_id))
+    sched.observe(runner.execute(sched.plan()))  # prefill; next step is decode-only
+    graphs = DecodeGraphs(runner.model, runner.kv_cache.layer_caches(), runner.slots, [1, 2, 4])
+    states = [runner._requests[s] for s in (1, 2, 3)]
+    from executor.runner import _Scheduled
+
+    scheduled = [_Scheduled(st, 1) for st in states]
+    batch = runner._host_batch(scheduled)
+    assert batch.decode_only and graphs.padded_size(batch.num_seqs) == 4
+    pool_before = runner.kv_cache.device_pool.clone()
+    padded = graphs.run_uncaptured(batch).clone()
+    written = (runner.kv_cache.device_pool != pool_before).flatten(0, 1).any(dim=(0, 2, 3, 4))
+    # Only the blocks holding each sequence's newest position changed: the padding row wrote nothing.
+    bs = runner.block_size
+    expected = {int(runner.slots.table_host[st.slot, st.num_computed // bs]) for st in states}
+    assert 0 not in expected  # so a stray write of the padding row (to block 0) would show
+    assert set(torch.nonzero(written).flatten().tolist()) == expected
+    runner.kv_cache.device_pool.copy_(pool_before)
+    from executor.step_inputs import stage_batch
+
+    inputs = stage_batch(batch, runner.slots)
+    eager = runner.model(inputs.input_ids, inputs.meta, runner.kv_cache.layer_caches(), None)
+    torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
+
+
+# ---- the overlapped service loop, with a runner whose steps finish when the test says -------------
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.fired = threading.Event()
+
+    def query(self) -> bool:
+        return self.fired.is_set()
+
+    def synchronize(self) -> None:
+        assert self.fired.wait(10), "step never finished"
+
+
+class _FakeRunner:
+    """Records launch/finish order; each step 'runs on the GPU' until its event fires."""
+
+    def __init__(self, auto_finish_after: float | None = None) -> None:
+        self.calls: list[str] = []
+        self.events: dict[int, _Event] = {}
+        self.stats = type("S", (), {"steps": 0, "tokens_computed": 0, "tokens_sampled": 0, "busy_seconds": 0.0})()
+        self.num_requests = 0
+        self._auto = auto_finish_after
+
+    def launch(self, plan):
+        self.calls.append(f"launch {plan.step_id}")
+        event = self.events[plan.step_id] = _Event()
+        if self._auto is not None:
+            threading.Timer(self._auto, event.fired.set).start()
+        return PendingStep(plan.step_id, time.perf_counter(), done=event)
+
+    def finish(self, pending):
+        self.calls.append(f"finish {pending.step_id}")
+        return executor_pb2.StepOutput(step_id=pending.step_id)
+
+
+class _Context:
+    def invocation_metadata(self):
+        return (("lease-epoch", "1"),)
+
+    def abort(self, code, details):
+        raise grpc.RpcError(code, details)
+
+
+def _service(runner) -> ExecutorService:
+    service = ExecutorService(runner, "fake")
+    service._epoch = 1
+    return service
+
+
+def test_service_launches_next_plan_before_finishing_the_running_step():
+    runner = _FakeRunner()
+    service = _service(runner)
+    plans: queue.Queue = queue.Queue()
+    outputs = service.Step(iter(plans.get, None), _Context())
+    plans.put(executor_pb2.StepPlan(step_id=1))
+    plans.put(executor_pb2.StepPlan(step_id=2))
+    time.sleep(0.05)  # both queued while step 1 still runs
+    got = []
+    consumer = threading.Thread(target=lambda: got.extend(o.step_id for o in outputs))
+    consumer.start()
+    time.sleep(0.05)
+    runner.events[1].fired.set()
+    time.sleep(0.05)
+    assert runner.calls == ["launch 1", "launch 2", "finish 1"]
+    runner.events[2].fired.set()
+    plans.put(None)
+    consumer.join(5)
+    assert got == [1, 2]
+    assert runner.calls == ["launch 1", "launch 2", "finish 1", "finish 2"]
+
+
+def test_service_sends_output_without_waiting_for_a_plan_that_is_not_coming():
+    """The engine's drain: it waits for output N before it sends anything more."""
+    runner = _FakeRunner(auto_finish_after=0.02)
+    service = _service(runner)
+    plans: queue.Queue = queue.Queue()
+    outputs = service.Step(iter(plans.get, None), _Context())
+    for step_id in (1, 2, 3):
+        plans.put(executor_pb2.StepPlan(step_id=step_id))
+        assert next(outputs).step_id == step_id  # would hang if the loop waited for step_id + 1
+    plans.put(None)
+    assert list(outputs) == []
+
+
+def test_service_sends_pending_output_before_a_bad_plan_aborts():
+    class Failing(_FakeRunner):
+        def launch(self, plan):
+            if plan.step_id == 2:
+                from executor.runner import PlanError
+
+                raise PlanError("bad")
+            return super().launch(plan)
+
+    runner = Failing(auto_finish_after=0.01)
+    service = _service(runner)
+    plans: queue.Queue = queue.Queue()
+    plans.put(executor_pb2.StepPlan(step_id=1))
+    plans.put(executor_pb2.StepPlan(step_id=2))
+    time.sleep(0.01)
+    outputs = service.Step(iter(plans.get, None), _Context())
+    assert next(outputs).step_id == 1
+    with pytest.raises(grpc.RpcError):
+        next(outputs)

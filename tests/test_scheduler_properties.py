@@ -1,0 +1,336 @@
+"""Stateful property test: random arrivals, steps (outputs on time or one step late), aborts and
+preemptions against a fake executor that stores each token id in its KV slot.
+
+The fake executor applies plans exactly as the protocol says (swap_out, removed, swap_in, then the
+forward pass, then sampling) and checks that every token it is asked to compute has a slot, that it
+never writes a block another live sequence holds, and that every computed position of every live
+sequence (prefix-cache hits and swapped-in blocks included) holds the right token. The scheduler's
+block bookkeeping is checked after every rule.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from scheduler.block_pool import BlockHash, hash_block_tokens
+from scheduler.config import SchedulerConfig
+from scheduler.core import Scheduler, StepPlan
+from scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
+
+# Prompts start with a prefix of one of these, so prefixes (and cached blocks) repeat.
+TEMPLATES = (
+    tuple(range(1, 17)),
+    (1, 2, 3, 4, 9, 9, 9, 9, 5, 6, 7, 8, 9, 10, 11, 12),
+    (5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5),
+)
+
+
+def sampled_token(seq_id: int, position: int) -> int:
+    """What the fake model samples: deterministic, so recomputation samples the same tokens, and
+    from a tiny alphabet, so generated blocks repeat across requests too."""
+    return 20 + (seq_id + position) % 3
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    blocks: list[int]
+    computed: int
+
+
+class FakeExecutor:
+    """Keeps a token id per KV slot instead of K and V tensors."""
+
+    def __init__(self, config: SchedulerConfig, truth: dict[int, list[int]], prompt_lens: dict[int, int]):
+        self.block_size = config.block_size
+        self.gpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_gpu_blocks)]
+        self.cpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_cpu_blocks)]
+        self.seqs: dict[int, _Seq] = {}
+        self.truth = truth  # seq id -> prompt + every token sampled for it so far
+        self.prompt_lens = prompt_lens
+        self.max_tokens: dict[int, int] = {}
+
+    def slot(self, seq: _Seq, position: int) -> int | None:
+        return self.gpu[seq.blocks[position // self.block_size]][position % self.block_size]
+
+    def execute(self, plan: StepPlan) -> tuple[list[int], list[int]]:
+        num_gpu, num_cpu = len(self.gpu), len(self.cpu)
+        for src, dst in plan.swap_out:
+            assert 0 <= src < num_gpu and 0 <= dst < num_cpu, (src, dst)
+            self.cpu[dst] = list(self.gpu[src])
+        for seq_id in plan.removed_seq_ids:
+            assert seq_id in self.seqs, f"removing seq {seq_id} the executor does not hold"
+            del self.seqs[seq_id]
+        held = Counter(b for seq in self.seqs.values() for b in seq.blocks)
+        for src, dst in plan.swap_in:
+            assert 0 <= src < num_cpu and 0 <= dst < num_gpu, (src, dst)
+            assert held[dst] == 0, f"swap_in overwrites block {dst} held by a live sequence"
+            self.gpu[dst] = list(self.cpu[src])
+
+        scheduled: list[tuple[int, _Seq, int]] = []
+        for new in plan.new_requests:
+            assert new.seq_id not in self.seqs
+            assert new.token_ids == self.truth[new.seq_id], "a new request must carry every known token"
+            assert 0 <= new.num_computed_tokens < len(new.token_ids)
+            assert new.num_new_tokens >= 1
+            assert new.num_computed_tokens + new.num_new_tokens <= len(new.token_ids)
+            assert all(0 <= b < num_gpu for b in new.block_ids)
+            seq = _Seq(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            for p in range(seq.computed):  # prefix-cache hits and swapped-in KV
+                assert self.slot(seq, p) == seq.tokens[p], f"seq {new.seq_id} position {p} not in its KV"
+            self.seqs[new.seq_id] = seq
+            scheduled.append((new.seq_id, seq, new.num_new_tokens))
+        for running in plan.running:
+            seq = self.seqs[running.seq_id]
+            assert all(0 <= b < num_gpu for b in running.new_block_ids)
+            seq.blocks.extend(running.new_block_ids)
+            assert running.num_new_tokens >= 1
+            assert seq.computed + running.num_new_tokens <= len(seq.tokens), "computing an unknown token"
+            scheduled.append((running.seq_id, seq, running.num_new_tokens))
+        assert len({seq_id for seq_id, _, _ in scheduled}) == len(scheduled)
+
+        held = Counter(b for seq in self.seqs.values() for b in seq.blocks)
+        for seq_id, seq in self.seqs.items():
+            assert len(set(seq.blocks)) == len(seq.blocks), f"seq {seq_id} holds a block twice"
+        for seq_id, seq, num_new in scheduled:
+            end = seq.computed + num_new
+            assert len(seq.blocks) == cdiv(end, self.block_size), f"seq {seq_id}: blocks do not fit its tokens"
+            for p in range(seq.computed, end):
+                block = seq.blocks[p // self.block_size]
+                assert held[block] == 1, f"seq {seq_id} writes block {block}, which another sequence holds"
+                self.gpu[block][p % self.block_size] = seq.tokens[p]
+            seq.computed = end
+        for seq_id, seq in self.seqs.items():
+            for p in range(seq.computed):
+                assert self.slot(seq, p) == seq.tokens[p], f"seq {seq_id} position {p} was overwritten"
+
+        out_ids, out_tokens = [], []
+        for seq_id, seq, _ in scheduled:
+            if seq.computed == len(seq.tokens):
+                token = sampled_token(seq_id, len(seq.tokens))
+                seq.tokens.append(token)
+                truth = self.truth[seq_id]
+                if len(truth) < len(seq.tokens):
+                    truth.append(token)
+                assert truth[: len(seq.tokens)] == seq.tokens
+                assert len(seq.tokens) - self.prompt_lens[seq_id] <= self.max_tokens[seq_id], "max_tokens"
+                out_ids.append(seq_id)
+                out_tokens.append(token)
+        assert out_ids == plan.sampling_seq_ids
+        return out_ids, out_tokens
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        max_model_len=st.sampled_from([6, 8, 12, 16]),
+        extra_blocks=st.integers(0, 4),
+        num_cpu_blocks=st.integers(0, 8),
+        max_num_seqs=st.integers(1, 6),
+        max_num_batched_tokens=st.integers(1, 20),
+        enable_prefix_caching=st.booleans(),
+        preemption_mode=st.sampled_from(["recompute", "swap"]),
+    )
+    def setup(self, block_size, max_model_len, extra_blocks, **rest) -> None:
+        self.config = SchedulerConfig(
+            block_size=block_size,
+            max_model_len=max_model_len,
+            num_gpu_blocks=cdiv(max_model_len, block_size) + extra_blocks,
+            **rest,
+        )
+        self.scheduler = Scheduler(self.config)
+        self.truth: dict[int, list[int]] = {}
+        self.prompt_lens: dict[int, int] = {}
+        self.executor = FakeExecutor(self.config, self.truth, self.prompt_lens)
+        self.requests: dict[int, Request] = {}  # every request ever added
+        self.held: tuple[int, list[int], list[int]] | None = None  # an output one step late
+        self.next_seq_id = 1
+        self.known_hashes: dict[BlockHash, list[int]] = {}
+
+    # ---- rules -------------------------------------------------------------------------------
+
+    @rule(
+        template=st.integers(0, len(TEMPLATES) - 1),
+        prefix_len=st.integers(0, 16),
+        tail=st.lists(st.integers(0, 1), max_size=3),
+        max_tokens_frac=st.floats(0, 1),
+        priority=st.integers(0, 2),
+    )
+    def add_request(self, template, prefix_len, tail, max_tokens_frac, priority) -> None:
+        prompt = (list(TEMPLATES[template][:prefix_len]) + tail)[: self.config.max_model_len - 1] or [0]
+        room = self.config.max_model_len - len(prompt)
+        max_tokens = 1 + int(max_tokens_frac * (room - 1))
+        seq_id = self.next_seq_id
+        self.next_seq_id += 1
+        request = Request(SeqId(seq_id), prompt, max_tokens, SamplingOptions(), priority=priority)
+        self.truth[seq_id] = list(prompt)
+        self.prompt_lens[seq_id] = len(prompt)
+        self.executor.max_tokens[seq_id] = max_tokens
+        self.requests[seq_id] = request
+        self.scheduler.add_request(request)
+
+    @rule(late=st.booleans())
+    def step(self, late: bool) -> None:
+        """schedule() for step N+1, then the output of step N arrives (as the engine does)."""
+        plan = self.scheduler.schedule()
+        self.check_plan(plan)
+        output = (plan.step_id, *self.executor.execute(plan))
+        self.deliver_held()
+        if late:
+            self.held = output
+        else:
+            self.deliver(output)
+
+    @precondition(lambda self: self.held is not None)
+    @rule()
+    def deliver_held(self) -> None:
+        if self.held is not None:
+            held, self.held = self.held, None
+            self.deliver(held)
+
+    @rule(index=st.integers(0, 1_000), also_late=st.booleans())
+    def abort(self, index: int, also_late: bool) -> None:
+        """A stop condition or a cancelled client, at any point of a request's life."""
+        live = [r for r in self.requests.values() if r.status is not RequestStatus.FINISHED]
+        if not live:
+            return
+        request = live[index % len(live)]
+        self.scheduler.abort_request(request.seq_id)
+        assert request.status is RequestStatus.FINISHED
+        assert self.scheduler.get_request(request.seq_id) is None
+        self.scheduler.abort_request(request.seq_id)  # idempotent
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def deliver(self, output: tuple[int, list[int], list[int]]) -> None:
+        step_id, seq_ids, tokens = output
+        live_before = {s for s in seq_ids if self.scheduler.get_request(SeqId(s)) is not None}
+        updated = self.scheduler.process_output(step_id, seq_ids, tokens)
+        assert [r.seq_id for r in updated] == [s for s in seq_ids if s in live_before]
+        for request in updated:
+            assert request.num_pending_outputs >= 0
+            if len(request.output_token_ids) == request.max_tokens:
+                assert request.status is RequestStatus.FINISHED
+
+    def check_plan(self, plan: StepPlan) -> None:
+        config = self.config
+        assert plan.num_scheduled_tokens <= config.max_num_batched_tokens
+        assert len(self.scheduler.running) <= config.max_num_seqs
+        scheduled = [p.seq_id for p in (*plan.new_requests, *plan.running)]
+        assert len(set(scheduled)) == len(scheduled)
+        assert not set(plan.removed_seq_ids) & set(scheduled), "a request is never removed and run in one plan"
+        assert len(set(plan.removed_seq_ids)) == len(plan.removed_seq_ids)
+
+    def chain_hashes(self, tokens: list[int]) -> None:
+        """Records the hash of every full block of a token sequence, for the content check."""
+        size, parent = self.config.block_size, None
+        for i in range(len(tokens) // size):
+            block = tokens[i * size : (i + 1) * size]
+            parent = hash_block_tokens(parent, block)
+            self.known_hashes.setdefault(parent, block)
+
+    # ---- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def block_bookkeeping(self) -> None:
+        s, kv = self.scheduler, self.scheduler.kv_cache
+        pool, size = kv.block_pool, self.config.block_size
+        free = pool.free_queue()
+        free_ids = {b.block_id for b in free}
+        holders: Counter[int] = Counter()
+        for request in s.running:
+            table = kv.blocks(request.seq_id)
+            assert len(table) == cdiv(request.num_computed_tokens, size)
+            holders.update(b.block_id for b in table)
+            for i, block in enumerate(table):
+                if block.block_hash is not None:  # only full, known blocks, under their own chain hash
+                    assert (i + 1) * size <= request.num_known_tokens
+                    tokens = request.all_token_ids[: (i + 1) * size]
+                    parent = None
+                    for j in range(i + 1):
+                        parent = hash_block_tokens(parent, tokens[j * size : (j + 1) * size])
+                    assert block.block_hash == parent
+        # Reference counts equal holders; free means unheld; the counts add up.
+        for block in pool.blocks:
+            assert block.ref_count == holders[block.block_id], block
+            assert (block.ref_count == 0) == (block.block_id in free_ids), block
+            if holders[block.block_id] > 1:
+                assert block.block_hash is not None, "blocks are shared only through the prefix cache"
+            if block.block_hash is not None:
+                assert pool.get_cached_block(block.block_hash) is block
+        assert len(free) + pool.num_blocks_in_use == pool.num_blocks
+        assert pool.num_cached_free_blocks == sum(1 for b in free if b.block_hash is not None)
+        assert pool.num_cached_blocks == sum(1 for b in pool.blocks if b.block_hash is not None)
+        # Cached blocks hold the tokens their hash stands for.
+        for tokens in self.truth.values():
+            self.chain_hashes(tokens)
+        for block in pool.blocks:
+            if block.block_hash is not None:
+                assert block.block_hash in self.known_hashes
+                assert self.executor.gpu[block.block_id] == self.known_hashes[block.block_hash]
+        # Queues, statuses and CPU blocks.
+        for request in s.waiting:
+            assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+            assert kv.num_blocks(request.seq_id) == 0
+        cpu_held = []
+        for request in s.swapped:
+            assert request.status is RequestStatus.SWAPPED and kv.num_blocks(request.seq_id) == 0
+            cpu = kv.cpu_block_ids(request.seq_id)
+            assert len(cpu) == cdiv(request.num_computed_tokens, size)
+            cpu_held += cpu
+        assert len(set(cpu_held)) == len(cpu_held)
+        assert len(cpu_held) + kv.num_free_cpu_blocks == self.config.num_cpu_blocks
+        live = [r for r in self.requests.values() if r.status is not RequestStatus.FINISHED]
+        assert len(live) == len(s.waiting) + len(s.running) + len(s.swapped)
+        assert s.has_unfinished_requests() == bool(live)
+
+    @invariant()
+    def request_counters(self) -> None:
+        for seq_id, request in self.requests.items():
+            assert 0 <= request.num_computed_tokens <= request.num_tokens <= self.config.max_model_len
+            assert request.num_sampled_tokens <= request.max_tokens
+            assert 0 <= request.num_pending_outputs <= 2
+            prompt_len = len(request.prompt_token_ids)
+            outputs = request.output_token_ids
+            assert outputs == self.truth[seq_id][prompt_len : prompt_len + len(outputs)]
+            assert request.num_cached_prompt_tokens < prompt_len or prompt_len == 0
+
+    def teardown(self) -> None:
+        if not hasattr(self, "scheduler"):
+            return
+        # Everything finishes: no deadlock, whatever the pool size and priorities.
+        for _ in range(2_000):
+            if not self.scheduler.has_unfinished_requests() and self.held is None:
+                break
+            self.step(late=False)
+        assert not self.scheduler.has_unfinished_requests()
+        self.step(late=False)  # flushes the last removed ids
+        self.block_bookkeeping()
+        assert not self.executor.seqs
+        pool = self.scheduler.kv_cache.block_pool
+        assert pool.num_blocks_in_use == 0 and all(b.ref_count == 0 for b in pool.blocks)
+        assert pool.num_free_blocks == pool.num_blocks
+        assert self.scheduler.kv_cache.num_free_cpu_blocks == self.config.num_cpu_blocks
+        for request in self.requests.values():
+            assert request.status is RequestStatus.FINISHED
+        stats = self.scheduler.stats
+        assert stats.num_running == stats.num_waiting == stats.num_swapped == stats.gpu_blocks_in_use == 0
+        assert stats.num_preemptions == sum(r.num_preemptions for r in self.requests.values())
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=500,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestSchedulerMachine = SchedulerMachine.TestCase
