@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import structlog
+from asyncio_throttle import Throttler
 
 from protos import executor_pb2, executor_pb2_grpc
 from scheduler.completion import Completion, Delta, StopConditions
@@ -31,6 +32,7 @@ log = structlog.get_logger()
 # Plans sent ahead of the output being read: the one executing and the one queued behind it.
 PLANS_IN_FLIGHT = 2
 STATS_LOG_INTERVAL_S = 10.0
+ATTACH_RETRY_PERIOD_S = 1.0
 
 
 class EngineUnavailable(Exception):
@@ -223,10 +225,12 @@ class Engine:
 
     async def run(self) -> None:
         """Attaches, then runs steps until cancelled; re-attaches after losing the executor."""
+        attach_throttle = Throttler(rate_limit=1, period=ATTACH_RETRY_PERIOD_S)
         while True:
             try:
                 if self.scheduler is None:
-                    await self.attach()
+                    async with attach_throttle:  # after a loss, re-attach at most once a period
+                        await self.attach()
                 self._attached.set()
                 await self._step_loop()
             except asyncio.CancelledError:
@@ -238,7 +242,6 @@ class Engine:
                 log.error("executor lost", error=details)
                 self._fail_all(EngineUnavailable(f"executor lost: {details}"))
                 self.scheduler = None
-                await asyncio.sleep(1.0)
 
     async def _step_loop(self) -> None:
         assert self.info is not None and self.scheduler is not None

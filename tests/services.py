@@ -27,6 +27,10 @@ from protos import (
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,6 +76,7 @@ class Services:
     executor: subprocess.Popen
     scheduler: subprocess.Popen
     log_dir: Path
+    executor_cmd: list[str]
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(f"127.0.0.1:{self.port}")
@@ -85,6 +90,15 @@ class Services:
 
     def executor_log(self) -> str:
         return (self.log_dir / "executor.log").read_text(errors="replace")
+
+    def restart_executor(self) -> None:
+        """Kills the executor (as a crash would) and starts a new one on the same port."""
+        self.executor.kill()
+        self.executor.wait(timeout=10)
+        log = open(self.log_dir / "executor.log", "a")  # noqa: SIM115 - closed with the process
+        self.executor = subprocess.Popen(
+            self.executor_cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO
+        )
 
 
 def wait_until_ready(services: Services, timeout: float = 120.0) -> None:
@@ -118,21 +132,22 @@ def running_services(
     """Runs docker-compose.yml's two commands as processes (CPU, float32), plus extra flags."""
     commands = compose_commands()
     port, executor_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log_dir.mkdir(parents=True, exist_ok=True)
+    cmds = {
+        "executor": localize(commands["executor"], model_dir, executor_port, executor_port)
+        + ["--device=cpu", "--dtype=float32", *executor_args],
+        "scheduler": localize(commands["scheduler"], model_dir, port, executor_port) + list(scheduler_args),
+    }
     procs = []
     try:
-        for name, own_port, extra in (
-            ("executor", executor_port, ("--device=cpu", "--dtype=float32", *executor_args)),
-            ("scheduler", port, scheduler_args),
-        ):
-            cmd = localize(commands[name], model_dir, own_port, executor_port) + list(extra)
+        for name, cmd in cmds.items():
             log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO))
-        services = Services(port, executor_port, procs[0], procs[1], log_dir)
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO))
+        services = Services(port, executor_port, procs[0], procs[1], log_dir, cmds["executor"])
         wait_until_ready(services)
         yield services
     finally:
+        procs = [services.executor, services.scheduler] if "services" in locals() else procs
         for proc in reversed(procs):
             proc.terminate()
         for proc in reversed(procs):

@@ -1,0 +1,53 @@
+"""Losing the executor mid-stream: clients get UNAVAILABLE (none hangs), the scheduler stays up,
+re-attaches to the restarted executor under a new lease, and serves again."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from pagedserve.client import generate, make_request, stream
+from tests.services import running_services, wait_until_ready
+
+pytestmark = pytest.mark.slow
+
+
+def test_executor_crash_fails_streams_then_recovers(tiny_model_dir, tmp_path):
+    with running_services(tiny_model_dir, tmp_path) as services:
+        with services.channel() as channel:
+            responses = stream(channel, make_request([9] * 30, max_tokens=990, ignore_eos=True), timeout=60)
+            next(responses)  # streaming has begun
+            errors: list[grpc.RpcError] = []
+
+            def drain() -> None:
+                try:
+                    for _ in responses:
+                        pass
+                except grpc.RpcError as exc:
+                    errors.append(exc)
+
+            reader = threading.Thread(target=drain)
+            reader.start()
+            services.restart_executor()
+            reader.join(timeout=60)
+            assert not reader.is_alive(), "the stream hung after the executor died"
+            assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE
+            assert "executor" in errors[0].details()
+
+            deadline = time.monotonic() + 60
+            while True:  # until the scheduler has re-attached to the new executor
+                try:
+                    result = generate(
+                        channel, make_request([5, 6, 7], max_tokens=4, temperature=0), timeout=30
+                    )
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    assert time.monotonic() < deadline, "the scheduler never re-attached"
+                    time.sleep(0.5)
+            assert len(result.token_ids) >= 1
+        wait_until_ready(services)
+        assert services.scheduler.poll() is None
