@@ -1,0 +1,240 @@
+"""The command line of `pagedserve bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from pagedserve.bench.baselines import run_hf_cb, run_hf_static
+from pagedserve.bench.client import PassResult, SendOptions, get_model_info, run_pass, warmup_requests
+from pagedserve.bench.launch import launched_server
+from pagedserve.bench.metrics import compare_outputs, summarize
+from pagedserve.bench.report import baseline_table, results_table, write_plot
+from pagedserve.bench.workloads import (
+    DEFAULTS,
+    PRESETS,
+    BenchRequest,
+    LengthRange,
+    Workload,
+    generate_requests,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagedserve bench", description="benchmark a pagedserve server over gRPC"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument(
+        "--workload", choices=tuple(PRESETS), help="WORKLOADS.md preset; explicit flags override it"
+    )
+    p.add_argument("--dataset", choices=("random", "shared-prefix"))
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--input-len", help="prompt tokens (suffix for shared-prefix): N or MIN:MAX")
+    p.add_argument("--output-len", help="output tokens: N or MIN:MAX")
+    p.add_argument("--prefix-len", type=int, help="shared-prefix: tokens of the common prefix")
+    p.add_argument("--request-rate", help="'inf' (all at t=0) or a Poisson rate in req/s")
+    p.add_argument("--request-rates", help="comma-separated rates: one pass per rate, tabled together")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument(
+        "--num-warmups", type=int, default=0, help="short unrelated requests sent before measuring"
+    )
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    p.add_argument("--result-file", type=Path, default=Path("bench-results/bench.json"))
+    p.add_argument("--plot", type=Path, default=None, help="PNG path (default: the result file with .png)")
+    p.add_argument("--no-plot", action="store_true")
+    launch = p.add_argument_group("launched services")
+    launch.add_argument("--launch", action="store_true", help="start executor + scheduler on loopback")
+    launch.add_argument("--model", help="model directory (--launch and baselines)")
+    launch.add_argument("--executor-args", default="", help="extra executor flags (one shell-quoted string)")
+    launch.add_argument(
+        "--scheduler-args", default="", help="extra scheduler flags (one shell-quoted string)"
+    )
+    launch.add_argument("--launch-timeout", type=float, default=900.0)
+    launch.add_argument("--log-dir", type=Path, default=None, help="default: next to the result file")
+    launch.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="with --launch: run with prefix caching on, then off",
+    )
+    base = p.add_argument_group("Hugging Face baselines (run after the pagedserve pass)")
+    base.add_argument("--baseline", action="append", choices=("hf-static", "hf-cb"), default=[])
+    base.add_argument(
+        "--baseline-num-prompts", type=int, default=None, help="the first N requests (default all)"
+    )
+    base.add_argument("--baseline-batch-size", type=int, default=64, help="hf-static batch size")
+    base.add_argument("--baseline-device", default="auto", help="auto, cpu or cuda[:N]")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
+    """The workload and request rates: explicit flags, then the preset, then the defaults."""
+    preset = PRESETS.get(args.workload or "", {})
+
+    def pick(name: str):
+        value = getattr(args, name)
+        return value if value is not None else preset.get(name, DEFAULTS.get(name))
+
+    dataset = pick("dataset")
+    prefix_len = pick("prefix_len") if dataset == "shared-prefix" else 0
+    if dataset == "shared-prefix" and args.prefix_len is None and "prefix_len" not in preset:
+        prefix_len = 256
+    workload = Workload(
+        dataset=dataset,
+        num_prompts=pick("num_prompts"),
+        input_len=LengthRange.parse(pick("input_len")),
+        output_len=LengthRange.parse(pick("output_len")),
+        prefix_len=prefix_len,
+        seed=args.seed,
+    )
+    if args.request_rates:
+        rates = [float(x) for x in args.request_rates.split(",") if x.strip()]
+    elif args.request_rate is not None or "request_rate" in preset:
+        rates = [float(pick("request_rate"))]
+    elif args.workload == "W3":
+        raise SystemExit("pagedserve bench: W3 needs --request-rate R or --request-rates R1,R2,...")
+    else:
+        rates = [float(DEFAULTS["request_rate"])]
+    if any(r <= 0 for r in rates):
+        raise SystemExit("pagedserve bench: request rates must be positive")
+    return workload, rates
+
+
+def _rate_label(rate: float) -> str:
+    return "rate inf" if math.isinf(rate) else f"rate {rate:g}"
+
+
+def _measure(
+    address: str, workload: Workload, rates: Sequence[float], args: argparse.Namespace, tag: str = ""
+) -> tuple[list[BenchRequest], list[PassResult]]:
+    """Every pass against one server: model info, optional warmup, one pass per rate.
+
+    Pass k draws its prompts with seed + k: the first pass sends exactly the workload, and later
+    passes of a sweep do not find their prompts in the prefix cache. Returns the first pass's
+    requests (the ones the baselines replay) and the passes."""
+    info = get_model_info(address)
+    max_len = info.max_model_len or None
+    options = SendOptions(
+        args.temperature, args.ignore_eos, args.seed, args.max_concurrency, args.request_timeout
+    )
+    if args.num_warmups:
+        warmup = warmup_requests(args.num_warmups, info.vocab_size, info.max_model_len)
+        run_pass(address, warmup, math.inf, options, "warmup")
+    passes, first = [], []
+    for k, rate in enumerate(rates):
+        requests = generate_requests(replace(workload, seed=workload.seed + k), info.vocab_size, max_len)
+        first = first or requests
+        parts = [tag] if tag else []
+        if len(rates) > 1 or not tag:
+            parts.append(_rate_label(rate))
+        passes.append(run_pass(address, requests, rate, options, ", ".join(parts)))
+        passes[-1].seed = workload.seed + k
+    return first, passes
+
+
+def run_pagedserve(
+    args: argparse.Namespace, workload: Workload, rates: Sequence[float]
+) -> tuple[list[BenchRequest], list[PassResult]]:
+    """All pagedserve passes: against --host/--port, or launched servers (twice to compare caching)."""
+    if not args.launch:
+        return _measure(f"{args.host}:{args.port}", workload, rates, args)
+    log_dir = args.log_dir or args.result_file.parent / "logs"
+    executor_args, scheduler_args = shlex.split(args.executor_args), shlex.split(args.scheduler_args)
+    settings = [(None, scheduler_args)]
+    if args.compare_prefix_caching:
+        settings = [(True, scheduler_args), (False, [*scheduler_args, "--no-enable-prefix-caching"])]
+    passes: list[PassResult] = []
+    for caching, sched in settings:
+        tag = "" if caching is None else f"prefix caching {'on' if caching else 'off'}"
+        sub_dir = log_dir if caching is None else log_dir / ("caching-on" if caching else "caching-off")
+        with launched_server(args.model, sub_dir, executor_args, sched, args.launch_timeout) as address:
+            requests, results = _measure(address, workload, rates, args, tag)
+        for result in results:
+            result.prefix_caching = caching
+        passes += results
+    return requests, passes
+
+
+def caching_comparison(on: PassResult, off: PassResult, greedy: bool) -> dict:
+    """W2's report: prefill work, hit rate and total time with prefix caching on vs off."""
+    run_on, run_off = summarize(on), summarize(off)
+    s_on, s_off = run_on["server"] or {}, run_off["server"] or {}
+    computed_on, computed_off = s_on.get("prompt_tokens_computed"), s_off.get("prompt_tokens_computed")
+    outputs = compare_outputs(on, off)
+    comparison = {
+        "prefill tokens computed (on)": computed_on,
+        "prefill tokens computed (off)": computed_off,
+        "prefill computed ratio on/off": computed_on / computed_off if computed_on and computed_off else None,
+        "prefix cache hit rate (on, hit/query)": s_on.get("prefix_cache_hit_rate"),
+        "cached prompt tokens (on, usage)": run_on["cached_prompt_fraction"],
+        "total time on (s)": run_on["duration_s"],
+        "total time off (s)": run_off["duration_s"],
+        "total time ratio on/off": run_on["duration_s"] / run_off["duration_s"],
+        "greedy outputs identical": outputs["identical"] if greedy else None,
+        "requests compared": outputs["compared"],
+    }
+    if outputs["differing"]:
+        comparison["differing request indices"] = ",".join(map(str, outputs["differing"]))
+    return comparison
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    workload, rates = resolve(args)
+    if (args.launch or args.baseline) and not args.model:
+        raise SystemExit("pagedserve bench: --launch and --baseline need --model DIR")
+    if args.compare_prefix_caching and not args.launch:
+        raise SystemExit("pagedserve bench: --compare-prefix-caching needs --launch")
+
+    requests, passes = run_pagedserve(args, workload, rates)
+    runs = [summarize(p) for p in passes]
+    comparison = None
+    if args.compare_prefix_caching:  # passes: [on at each rate..., off at each rate...]
+        comparison = caching_comparison(passes[0], passes[len(passes) // 2], args.temperature == 0)
+    report = {
+        "config": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "workload_resolved": {
+                k: str(v) if isinstance(v, LengthRange) else v for k, v in vars(workload).items()
+            },
+            "request_rates": ["inf" if math.isinf(r) else r for r in rates],
+        },
+        "runs": runs,
+        "comparison": comparison,
+        "baselines": [],
+    }
+    args.result_file.parent.mkdir(parents=True, exist_ok=True)
+    args.result_file.write_text(json.dumps(report, indent=2) + "\n")  # again below, with baselines
+    if not args.no_plot:
+        write_plot(args.plot or args.result_file.with_suffix(".png"), runs, passes)
+
+    subset = requests[: args.baseline_num_prompts]  # the very requests the first pass sent
+    for name in args.baseline:
+        print(f"bench: baseline {name} on {len(subset)} of {len(requests)} requests", file=sys.stderr)
+        if name == "hf-static":
+            result = run_hf_static(args.model, subset, args.baseline_batch_size, args.baseline_device)
+        else:
+            result = run_hf_cb(args.model, subset, args.baseline_device)
+        report["baselines"].append(result)
+        args.result_file.write_text(json.dumps(report, indent=2) + "\n")
+
+    print(results_table(runs, comparison))
+    if report["baselines"]:
+        print()
+        print(baseline_table(runs[0], report["baselines"], workload.num_prompts))
+    print(f"\nresults: {args.result_file}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

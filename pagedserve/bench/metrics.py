@@ -1,0 +1,118 @@
+"""Latency distributions, throughput and server-side figures of a pass."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from pagedserve.bench.client import PassResult, RequestRecord
+
+PERCENTILES = (50, 90, 99)
+
+
+def distribution(values_s: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 in milliseconds (None when there are no values)."""
+    import numpy as np
+
+    if not values_s:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
+
+
+def throughput_timeline(records: Sequence[RequestRecord], start: float, bin_s: float = 1.0) -> list[float]:
+    """Output tokens per second in consecutive `bin_s` bins from the start of the pass."""
+    bins: Counter[int] = Counter()
+    last = 0
+    for r in records:
+        for t, k in zip(r.message_times, r.message_tokens, strict=True):
+            b = int((t - start) // bin_s)
+            bins[b] += k
+            last = max(last, b)
+    return [bins[b] / bin_s for b in range(last + 1)] if bins else []
+
+
+def server_metrics(result: PassResult) -> dict | None:
+    """Deltas of the scheduler's counters over the pass, and its peak KV use."""
+    before, after = result.stats_before, result.stats_after
+    if before is None or after is None:
+        return None
+    if after.peak_gpu_blocks_in_use > before.peak_gpu_blocks_in_use:  # the lifetime peak moved: it is ours
+        peak, slot_util, source = after.peak_gpu_blocks_in_use, after.peak_slot_utilization, "server"
+    else:
+        peak, slot_util, source = result.sampled_peak_blocks, result.sampled_slot_utilization, "sampled"
+    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
+    queries = after.prefix_cache_query_tokens - before.prefix_cache_query_tokens
+    return {
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "num_gpu_blocks": after.num_gpu_blocks,
+        "peak_gpu_blocks_in_use": peak,
+        "peak_slot_utilization": slot_util,
+        "peak_source": source,
+        "prompt_tokens_computed": after.prompt_tokens_computed - before.prompt_tokens_computed,
+        "prefix_cache_hit_tokens": hits,
+        "prefix_cache_query_tokens": queries,
+        "prefix_cache_hit_rate": hits / queries if queries else None,  # None: queries not reported
+        "steps": after.steps - before.steps,
+        "tokens_generated": after.tokens_generated - before.tokens_generated,
+    }
+
+
+def summarize(result: PassResult) -> dict:
+    """Every metric of a pass, JSON-ready, with per-request records."""
+    records = result.records
+    ok = [r for r in records if r.ok]
+    duration = max(result.end - result.start, 1e-9)
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.num_output for r in ok)
+    cached_tokens = sum(r.cached_prompt_tokens for r in ok)
+    errors = Counter(r.error.split(":", 1)[0] for r in records if not r.ok)
+    return {
+        "label": result.label,
+        "request_rate": "inf" if math.isinf(result.request_rate) else result.request_rate,
+        "prefix_caching": result.prefix_caching,
+        "seed": result.seed,
+        "num_requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": dict(errors),
+        "error_examples": sorted({r.error for r in records if not r.ok})[:5],
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "cached_prompt_tokens": cached_tokens,  # Usage.cached_prompt_tokens, summed
+        "cached_prompt_fraction": cached_tokens / input_tokens if input_tokens else 0.0,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": distribution([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": distribution([x for r in ok for x in r.itls()]),
+        "e2e_ms": distribution([r.e2e for r in ok]),
+        "server": server_metrics(result),
+        "throughput_timeline": throughput_timeline(records, result.start),
+        "requests": [
+            {
+                "index": r.index,
+                "prompt_len": r.prompt_len,
+                "max_tokens": r.max_tokens,
+                "output_tokens": r.num_output,
+                "cached_prompt_tokens": r.cached_prompt_tokens,
+                "start_s": r.start - result.start,
+                "ttft_ms": None if r.ttft is None else r.ttft * 1000,
+                "e2e_ms": r.e2e * 1000,
+                "finish_reason": r.finish_reason,
+                "error": r.error or None,
+            }
+            for r in records
+        ],
+    }
+
+
+def compare_outputs(a: PassResult, b: PassResult) -> dict:
+    """Whether two passes over the same requests produced the same tokens (greedy: they must)."""
+    tokens_b = {r.index: r.token_ids for r in b.records if r.ok}
+    both = [r for r in a.records if r.ok and r.index in tokens_b]
+    differing = [r.index for r in both if r.token_ids != tokens_b[r.index]]
+    return {"compared": len(both), "identical": not differing and bool(both), "differing": differing[:20]}

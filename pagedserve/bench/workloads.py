@@ -1,0 +1,120 @@
+"""Benchmark workloads: request lengths, token-id prompts and arrival times (W1, W2, W3 of
+shared/bench/WORKLOADS.md are presets of these)."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LengthRange:
+    """A token count: fixed (lo == hi) or uniform over [lo, hi] inclusive."""
+
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo <= self.hi:
+            raise ValueError(f"bad length range {self.lo}:{self.hi}")
+
+    @classmethod
+    def parse(cls, text: str) -> LengthRange:
+        lo, _, hi = text.partition(":")
+        return cls(int(lo), int(hi or lo))
+
+    def sample(self, rng: random.Random) -> int:
+        return self.lo if self.lo == self.hi else rng.randint(self.lo, self.hi)
+
+    def __str__(self) -> str:
+        return str(self.lo) if self.lo == self.hi else f"{self.lo}:{self.hi}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to send; `input_len` is the unique suffix when `prefix_len` > 0 (shared-prefix)."""
+
+    dataset: str  # "random" or "shared-prefix"
+    num_prompts: int
+    input_len: LengthRange
+    output_len: LengthRange
+    prefix_len: int = 0
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dataset not in ("random", "shared-prefix"):
+            raise ValueError(f"unknown dataset {self.dataset!r}")
+        if self.num_prompts < 1:
+            raise ValueError("num_prompts must be positive")
+        if self.output_len.lo < 1:
+            raise ValueError("output lengths must be at least 1")
+
+
+# WORKLOADS.md; W3 is W1's lengths with Poisson arrivals (the rate comes from the command line).
+PRESETS: dict[str, dict] = {
+    "W1": dict(
+        dataset="random", num_prompts=512, input_len="128:1024", output_len="64:512", request_rate="inf"
+    ),
+    "W2": dict(
+        dataset="shared-prefix",
+        num_prompts=256,
+        prefix_len=1024,
+        input_len="64",
+        output_len="64",
+        request_rate="inf",
+    ),
+    "W3": dict(dataset="random", num_prompts=512, input_len="128:1024", output_len="64:512"),
+}
+DEFAULTS = dict(
+    dataset="random", num_prompts=100, input_len="128", output_len="128", prefix_len=0, request_rate="inf"
+)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    prompt: tuple[int, ...]
+    output_len: int
+
+
+def token_id_range(vocab_size: int) -> tuple[int, int]:
+    """WORKLOADS.md's [1000, 100000), clamped so a small test vocabulary still works."""
+    if vocab_size >= 100_000:
+        return 1000, 100_000
+    return min(1000, vocab_size // 2), vocab_size
+
+
+def generate_requests(
+    workload: Workload, vocab_size: int, max_model_len: int | None = None
+) -> list[BenchRequest]:
+    """Draws every request from `random.Random(seed)`: for each, the prompt (its length, then its
+    ids), then the output length; the shared prefix, if any, is drawn first. Lengths are capped to
+    `max_model_len` afterwards, so the draws do not depend on the server."""
+    rng = random.Random(workload.seed)
+    lo, hi = token_id_range(vocab_size)
+    prefix = [rng.randrange(lo, hi) for _ in range(workload.prefix_len)]
+    requests = []
+    for index in range(workload.num_prompts):
+        n = workload.input_len.sample(rng)
+        prompt = prefix + [rng.randrange(lo, hi) for _ in range(n)]
+        output_len = workload.output_len.sample(rng)
+        if max_model_len is not None:
+            prompt = prompt[: max_model_len - 1]
+            output_len = max(1, min(output_len, max_model_len - len(prompt)))
+        requests.append(BenchRequest(index, tuple(prompt), output_len))
+    return requests
+
+
+def arrival_times(num: int, request_rate: float, seed: int) -> list[float]:
+    """Send offsets in seconds: all 0 for rate inf, else a Poisson process (the first at 0).
+
+    The gaps come from their own seeded RNG, so W3 sends exactly W1's prompts."""
+    if math.isinf(request_rate):
+        return [0.0] * num
+    rng = random.Random(f"{seed}:arrivals")
+    times, t = [], 0.0
+    for _ in range(num):
+        times.append(t)
+        t += rng.expovariate(request_rate)
+    return times
