@@ -104,7 +104,7 @@ class SchedulerStats:
     peak_slot_utilization: float  # at the end of the schedule() where blocks in use peaked
     prompt_tokens_computed: int  # tokens computed at prompt positions, recomputation included
     prefix_cache_hit_tokens: int  # tokens taken from the prefix cache, over all admissions
-    prefix_cache_queries_tokens: int  # known tokens of all admissions looked up in the cache
+    prefix_cache_query_tokens: int  # known tokens of all admissions looked up in the cache
 
 
 @dataclass(slots=True)
@@ -352,7 +352,8 @@ class Scheduler:
         """Pre-empts a running request: swap its KV out (swap mode, if the CPU pool has room) or free
         its blocks and compute it again later (recompute). The executor forgets it either way."""
         self._remove_running(request)
-        pass
+        if request.seq_id in step.running_plans:
+            self._unschedule(request, step)
         moves = self.kv_cache.swap_out(request) if self.config.preemption_mode == "swap" else None
         if moves is not None:
             mode = "swap"
@@ -463,7 +464,7 @@ class Scheduler:
             peak_slot_utilization=self._peak_slot_utilization,
             prompt_tokens_computed=self._prompt_tokens_computed,
             prefix_cache_hit_tokens=self._prefix_hit_tokens,
-            prefix_cache_queries_tokens=self._prefix_query_tokens,
+            prefix_cache_query_tokens=self._prefix_query_tokens,
         )
 
     # Read-only views for tests and the engine's metrics.

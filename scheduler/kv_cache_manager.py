@@ -150,6 +150,8 @@ class KVCacheManager:
         if cached_blocks and num_held:
             raise ValueError(f"seq {request.seq_id}: cached blocks can only start an empty table")
         num_needed = max(0, _cdiv(num_tokens, self.block_size) - num_held - len(cached_blocks))
+        if num_needed == 0 and not cached_blocks:
+            return []  # the common decode step: the last block still has room
         # Hits sitting in the free queue stop being allocatable once we hold them.
         num_free_hits = sum(1 for block in cached_blocks if block.ref_count == 0)
         if num_needed > self.block_pool.num_free_blocks - num_free_hits:

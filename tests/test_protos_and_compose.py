@@ -54,3 +54,16 @@ def test_compose_commands_are_the_cli():
     assert commands["executor"][:2] == ["pagedserve", "executor"]
     assert commands["scheduler"][:2] == ["pagedserve", "scheduler"]
     assert "--executor=executor:50061" in commands["scheduler"]
+
+
+def test_admin_stats_cover_the_scheduler_core_stats():
+    """AdminService copies the core's stats by field name: a renamed field must not vanish silently."""
+    import dataclasses
+
+    from protos import admin_pb2
+    from scheduler.core import SchedulerStats
+
+    proto_fields = set(admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name)
+    engine_fields = {"steps", "tokens_generated", "num_active_requests"}
+    core_fields = {f.name for f in dataclasses.fields(SchedulerStats)}
+    assert proto_fields - engine_fields <= core_fields

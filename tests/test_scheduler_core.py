@@ -146,7 +146,7 @@ def test_prefix_hit_reuses_blocks_of_a_running_request() -> None:
     assert c.num_cached_prompt_tokens == 4
     blocks = s.kv_cache.block_pool.blocks
     assert [blocks[i].ref_count for i in range(7)] == [2, 2, 1, 1, 1, 1, 1]
-    assert s.stats.prefix_cache_hit_tokens == 4 and s.stats.prefix_cache_queries_tokens == 16
+    assert s.stats.prefix_cache_hit_tokens == 4 and s.stats.prefix_cache_query_tokens == 16
     assert s.stats.prompt_tokens_computed == 5 + 5 + 2
 
 
@@ -196,7 +196,7 @@ def test_prefix_caching_off() -> None:
     p = step(s)
     assert p.new_requests[0].num_computed_tokens == 0 and c.num_cached_prompt_tokens == 0
     assert s.kv_cache.block_pool.num_cached_blocks == 0
-    assert s.stats.prefix_cache_queries_tokens == 0
+    assert s.stats.prefix_cache_query_tokens == 0
 
 
 # ---- budget and chunked prefill ------------------------------------------------------------------
@@ -378,8 +378,11 @@ def test_requester_preempts_itself_when_it_is_the_latest() -> None:
     assert a.num_preemptions == 0 and b.num_preemptions == 1
 
 
-def test_preempted_request_waits_for_its_pending_output() -> None:
-    s = make_scheduler(block_size=2, num_gpu_blocks=4, max_model_len=8)
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_request_waits_for_its_pending_output(mode: str) -> None:
+    s = make_scheduler(
+        block_size=2, num_gpu_blocks=4, max_model_len=8, preemption_mode=mode, num_cpu_blocks=4
+    )
     a = add(s, 1, [1, 2, 3], max_tokens=5)
     b = add(s, 2, [4, 5, 6], max_tokens=5)
     p0 = s.schedule()
@@ -388,24 +391,64 @@ def test_preempted_request_waits_for_its_pending_output() -> None:
     deliver(s, p0)
     p2 = s.schedule()  # step 1's output still in flight: a needs a block, b is pre-empted
     assert p2.removed_seq_ids == [2] and p2.running == [RunningPlan(1, 1, [3])]
-    assert b.status is RequestStatus.WAITING and b.num_pending_outputs == 1
+    assert b.num_pending_outputs == 1
     s.abort_request(a.seq_id)
     p3 = s.schedule()  # every block is free, but b's sampled token has not arrived
-    assert p3.removed_seq_ids == [1] and p3.new_requests == []
+    assert p3.removed_seq_ids == [1] and p3.new_requests == [] and p3.swap_in == []
     deliver(s, p1)
     assert b.num_pending_outputs == 0 and b.output_token_ids == [token_for(2, 0), token_for(2, 1)]
     p4 = s.schedule()
-    # Block 2 ([4, 5]) is still cached; block 3 ([6, t0]) was evicted when a took it.
-    assert p4.new_requests == [
-        NewRequestPlan(2, [4, 5, 6, token_for(2, 0), token_for(2, 1)], 2, 3, [2, 3, 1], SamplingOptions())
-    ]
+    tokens = [4, 5, 6, token_for(2, 0), token_for(2, 1)]
+    if mode == "recompute":
+        assert b.num_preemptions == 1 and p4.swap_in == []
+        # Block 2 ([4, 5]) is still cached; block 3 ([6, t0]) was evicted when a took it.
+        assert p4.new_requests == [NewRequestPlan(2, tokens, 2, 3, [2, 3, 1], SamplingOptions())]
+    else:
+        # Its KV (4 tokens) comes back from the CPU; only the late token is computed.
+        assert p4.swap_in == [(0, 3), (1, 2)]
+        assert p4.new_requests == [NewRequestPlan(2, tokens, 4, 1, [3, 2, 1], SamplingOptions())]
+
+
+def test_cpu_blocks_read_by_swap_in_are_not_reused_by_swap_out_in_the_same_step() -> None:
+    # The executor runs swap_out before swap_in, so a swap_out into a CPU block that this step's
+    # swap_in reads would destroy the KV being swapped in.
+    s = make_scheduler(
+        block_size=2, num_gpu_blocks=6, max_model_len=8, preemption_mode="swap", num_cpu_blocks=5
+    )
+    v = add(s, 1, [1, 2, 3], max_tokens=5, priority=1)
+    x = add(s, 2, [4, 5, 6], max_tokens=5, priority=1)
+    swapped = add(s, 3, [7, 8, 9], max_tokens=5, priority=1)
+    step(s)
+    step(s)
+    p2 = step(s)  # v needs a third block: the latest arrival is swapped out
+    assert p2.swap_out == [(4, 0), (5, 1)] and swapped.status is RequestStatus.SWAPPED
+    s.abort_request(x.seq_id)
+    high = add(s, 4, [1, 1, 1], max_tokens=2, priority=0)
+    p3 = step(s)
+    # swapped comes back first (CPU 0, 1); then high pre-empts v, whose KV goes to CPU 2, 3, 4.
+    assert [src for src, _ in p3.swap_in] == [0, 1]
+    assert [dst for _, dst in p3.swap_out] == [2, 3, 4]
+    assert v.status is RequestStatus.SWAPPED and high.status is RequestStatus.RUNNING
+    assert p3.removed_seq_ids == [2, 1] and [p.seq_id for p in p3.new_requests] == [3, 4]
+
+
+def test_a_step_that_preempts_admits_nobody() -> None:
+    s, a, b = _two_growing_requests()
+    c = add(s, 3, [7], max_tokens=1, priority=-1)  # one block would do, and one is free after b goes
+    p2 = step(s)
+    assert p2.removed_seq_ids == [2] and p2.new_requests == []
+    assert s.kv_cache.block_pool.num_free_blocks == 1
+    p3 = step(s)
+    assert [p.seq_id for p in p3.new_requests] == [3] and c.status is RequestStatus.FINISHED
 
 
 # ---- abort ---------------------------------------------------------------------------------------
 
 
 def test_abort_frees_everything_and_late_outputs_are_ignored() -> None:
-    s = make_scheduler(block_size=2, num_gpu_blocks=8, max_model_len=8, preemption_mode="swap", num_cpu_blocks=8)
+    s = make_scheduler(
+        block_size=2, num_gpu_blocks=8, max_model_len=8, preemption_mode="swap", num_cpu_blocks=8
+    )
     running = add(s, 1, [1, 2, 3])
     add(s, 2, [4, 5, 6])
     p0 = s.schedule()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -103,7 +103,9 @@ class FakeExecutor:
             assert len(set(seq.blocks)) == len(seq.blocks), f"seq {seq_id} holds a block twice"
         for seq_id, seq, num_new in scheduled:
             end = seq.computed + num_new
-            assert len(seq.blocks) == cdiv(end, self.block_size), f"seq {seq_id}: blocks do not fit its tokens"
+            assert len(seq.blocks) == cdiv(end, self.block_size), (
+                f"seq {seq_id}: blocks do not fit its tokens"
+            )
             for p in range(seq.computed, end):
                 block = seq.blocks[p // self.block_size]
                 assert held[block] == 1, f"seq {seq_id} writes block {block}, which another sequence holds"
@@ -227,8 +229,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(self.scheduler.running) <= config.max_num_seqs
         scheduled = [p.seq_id for p in (*plan.new_requests, *plan.running)]
         assert len(set(scheduled)) == len(scheduled)
-        assert not set(plan.removed_seq_ids) & set(scheduled), "a request is never removed and run in one plan"
+        assert not set(plan.removed_seq_ids) & set(scheduled), (
+            "a request is never removed and run in one plan"
+        )
         assert len(set(plan.removed_seq_ids)) == len(plan.removed_seq_ids)
+        # swap_out runs first: it must not overwrite a CPU block this plan's swap_in reads.
+        assert not {cpu for _, cpu in plan.swap_out} & {cpu for cpu, _ in plan.swap_in}
 
     def chain_hashes(self, tokens: list[int]) -> None:
         """Records the hash of every full block of a token sequence, for the content check."""
@@ -292,6 +298,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         live = [r for r in self.requests.values() if r.status is not RequestStatus.FINISHED]
         assert len(live) == len(s.waiting) + len(s.running) + len(s.swapped)
         assert s.has_unfinished_requests() == bool(live)
+        stats = s.stats
+        assert stats.gpu_blocks_in_use == pool.num_blocks_in_use <= stats.peak_gpu_blocks_in_use
+        assert stats.cached_free_blocks == pool.num_cached_free_blocks
+        assert 0.0 <= stats.slot_utilization <= 1.0 and 0.0 <= stats.peak_slot_utilization <= 1.0
+        assert stats.prefix_cache_hit_tokens <= stats.prefix_cache_query_tokens
 
     @invariant()
     def request_counters(self) -> None:
@@ -308,7 +319,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "scheduler"):
             return
         # Everything finishes: no deadlock, whatever the pool size and priorities.
-        for _ in range(2_000):
+        # Generous bound: each request needs at most max_model_len steps (at a budget of one token),
+        # a few times over if pre-empted; a deadlock would run forever.
+        num_live = sum(r.status is not RequestStatus.FINISHED for r in self.requests.values())
+        for _ in range(10 * self.config.max_model_len * (num_live + 1)):
             if not self.scheduler.has_unfinished_requests() and self.held is None:
                 break
             self.step(late=False)
@@ -332,5 +346,7 @@ SchedulerMachine.TestCase.settings = settings(
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
+    # The explain phase takes minutes on a failing state machine; shrinking alone is enough.
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
