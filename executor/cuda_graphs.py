@@ -67,15 +67,19 @@ class DecodeGraphs:
             self._free_at_start = torch.cuda.mem_get_info(device)[0]
         self._static = torch.zeros(len(_FIELDS) * self.capacity, dtype=torch.int64, device=device)
         self._logits = torch.empty((self.capacity, model.spec.vocab_size), dtype=torch.float32, device=device)
+        # A decode batch's cu_seqlens is 0, 1, ..., size: a prefix of one arange. Everything a graph
+        # reads must outlive it; a tensor made for one capture and dropped would be freed and reused.
+        self._cu_seqlens = torch.arange(self.capacity + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.device_bytes = 0  # device memory the graphs, their pool and static buffers took
+        self.capture_seconds = 0.0
 
     def _field(self, name: str, size: int) -> torch.Tensor:
         offset = _FIELDS.index(name) * self.capacity
         return self._static[offset : offset + size]
 
-    def _forward(self, size: int, cu_seqlens: torch.Tensor) -> None:
+    def _forward(self, size: int) -> None:
         """The captured work: token gather, block table gather, forward pass into the logits buffer."""
         f = {name: self._field(name, size) for name in _FIELDS}
         meta = AttentionMetadata(
@@ -83,7 +87,7 @@ class DecodeGraphs:
             slot_mapping=f["slot_mapping"],
             block_tables=self.slots.block_tables(f["rows"], self.slots.max_blocks_per_seq),
             seq_lens=f["seq_lens"].to(torch.int32),
-            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_q=self._cu_seqlens[: size + 1],
         )
         input_ids = self.slots.input_ids(f["host_ids"], f["feed_slots"])
         self.model(input_ids, meta, self.kv_caches, None, out=self._logits[:size])
@@ -109,20 +113,21 @@ class DecodeGraphs:
         self._fill(None)
         self._pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            cu_seqlens = torch.arange(size + 1, dtype=torch.int32, device=device)
-            self._forward(size, cu_seqlens)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            self._forward(size)  # warm-up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(size, cu_seqlens)
+                self._forward(size)
             self._graphs[size] = graph
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-ups' activations: eager steps get them back as needed
         self.device_bytes = self._free_at_start - torch.cuda.mem_get_info(device)[0]
+        self.capture_seconds = time.perf_counter() - start
         log.info(
             "executor.cuda_graphs",
             sizes=len(self.sizes),
             largest=self.capacity,
-            seconds=round(time.perf_counter() - start, 2),
+            seconds=round(self.capture_seconds, 2),
             device_gib=round(self.device_bytes / 2**30, 3),
         )
 
@@ -141,9 +146,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run_uncaptured(self, batch: HostBatch) -> torch.Tensor:
         """Computes what `run` replays, padding included, without a graph (tests run it on the CPU)."""
-        size = self.padded_size(batch.num_seqs)
         self._fill(batch)
-        self._forward(size, torch.arange(size + 1, dtype=torch.int32, device=self._static.device))
+        self._forward(self.padded_size(batch.num_seqs))
         return self._logits[: batch.num_seqs]
 
     def sample_rows(self, num_seqs: int) -> torch.Tensor:

@@ -154,6 +154,7 @@ class ModelRunner:
         self._layer_caches = kv_cache.layer_caches()
         self.slots = RequestSlots(max_num_seqs, self.max_blocks_per_seq, self.device)
         self._busy_until = 0.0
+        self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             self.graphs = DecodeGraphs(model, self._layer_caches, self.slots, graph_batch_sizes(max_num_seqs))
@@ -161,14 +162,20 @@ class ModelRunner:
 
     @classmethod
     def create(cls, config: ExecutorConfig) -> ModelRunner:
-        """Loads the model, sizes and allocates the KV pools (profiling first on CUDA), then
-        captures the decode CUDA graphs (on CUDA, unless enforce_eager)."""
+        """Loads the model, then `from_model`."""
         device = config.torch_device()
-        dtype = config.torch_dtype(device)
         spec = load_model_spec(config.model)
-        max_model_len = resolve_max_model_len(config, spec)
-        model = LlamaModel(spec, max_model_len, device, dtype)
+        model = LlamaModel(spec, resolve_max_model_len(config, spec), device, config.torch_dtype(device))
         load_weights(model, spec, config.model)
+        return cls.from_model(config, model)
+
+    @classmethod
+    def from_model(cls, config: ExecutorConfig, model: LlamaModel) -> ModelRunner:
+        """Sizes and allocates the KV pools for a loaded model (profiling first on CUDA), then
+        captures the decode CUDA graphs (on CUDA, unless enforce_eager)."""
+        spec = model.spec
+        device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+        max_model_len = resolve_max_model_len(config, spec)
         layout = KVCacheLayout(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
         cuda_graphs = device.type == "cuda" and not config.enforce_eager
         graph_reserve = 0
@@ -219,6 +226,7 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs,
             cuda_graphs=cuda_graphs,
         )
+        runner.graph_reserve_bytes = graph_reserve
         if runner.graphs is not None and graph_reserve and runner.graphs.device_bytes > graph_reserve:
             log.warning(
                 "executor.graph_reserve_exceeded",

@@ -53,8 +53,8 @@ class _PlanReader:
         try:
             for plan in self._iterator:
                 self._plans.put(plan)
-        except Exception:  # noqa: BLE001 - a cancelled or broken stream just ends
-            log.debug("executor.plan_stream_ended", exc_info=True)
+        except Exception as e:  # noqa: BLE001 - a cancelled or broken stream just ends
+            log.debug("executor.plan_stream_broken", error=type(e).__name__)
         finally:
             self._plans.put(_END)
 
@@ -148,11 +148,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         pending: PendingStep | None = None  # launched, output not sent yet
         while True:
             item = plans.next(pending)
-            if item is _STEP_DONE or (item is _END and pending is not None):
+            if item is _STEP_DONE:
                 yield self._finish(pending)
                 pending = None
                 continue
             if item is _END:
+                if pending is not None:
+                    yield self._finish(pending)
                 return
             launched, error = self._launch(item, epoch, context)
             if pending is not None:  # step N's output goes out after step N+1 is queued
@@ -173,7 +175,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 return None, (grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
             except Exception as e:  # noqa: BLE001 - any failure must end the stream with a status
                 log.exception("executor.step_failed", step_id=plan.step_id)
-                return None, (grpc.StatusCode.INTERNAL, f"step {plan.step_id} failed: {type(e).__name__}: {e}")
+                message = f"step {plan.step_id} failed: {type(e).__name__}: {e}"
+                return None, (grpc.StatusCode.INTERNAL, message)
 
     def _finish(self, pending: PendingStep) -> executor_pb2.StepOutput:
         if pending.done is not None:

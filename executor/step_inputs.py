@@ -68,7 +68,9 @@ class RequestSlots:
         if not self._updates:
             return
         width = self.max_blocks_per_seq
-        index = np.concatenate([slot * width + first + np.arange(len(ids)) for slot, first, ids in self._updates])
+        index = np.concatenate(
+            [slot * width + first + np.arange(len(ids)) for slot, first, ids in self._updates]
+        )
         values = np.concatenate([np.asarray(ids, dtype=np.int64) for _, _, ids in self._updates])
         self._updates.clear()
         index_d, values_d = int64_to_device([index, values], self.device)

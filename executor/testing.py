@@ -1,4 +1,4 @@
-"""A toy scheduler that builds StepPlans by hand: for tests and for poking at an executor.
+"""Toy schedulers that build StepPlans by hand: for tests, benchmarks and poking at an executor.
 
 It is deliberately naive (no budget, no prefix cache, no policy) and never used by the serving
 path. It mirrors the executor's bookkeeping: after each step a sequence's computed count grows by
@@ -8,6 +8,7 @@ what was planned, and a sequence that reached its end gets the sampled token app
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -143,3 +144,83 @@ class ToyScheduler:
         self.free_gpu.extend(reversed(seq.block_ids))
         seq.block_ids = []
         seq.held = False
+
+
+class AheadScheduler:
+    """Plans the way the real scheduler does, one plan in flight ahead: a request that samples in
+    step N gets its decode token in step N+1, planned before output N is read, so every decode
+    token it schedules is one whose value only the executor's device knows.
+
+    Greedy, no preemption: waiting prompts are admitted whole, oldest first, while the token budget
+    (and max_num_seqs) allows; every admitted request then decodes one token per step.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        self.free = list(range(num_gpu_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.budget = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: dict[int, list[int]] = {}
+        self.num_tokens: dict[int, int] = {}  # admitted requests, counting samples still in flight
+        self.num_blocks: dict[int, int] = {}
+        self.outputs: dict[int, list[int]] = {}
+        self._step_id = 0
+
+    def add(self, seq_id: int, prompt: Iterable[int]) -> None:
+        self.waiting[seq_id] = list(prompt)
+        self.outputs[seq_id] = []
+
+    def _blocks(self, seq_id: int, end: int) -> list[int]:
+        need = max(0, -(-end // self.block_size) - self.num_blocks[seq_id])
+        self.num_blocks[seq_id] += need
+        return [self.free.pop() for _ in range(need)]
+
+    def plan(self) -> executor_pb2.StepPlan:
+        self._step_id += 1
+        plan = executor_pb2.StepPlan(step_id=self._step_id)
+        budget = self.budget
+        for seq_id in self.num_tokens:
+            new_blocks = self._blocks(seq_id, self.num_tokens[seq_id])
+            plan.running.append(
+                executor_pb2.RunningRequest(seq_id=seq_id, num_new_tokens=1, new_block_ids=new_blocks)
+            )
+            self.num_tokens[seq_id] += 1
+            budget -= 1
+        for seq_id, prompt in list(self.waiting.items()):
+            if len(prompt) > budget or len(self.num_tokens) >= self.max_num_seqs:
+                break
+            del self.waiting[seq_id]
+            self.num_blocks[seq_id] = 0
+            plan.new_requests.append(
+                executor_pb2.NewRequest(
+                    seq_id=seq_id, token_ids=prompt, num_new_tokens=len(prompt),
+                    block_ids=self._blocks(seq_id, len(prompt)),
+                )
+            )  # fmt: skip
+            self.num_tokens[seq_id] = len(prompt) + 1
+            budget -= len(prompt)
+        return plan
+
+    def observe(self, output: executor_pb2.StepOutput) -> None:
+        for seq_id, token in zip(output.seq_ids, output.token_ids, strict=True):
+            self.outputs[seq_id].append(token)
+
+
+def drive_ahead(runner, scheduler: AheadScheduler, steps: int) -> None:
+    """Runs `steps` plans through a ModelRunner as the service does: plan N+1 is launched before
+    step N is finished."""
+    in_flight: deque = deque()
+    for _ in range(steps):
+        in_flight.append(runner.launch(scheduler.plan()))
+        if len(in_flight) == 2:
+            scheduler.observe(runner.finish(in_flight.popleft()))
+    while in_flight:
+        scheduler.observe(runner.finish(in_flight.popleft()))

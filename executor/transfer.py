@@ -62,7 +62,7 @@ def int64_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[
     return [packed[o : o + len(a)] for a, o in zip(arrays, offsets, strict=True)]
 
 
-def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small list as a device tensor, without waiting for the device (unlike torch.tensor(...,
     device=cuda), which copies from pageable memory and synchronises)."""
     host = torch.tensor(values, dtype=dtype, pin_memory=pinned(device))

@@ -7,18 +7,16 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
 
 import grpc
-import numpy as np
 import pytest
 import torch
 
 from executor.config import ExecutorConfig
 from executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from executor.runner import ModelRunner, PendingStep
+from executor.runner import ModelRunner, PendingStep, RunnerStats
 from executor.service import ExecutorService
-from executor.testing import ToyScheduler
+from executor.testing import AheadScheduler, ToyScheduler, drive_ahead
 from protos import executor_pb2
 
 NUM_BLOCKS = 64
@@ -44,65 +42,18 @@ def _hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-class AheadScheduler:
-    """Plans like the real scheduler: step N+1 is planned (and launched) before output N is read,
-    so every decode token it schedules is one whose value only the executor's device knows."""
-
-    def __init__(self, prompts: dict[int, list[int]], block_size: int, seed: int = 0) -> None:
-        self.block_size = block_size
-        self.free = list(range(NUM_BLOCKS))
-        np.random.default_rng(seed).shuffle(self.free)
-        self.prompts = prompts
-        self.num_tokens = {s: len(p) for s, p in prompts.items()}  # counts pending samples
-        self.num_blocks = dict.fromkeys(prompts, 0)
-        self.outputs: dict[int, list[int]] = {s: [] for s in prompts}
-        self.step_id = 0
-
-    def _blocks(self, seq_id: int, end: int) -> list[int]:
-        need = -(-end // self.block_size) - self.num_blocks[seq_id]
-        self.num_blocks[seq_id] += max(need, 0)
-        return [self.free.pop() for _ in range(max(need, 0))]
-
-    def plan(self) -> executor_pb2.StepPlan:
-        self.step_id += 1
-        plan = executor_pb2.StepPlan(step_id=self.step_id)
-        for seq_id, prompt in self.prompts.items():
-            if self.step_id == 1:
-                plan.new_requests.append(
-                    executor_pb2.NewRequest(
-                        seq_id=seq_id, token_ids=prompt, num_new_tokens=len(prompt),
-                        block_ids=self._blocks(seq_id, len(prompt)),
-                    )
-                )  # fmt: skip
-            else:
-                end = self.num_tokens[seq_id]
-                plan.running.append(
-                    executor_pb2.RunningRequest(
-                        seq_id=seq_id, num_new_tokens=1, new_block_ids=self._blocks(seq_id, end)
-                    )
-                )
-            self.num_tokens[seq_id] += 1  # every request samples in every step
-        return plan
-
-    def observe(self, output: executor_pb2.StepOutput) -> None:
-        for seq_id, token in zip(output.seq_ids, output.token_ids, strict=True):
-            self.outputs[seq_id].append(token)
-
-
 def test_one_plan_ahead_matches_hf(runner, hf_model):
-    """Decode inputs come from the device's last_token: planned before their values are known."""
+    """Decode inputs come from the device's last_token: planned before their values are known.
+    Prompts are admitted in different steps (budget 40), so steps mix prefills and decodes."""
     runner.reset()
     prompts = {1: _prompt(21, seed=1), 2: _prompt(16, seed=2), 3: _prompt(3, seed=3)}
-    sched = AheadScheduler(prompts, runner.block_size)
-    in_flight: deque[PendingStep] = deque()
-    max_new = 18
-    for _ in range(max_new):
-        in_flight.append(runner.launch(sched.plan()))
-        if len(in_flight) == 2:
-            sched.observe(runner.finish(in_flight.popleft()))
-    sched.observe(runner.finish(in_flight.popleft()))
+    sched = AheadScheduler(NUM_BLOCKS, runner.block_size, max_num_batched_tokens=40)
     for seq_id, prompt in prompts.items():
-        assert sched.outputs[seq_id] == _hf_greedy(hf_model, prompt, max_new), seq_id
+        sched.add(seq_id, prompt)
+    drive_ahead(runner, sched, steps=20)
+    for seq_id, prompt in prompts.items():
+        got = sched.outputs[seq_id]
+        assert len(got) >= 18 and got == _hf_greedy(hf_model, prompt, len(got)), seq_id
 
 
 def _check_tables(runner: ModelRunner, sched: ToyScheduler) -> None:
@@ -211,7 +162,7 @@ class _FakeRunner:
     def __init__(self, auto_finish_after: float | None = None) -> None:
         self.calls: list[str] = []
         self.events: dict[int, _Event] = {}
-        self.stats = type("S", (), {"steps": 0, "tokens_computed": 0, "tokens_sampled": 0, "busy_seconds": 0.0})()
+        self.stats = RunnerStats()
         self.num_requests = 0
         self._auto = auto_finish_after
 
@@ -259,8 +210,19 @@ def test_service_launches_next_plan_before_finishing_the_running_step():
     runner.events[2].fired.set()
     plans.put(None)
     consumer.join(5)
+    assert not consumer.is_alive(), "the stream did not end with its plans"
     assert got == [1, 2]
     assert runner.calls == ["launch 1", "launch 2", "finish 1", "finish 2"]
+
+
+def test_service_finishes_the_pending_step_when_the_stream_ends():
+    runner = _FakeRunner(auto_finish_after=0.05)
+    service = _service(runner)
+    plans: queue.Queue = queue.Queue()
+    plans.put(executor_pb2.StepPlan(step_id=1))
+    plans.put(None)  # the client closes its side right after its last plan
+    outputs = service.Step(iter(plans.get, None), _Context())
+    assert [o.step_id for o in outputs] == [1]
 
 
 def test_service_sends_output_without_waiting_for_a_plan_that_is_not_coming():
