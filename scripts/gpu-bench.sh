@@ -33,7 +33,7 @@ if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the
   bench w2 300 --workload W2 --num-prompts 8 --prefix-len 64 --input-len 8 --output-len 4 --compare-prefix-caching --executor-args "--device cpu"
   bench w3 300 --workload W3 "${small[@]}" --request-rates 4,16 --executor-args "--device cpu"
 else
-  bench w1 240 --workload W1 --num-warmups 8 --baseline hf-static --baseline-num-prompts 32
-  bench w2 180 --workload W2 --num-warmups 8 --compare-prefix-caching
-  bench w3 200 --workload W3 --num-warmups 8 --num-prompts 64 --request-rates 2,8,32
+  bench w1 200 --workload W1 --num-warmups 8 --baseline hf-static --baseline-num-prompts 32
+  bench w2 150 --workload W2 --num-warmups 8 --compare-prefix-caching
+  bench w3 150 --workload W3 --num-warmups 8 --num-prompts 48 --request-rates 2,8,32
 fi
