@@ -58,6 +58,7 @@ _MAX_SPLITS = 64
 # The varlen kernel finds its sequence with one vector load up to this many sequences, by binary
 # search beyond.
 _MAX_VECTOR_SEQS = 1024
+_SEQS_PAD_BUCKETS = (64, 256, _MAX_VECTOR_SEQS)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -222,7 +223,9 @@ def _write_kv_kernel(
         tl.store(v_dst + d * stride_cvd, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialised: Triton would otherwise
+# compile a new variant whenever one of them becomes 1 or a multiple of 16, stalling serving.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "tokens_per_split"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -387,7 +390,7 @@ def _decode_kernel(
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     part_acc_ptr,
     part_m_ptr,
@@ -424,7 +427,7 @@ def _reduce_splits_kernel(
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tiles"])
 def _varlen_kernel(
     q_ptr,
     k_ptr,
@@ -863,12 +866,22 @@ def _launch_varlen(
         D_PAD=d_pad,
         PAGE_SIZE=page_size,
         BLOCK_N=config.block_n,
-        SEQS_PAD=_pow2_at_least(num_seqs, 2) if num_seqs <= _MAX_VECTOR_SEQS else 0,
+        SEQS_PAD=_seqs_pad(num_seqs),
         DOT_PREC=_dot_precision(q.dtype),
         DOT_FP32=_dot_in_fp32(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def _seqs_pad(num_seqs: int) -> int:
+    """Width of the vectorised sequence lookup: a few buckets rather than every power of two, so a
+    server compiles the prefill kernel a few times at most instead of once per batch size; 0 selects
+    the binary search for batches beyond _MAX_VECTOR_SEQS."""
+    for bucket in _SEQS_PAD_BUCKETS:
+        if num_seqs <= bucket:
+            return bucket
+    return 0
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
