@@ -98,6 +98,27 @@ class _ThroughputLog:
         self._since, self._last = now, current
 
 
+def attach_response(runner: ModelRunner, model_name: str, epoch: int) -> executor_pb2.AttachResponse:
+    """What a scheduler learns on attach: the model's limits and the KV layout the runner chose."""
+    device = runner.device
+    device_name = str(device)
+    if device.type == "cuda":
+        import torch
+
+        device_name = f"{device} ({torch.cuda.get_device_name(device)})"
+    return executor_pb2.AttachResponse(
+        lease_epoch=epoch,
+        model=model_name,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.spec.vocab_size,
+        block_size=runner.block_size,
+        num_gpu_blocks=runner.kv_cache.num_device_blocks,
+        num_cpu_blocks=runner.kv_cache.num_cpu_blocks,
+        eos_token_ids=list(runner.spec.eos_token_ids),
+        device=device_name,
+    )
+
+
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     """Lease fencing and error mapping; the work itself is `ModelRunner.execute`."""
 
@@ -121,23 +142,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             runner.reset()
             epoch = self._epoch
         log.info("executor.attach", scheduler_id=request.scheduler_id, lease_epoch=epoch, peer=context.peer())
-        device = runner.device
-        device_name = str(device)
-        if device.type == "cuda":
-            import torch
-
-            device_name = f"{device} ({torch.cuda.get_device_name(device)})"
-        return executor_pb2.AttachResponse(
-            lease_epoch=epoch,
-            model=self._model_name,
-            max_model_len=runner.max_model_len,
-            vocab_size=runner.spec.vocab_size,
-            block_size=runner.block_size,
-            num_gpu_blocks=runner.kv_cache.num_device_blocks,
-            num_cpu_blocks=runner.kv_cache.num_cpu_blocks,
-            eos_token_ids=list(runner.spec.eos_token_ids),
-            device=device_name,
-        )
+        return attach_response(runner, self._model_name, epoch)
 
     def Step(
         self, request_iterator: Iterator[executor_pb2.StepPlan], context: grpc.ServicerContext

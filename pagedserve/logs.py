@@ -9,6 +9,18 @@ import sys
 import structlog
 
 
+class _Stderr:
+    """Whatever sys.stderr is at each write: a process that configures logging in-process (e.g.
+    `pagedserve bench --in-process` under pytest, whose captured stderr is swapped and closed
+    between tests) keeps logging to the live stream, never to a closed one."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(service: str, level: str | None = None, json: bool | None = None) -> None:
     """Routes structlog to stderr with a timestamp and the service name on every line.
 
@@ -27,7 +39,7 @@ def configure_logging(service: str, level: str | None = None, json: bool | None 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)

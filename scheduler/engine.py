@@ -5,6 +5,10 @@ One `Engine` drives one executor over one long-lived bidirectional gRPC stream. 
 in flight ahead of the executor (the plan of step N+1 is sent before the output of step N is read),
 so the executor never waits on this process; the executor feeds each request's last sampled token
 to its next step itself. A stop found late costs one discarded token, never streamed.
+
+The connection to the executor is an `ExecutorTransport`: `GrpcTransport` in service, while
+`pagedserve bench --in-process` plugs in a runner in the same process to measure what the
+service split costs. Either way the engine only sees the protocol's messages.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -33,6 +37,75 @@ log = structlog.get_logger()
 PLANS_IN_FLIGHT = 2
 STATS_LOG_INTERVAL_S = 10.0
 ATTACH_RETRY_PERIOD_S = 1.0
+
+
+class StepStream(Protocol):
+    """One Step stream: plans go out in order and their outputs come back in the same order."""
+
+    async def write(self, plan: executor_pb2.StepPlan) -> None: ...
+
+    async def read(self) -> executor_pb2.StepOutput | None:
+        """The next step's output; None once the executor closed the stream."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+class ExecutorTransport(Protocol):
+    """How the engine reaches its executor. Failures raise grpc.aio.AioRpcError or RuntimeError,
+    which the engine treats as losing the executor (clients get UNAVAILABLE, it re-attaches)."""
+
+    async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
+        """Takes the executor's lease, waiting up to `timeout` seconds for it to come up."""
+        ...
+
+    def open_steps(self, lease_epoch: int) -> StepStream: ...
+
+
+class _GrpcStepStream:
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+
+    async def write(self, plan: executor_pb2.StepPlan) -> None:
+        await self._call.write(plan)
+
+    async def read(self) -> executor_pb2.StepOutput | None:
+        output = await self._call.read()
+        return None if output is grpc.aio.EOF else output
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcTransport:
+    """The executor service at `address`, over one channel opened on first attach (inside the
+    event loop that will use it)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+
+    def __str__(self) -> str:
+        return self.address
+
+    def _stub(self) -> executor_pb2_grpc.ExecutorStub:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.address,
+                options=[
+                    ("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.max_send_message_length", 64 << 20),
+                ],
+            )
+        return executor_pb2_grpc.ExecutorStub(self._channel)
+
+    async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
+        return await self._stub().Attach(
+            executor_pb2.AttachRequest(scheduler_id=scheduler_id), wait_for_ready=True, timeout=timeout
+        )
+
+    def open_steps(self, lease_epoch: int) -> StepStream:
+        return _GrpcStepStream(self._stub().Step(metadata=(("lease-epoch", str(lease_epoch)),)))
 
 
 class EngineUnavailable(Exception):
@@ -118,16 +191,18 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
 class Engine:
     """Owns the scheduling core, the executor stream and the table of active requests."""
 
-    def __init__(self, config: ServiceConfig, tokenizer: Any) -> None:
+    def __init__(
+        self, config: ServiceConfig, tokenizer: Any, transport: ExecutorTransport | None = None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.transport = transport if transport is not None else GrpcTransport(config.executor)
         self.info: ExecutorInfo | None = None
         self.scheduler: Scheduler | None = None
         self._active: dict[SeqId, ActiveRequest] = {}
         self._next_seq_id = 1
         self._wakeup = asyncio.Event()
         self._attached = asyncio.Event()
-        self._channel: grpc.aio.Channel | None = None
         self.steps = 0
         self.tokens_generated = 0
 
@@ -136,20 +211,7 @@ class Engine:
     async def attach(self, timeout: float | None = None) -> ExecutorInfo:
         """Takes the executor's lease, waiting for it to come up; starts a fresh scheduling core."""
         timeout = self.config.attach_timeout if timeout is None else timeout
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.config.executor,
-                options=[
-                    ("grpc.max_receive_message_length", 64 << 20),
-                    ("grpc.max_send_message_length", 64 << 20),
-                ],
-            )
-        stub = executor_pb2_grpc.ExecutorStub(self._channel)
-        reply = await stub.Attach(
-            executor_pb2.AttachRequest(scheduler_id=f"scheduler:{self.config.port}"),
-            wait_for_ready=True,
-            timeout=timeout,
-        )
+        reply = await self.transport.attach(f"scheduler:{self.config.port}", timeout)
         max_model_len = min(reply.max_model_len, self.config.max_model_len or reply.max_model_len)
         self.info = ExecutorInfo(
             lease_epoch=reply.lease_epoch,
@@ -174,7 +236,13 @@ class Engine:
                 preemption_mode=self.config.preemption_mode,
             )
         )
-        log.info("attached", executor=self.config.executor, **dataclasses.asdict(self.info))
+        log.info("attached", executor=str(self.transport), **dataclasses.asdict(self.info))
+        return self.info
+
+    async def wait_until_attached(self) -> ExecutorInfo:
+        """Returns once `run` has attached and requests can be submitted."""
+        await self._attached.wait()
+        assert self.info is not None
         return self.info
 
     @property
@@ -245,8 +313,7 @@ class Engine:
 
     async def _step_loop(self) -> None:
         assert self.info is not None and self.scheduler is not None
-        stub = executor_pb2_grpc.ExecutorStub(self._channel)
-        call = stub.Step(metadata=(("lease-epoch", str(self.info.lease_epoch)),))
+        call = self.transport.open_steps(self.info.lease_epoch)
         in_flight: deque[StepPlan] = deque()
         last_log = time.monotonic()
         try:
@@ -261,7 +328,7 @@ class Engine:
                         in_flight.append(plan)
                 if in_flight and (plan is None or len(in_flight) >= PLANS_IN_FLIGHT):
                     output = await call.read()
-                    if output is grpc.aio.EOF:
+                    if output is None:
                         raise RuntimeError("the executor closed the step stream")
                     self._on_output(in_flight.popleft(), output)
                 elif not in_flight:

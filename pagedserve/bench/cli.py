@@ -8,7 +8,6 @@ import math
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from pagedserve.bench.baselines import run_hf_cb, run_hf_static
@@ -22,13 +21,13 @@ from pagedserve.bench.workloads import (
     BenchRequest,
     LengthRange,
     Workload,
-    generate_requests,
+    plan_passes,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pagedserve bench", description="benchmark a pagedserve server over gRPC"
+        prog="pagedserve bench", description="benchmark a pagedserve server over gRPC (or in-process)"
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
@@ -66,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare-prefix-caching",
         action="store_true",
         help="with --launch: run with prefix caching on, then off",
+    )
+    local = p.add_argument_group("in-process (the same engine and runner in this process, no gRPC)")
+    local.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the workload in this process (needs --model; takes --executor-args, --scheduler-args)",
+    )
+    local.add_argument(
+        "--compare-in-process",
+        action="store_true",
+        help="with --launch: the gRPC services first, then in-process; reports the service split cost",
     )
     base = p.add_argument_group("Hugging Face baselines (run after the pagedserve pass)")
     base.add_argument("--baseline", action="append", choices=("hf-static", "hf-cb"), default=[])
@@ -110,42 +120,54 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
     return workload, rates
 
 
-def _rate_label(rate: float) -> str:
-    return "rate inf" if math.isinf(rate) else f"rate {rate:g}"
+def send_options(args: argparse.Namespace) -> SendOptions:
+    return SendOptions(
+        args.temperature, args.ignore_eos, args.seed, args.max_concurrency, args.request_timeout
+    )
 
 
 def _measure(
     address: str, workload: Workload, rates: Sequence[float], args: argparse.Namespace, tag: str = ""
 ) -> tuple[list[BenchRequest], list[PassResult]]:
-    """Every pass against one server: model info, optional warmup, one pass per rate.
-
-    Pass k draws its prompts with seed + k: the first pass sends exactly the workload, and later
-    passes of a sweep do not find their prompts in the prefix cache. Returns the first pass's
-    requests (the ones the baselines replay) and the passes."""
+    """Every pass against one server: model info, optional warmup, one pass per rate (see
+    `plan_passes`). Returns the first pass's requests (the ones the baselines replay) and the passes."""
     info = get_model_info(address)
-    max_len = info.max_model_len or None
-    options = SendOptions(
-        args.temperature, args.ignore_eos, args.seed, args.max_concurrency, args.request_timeout
-    )
+    options = send_options(args)
     if args.num_warmups:
         warmup = warmup_requests(args.num_warmups, info.vocab_size, info.max_model_len)
         run_pass(address, warmup, math.inf, options, "warmup")
-    passes, first = [], []
-    for k, rate in enumerate(rates):
-        requests = generate_requests(replace(workload, seed=workload.seed + k), info.vocab_size, max_len)
-        first = first or requests
-        parts = [tag] if tag else []
-        if len(rates) > 1 or not tag:
-            parts.append(_rate_label(rate))
-        passes.append(run_pass(address, requests, rate, options, ", ".join(parts)))
-        passes[-1].seed = workload.seed + k
-    return first, passes
+    planned = plan_passes(workload, list(rates), info.vocab_size, info.max_model_len or None, tag)
+    passes = []
+    for p in planned:
+        passes.append(run_pass(address, p.requests, p.request_rate, options, p.label))
+        passes[-1].seed = p.seed
+    return planned[0].requests, passes
+
+
+def _in_process_configs(args: argparse.Namespace):
+    """The executor and scheduler configs of the in-process pass, from the launched services' flags."""
+    from pagedserve.bench.inprocess import executor_config, service_config  # imports torch
+
+    return executor_config(args.model, args.executor_args), service_config(args.model, args.scheduler_args)
+
+
+def _measure_in_process(
+    args: argparse.Namespace, workload: Workload, rates: Sequence[float]
+) -> tuple[list[BenchRequest], list[PassResult]]:
+    from pagedserve.bench.inprocess import run_in_process
+
+    executor, service = _in_process_configs(args)
+    print(f"bench: in-process engine and runner on {executor.device} (no gRPC)", file=sys.stderr)
+    return run_in_process(executor, service, workload, rates, send_options(args), args.num_warmups)
 
 
 def run_pagedserve(
     args: argparse.Namespace, workload: Workload, rates: Sequence[float]
 ) -> tuple[list[BenchRequest], list[PassResult]]:
-    """All pagedserve passes: against --host/--port, or launched servers (twice to compare caching)."""
+    """All pagedserve passes: against --host/--port, in-process, or launched servers (twice to
+    compare caching; then in-process to compare with it)."""
+    if args.in_process:
+        return _measure_in_process(args, workload, rates)
     if not args.launch:
         return _measure(f"{args.host}:{args.port}", workload, rates, args)
     log_dir = args.log_dir or args.result_file.parent / "logs"
@@ -156,12 +178,15 @@ def run_pagedserve(
     passes: list[PassResult] = []
     for caching, sched in settings:
         tag = "" if caching is None else f"prefix caching {'on' if caching else 'off'}"
+        tag = "gRPC" if args.compare_in_process else tag
         sub_dir = log_dir if caching is None else log_dir / ("caching-on" if caching else "caching-off")
         with launched_server(args.model, sub_dir, executor_args, sched, args.launch_timeout) as address:
             requests, results = _measure(address, workload, rates, args, tag)
         for result in results:
             result.prefix_caching = caching
         passes += results
+    if args.compare_in_process:  # the launched services have stopped: the device is free again
+        passes += _measure_in_process(args, workload, rates)[1]
     return requests, passes
 
 
@@ -188,6 +213,28 @@ def caching_comparison(on: PassResult, off: PassResult, greedy: bool) -> dict:
     return comparison
 
 
+def split_comparison(grpc_pass: PassResult, local_pass: PassResult, greedy: bool) -> dict:
+    """Issue 5's report: output throughput through the gRPC services (three processes) against the
+    same engine and runner in one process; the split should cost at most 5%."""
+    run_grpc, run_local = summarize(grpc_pass), summarize(local_pass)
+    grpc_tps, local_tps = run_grpc["output_throughput"], run_local["output_throughput"]
+    ratio = grpc_tps / local_tps if local_tps else None
+    outputs = compare_outputs(grpc_pass, local_pass)
+    comparison = {
+        "output tok/s (gRPC)": grpc_tps,
+        "output tok/s (in-process)": local_tps,
+        "output throughput ratio gRPC/in-process": ratio,
+        "service split cost (1 - gRPC/in-process)": None if ratio is None else 1 - ratio,
+        "total time gRPC (s)": run_grpc["duration_s"],
+        "total time in-process (s)": run_local["duration_s"],
+        "greedy outputs identical": outputs["identical"] if greedy else None,
+        "requests compared": outputs["compared"],
+    }
+    if outputs["differing"]:
+        comparison["differing request indices"] = ",".join(map(str, outputs["differing"]))
+    return comparison
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     workload, rates = resolve(args)
@@ -195,12 +242,22 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pagedserve bench: --launch and --baseline need --model DIR")
     if args.compare_prefix_caching and not args.launch:
         raise SystemExit("pagedserve bench: --compare-prefix-caching needs --launch")
+    if args.in_process and (args.launch or not args.model):
+        raise SystemExit("pagedserve bench: --in-process needs --model DIR (and no --launch)")
+    if args.compare_in_process and (not args.launch or args.compare_prefix_caching):
+        raise SystemExit("pagedserve bench: --compare-in-process needs --launch (and no other comparison)")
+    if args.in_process or args.compare_in_process:  # bad flags fail now, not after the gRPC pass
+        _in_process_configs(args)
 
     requests, passes = run_pagedserve(args, workload, rates)
     runs = [summarize(p) for p in passes]
-    comparison = None
+    comparison, title = None, ""
     if args.compare_prefix_caching:  # passes: [on at each rate..., off at each rate...]
         comparison = caching_comparison(passes[0], passes[len(passes) // 2], args.temperature == 0)
+        title = "prefix caching on vs off"
+    elif args.compare_in_process:  # passes: [gRPC at each rate..., in-process at each rate...]
+        comparison = split_comparison(passes[0], passes[len(passes) // 2], args.temperature == 0)
+        title = "gRPC services vs in-process (first rate)"
     report = {
         "config": {
             **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -228,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         report["baselines"].append(result)
         args.result_file.write_text(json.dumps(report, indent=2) + "\n")
 
-    print(results_table(runs, comparison))
+    print(results_table(runs, comparison, title))
     if report["baselines"]:
         print()
         print(baseline_table(runs[0], report["baselines"], workload.num_prompts))

@@ -8,7 +8,7 @@ import contextlib
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -101,28 +101,29 @@ def build_request(req: BenchRequest, options: SendOptions, tag: str) -> generati
     )
 
 
+Send = Callable[[BenchRequest], Awaitable[RequestRecord]]
+GetStats = Callable[[], Awaitable[admin_pb2.SchedulerStats | None]]
+
+
 async def _send(
-    stub, req: BenchRequest, options: SendOptions, tag: str, send_at: float, sem, on_done
+    stub: generation_pb2_grpc.GenerationStub, req: BenchRequest, options: SendOptions, tag: str
 ) -> RequestRecord:
-    """Sends one request at perf_counter time `send_at` (once `sem` admits it) and records its stream."""
+    """Streams one request through the public API and records what the client saw."""
     record = RequestRecord(req.index, len(req.prompt), req.output_len)
-    await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
-    async with sem if sem is not None else contextlib.nullcontext():
-        request = build_request(req, options, tag)
-        record.start = time.perf_counter()
-        try:
-            async for response in stub.Generate(request, timeout=options.timeout):
-                if response.token_ids:
-                    record.message_times.append(time.perf_counter())
-                    record.message_tokens.append(len(response.token_ids))
-                    record.token_ids.extend(response.token_ids)
-                if response.finish_reason:
-                    record.finish_reason = generation_pb2.FinishReason.Name(response.finish_reason)
-                    record.cached_prompt_tokens = response.usage.cached_prompt_tokens
-        except grpc.aio.AioRpcError as exc:
-            record.error = f"{exc.code().name}: {exc.details()}"
-        record.end = time.perf_counter()
-    on_done()
+    request = build_request(req, options, tag)
+    record.start = time.perf_counter()
+    try:
+        async for response in stub.Generate(request, timeout=options.timeout):
+            if response.token_ids:
+                record.message_times.append(time.perf_counter())
+                record.message_tokens.append(len(response.token_ids))
+                record.token_ids.extend(response.token_ids)
+            if response.finish_reason:
+                record.finish_reason = generation_pb2.FinishReason.Name(response.finish_reason)
+                record.cached_prompt_tokens = response.usage.cached_prompt_tokens
+    except grpc.aio.AioRpcError as exc:
+        record.error = f"{exc.code().name}: {exc.details()}"
+    record.end = time.perf_counter()
     return record
 
 
@@ -135,6 +136,54 @@ async def _get_stats(channel) -> admin_pb2.SchedulerStats | None:
         return None
 
 
+async def measure_pass(
+    send: Send,
+    get_stats: GetStats,
+    requests: Sequence[BenchRequest],
+    request_rate: float,
+    options: SendOptions,
+    label: str,
+) -> PassResult:
+    """One pass, whatever carries the requests: each is sent at its arrival time (once
+    --max-concurrency admits it) by `send`, and the scheduler's counters are read through
+    `get_stats` before, during (this pass's peak KV use) and after."""
+    from tqdm import tqdm
+
+    arrivals = arrival_times(len(requests), request_rate, options.seed)
+    before = await get_stats()
+    sem = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
+    peak = [0, 0.0]
+    done = asyncio.Event()
+
+    async def sample_stats() -> None:  # the server's peak is lifetime; this one is this pass's
+        while not done.is_set():
+            stats = await get_stats()
+            if stats is not None and stats.gpu_blocks_in_use > peak[0]:
+                peak[:] = [stats.gpu_blocks_in_use, stats.slot_utilization]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), 0.25)
+
+    async def send_at(req: BenchRequest, at: float, bar) -> RequestRecord:
+        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        async with sem if sem is not None else contextlib.nullcontext():
+            record = await send(req)
+        bar.update(1)
+        return record
+
+    sampler = asyncio.create_task(sample_stats()) if before is not None else None
+    with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr) as bar:
+        start = time.perf_counter()
+        records = await asyncio.gather(
+            *(send_at(req, start + arrivals[i], bar) for i, req in enumerate(requests))
+        )
+        end = time.perf_counter()
+    done.set()
+    if sampler is not None:
+        await sampler
+    after = await get_stats()
+    return PassResult(label, request_rate, list(records), start, end, before, after, peak[0], peak[1])
+
+
 async def _run_pass(
     address: str,
     requests: Sequence[BenchRequest],
@@ -142,38 +191,16 @@ async def _run_pass(
     options: SendOptions,
     label: str,
 ) -> PassResult:
-    arrivals = arrival_times(len(requests), request_rate, options.seed)
-    from tqdm import tqdm
-
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        before = await _get_stats(channel)
-        sem = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
-        peak = [0, 0.0]
-        done = asyncio.Event()
-
-        async def sample_stats() -> None:  # the server's peak is lifetime; this one is this pass's
-            while not done.is_set():
-                stats = await _get_stats(channel)
-                if stats is not None and stats.gpu_blocks_in_use > peak[0]:
-                    peak[:] = [stats.gpu_blocks_in_use, stats.slot_utilization]
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), 0.25)
-
-        sampler = asyncio.create_task(sample_stats()) if before is not None else None
-        with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr) as bar:
-            start = time.perf_counter()
-            tasks = [
-                _send(stub, req, options, label, start + arrivals[i], sem, lambda: bar.update(1))
-                for i, req in enumerate(requests)
-            ]
-            records = await asyncio.gather(*tasks)
-            end = time.perf_counter()
-        done.set()
-        if sampler is not None:
-            await sampler
-        after = await _get_stats(channel)
-    return PassResult(label, request_rate, list(records), start, end, before, after, peak[0], peak[1])
+        return await measure_pass(
+            lambda req: _send(stub, req, options, label),
+            lambda: _get_stats(channel),
+            requests,
+            request_rate,
+            options,
+            label,
+        )
 
 
 def run_pass(

@@ -34,7 +34,9 @@ def render_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]
     return "\n".join([f"== {title} ==", line(header), rule, *(line(r) for r in rows)])
 
 
-def results_table(runs: Sequence[dict], comparison: dict | None = None) -> str:
+def results_table(
+    runs: Sequence[dict], comparison: dict | None = None, comparison_title: str = "prefix caching on vs off"
+) -> str:
     """One column per pass; latency rows are mean / p50 / p90 / p99 in ms."""
     rows: list[list[str]] = []
 
@@ -69,7 +71,7 @@ def results_table(runs: Sequence[dict], comparison: dict | None = None) -> str:
             text += f"\nfailed ({r['label']}): {example[:200]}"
     if comparison:
         text += "\n\n" + render_table(
-            "prefix caching on vs off",
+            comparison_title,
             ["metric", "value"],
             [[k, _fmt(v, 3)] for k, v in comparison.items()],
         )

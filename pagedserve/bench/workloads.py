@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,32 @@ def generate_requests(
             output_len = max(1, min(output_len, max_model_len - len(prompt)))
         requests.append(BenchRequest(index, tuple(prompt), output_len))
     return requests
+
+
+@dataclass(frozen=True)
+class PlannedPass:
+    """One measured pass: its label, request rate, and the prompts' seed and requests."""
+
+    label: str
+    request_rate: float
+    seed: int
+    requests: list[BenchRequest]
+
+
+def plan_passes(
+    workload: Workload, rates: list[float], vocab_size: int, max_model_len: int | None, tag: str = ""
+) -> list[PlannedPass]:
+    """One pass per rate. Pass k draws its prompts with seed + k: the first pass sends exactly the
+    workload, and later passes of a sweep do not find their prompts in the prefix cache."""
+    passes = []
+    for k, rate in enumerate(rates):
+        parts = [tag] if tag else []
+        if len(rates) > 1 or not tag:
+            parts.append("rate inf" if math.isinf(rate) else f"rate {rate:g}")
+        seed = workload.seed + k
+        requests = generate_requests(replace(workload, seed=seed), vocab_size, max_model_len)
+        passes.append(PlannedPass(", ".join(parts), rate, seed, requests))
+    return passes
 
 
 def arrival_times(num: int, request_rate: float, seed: int) -> list[float]:
