@@ -36,7 +36,7 @@ from pagedserve.bench.client import (
 from pagedserve.bench.workloads import BenchRequest, Workload, plan_passes
 from pagedserve.logs import configure_logging
 from protos import admin_pb2, executor_pb2, generation_pb2
-from scheduler.engine import Engine, EngineFull, EngineUnavailable, StepStream
+from scheduler.engine import Engine, EngineFull, EngineUnavailable
 from scheduler.service import (
     AdminService,
     InvalidRequest,
@@ -46,6 +46,7 @@ from scheduler.service import (
     stop_conditions,
 )
 from scheduler.service_config import ServiceConfig
+from scheduler.transport import StepStream
 
 T = TypeVar("T")
 

@@ -1,0 +1,83 @@
+"""How the engine reaches its executor: the Step protocol's two calls behind a small interface.
+
+`GrpcTransport` is the service path (one channel to the executor service); `pagedserve bench
+--in-process` plugs a runner in the same process into the same interface to measure what the
+service split costs. Either way the engine sees only the protocol's messages.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import grpc
+
+from protos import executor_pb2, executor_pb2_grpc
+
+
+class StepStream(Protocol):
+    """One Step stream: plans go out in order and their outputs come back in the same order."""
+
+    async def write(self, plan: executor_pb2.StepPlan) -> None: ...
+
+    async def read(self) -> executor_pb2.StepOutput | None:
+        """The next step's output; None once the executor closed the stream."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+class ExecutorTransport(Protocol):
+    """How the engine reaches its executor. Failures raise grpc.aio.AioRpcError or RuntimeError,
+    which the engine treats as losing the executor (clients get UNAVAILABLE, it re-attaches)."""
+
+    async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
+        """Takes the executor's lease, waiting up to `timeout` seconds for it to come up."""
+        ...
+
+    def open_steps(self, lease_epoch: int) -> StepStream: ...
+
+
+class _GrpcStepStream:
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+
+    async def write(self, plan: executor_pb2.StepPlan) -> None:
+        await self._call.write(plan)
+
+    async def read(self) -> executor_pb2.StepOutput | None:
+        output = await self._call.read()
+        return None if output is grpc.aio.EOF else output
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcTransport:
+    """The executor service at `address`, over one channel opened on first attach (inside the
+    event loop that will use it)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+
+    def __str__(self) -> str:
+        return self.address
+
+    def _stub(self) -> executor_pb2_grpc.ExecutorStub:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.address,
+                options=[
+                    ("grpc.max_receive_message_length", 64 << 20),
+                    ("grpc.max_send_message_length", 64 << 20),
+                ],
+            )
+        return executor_pb2_grpc.ExecutorStub(self._channel)
+
+    async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
+        return await self._stub().Attach(
+            executor_pb2.AttachRequest(scheduler_id=scheduler_id), wait_for_ready=True, timeout=timeout
+        )
+
+    def open_steps(self, lease_epoch: int) -> StepStream:
+        return _GrpcStepStream(self._stub().Step(metadata=(("lease-epoch", str(lease_epoch)),)))
