@@ -58,20 +58,19 @@ class Completion:
         if self.finish_reason is not None:
             raise RuntimeError("token added to a finished completion")
         self.num_tokens += 1
-        delta = Delta(token_ids=[token_id], logprobs=[] if logprob is None else [logprob])
-        may_stop = self.num_tokens >= self.stop.min_tokens
-        if may_stop and token_id in self.stop.stop_token_ids:
+        stop = self.stop
+        may_stop = self.num_tokens >= stop.min_tokens
+        if may_stop and token_id in stop.stop_token_ids:
             self.finish_reason = FinishReason.STOP  # the stop token's own text is not streamed
         else:
             self._text += self._detokenizer.add(token_id)
-            if may_stop and self._cut_at_stop_string():
+            if may_stop and stop.stop_strings and self._cut_at_stop_string():
                 self.finish_reason = FinishReason.STOP
-        if self.finish_reason is None and self.num_tokens >= self.stop.max_tokens:
+        if self.finish_reason is None and self.num_tokens >= stop.max_tokens:
             self.finish_reason = FinishReason.LENGTH
             self._text += self._detokenizer.flush()
-        delta.finish_reason = self.finish_reason
-        delta.text = self._take_text(final=self.finish_reason is not None)
-        return delta
+        text = self._take_text(final=self.finish_reason is not None)
+        return Delta([token_id], text, [] if logprob is None else [logprob], self.finish_reason)
 
     def abort(self) -> Delta:
         """Ends the completion early (client gone, executor lost, shutdown)."""

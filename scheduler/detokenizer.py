@@ -8,6 +8,7 @@ window only advances when the decoded text does not end in a replacement charact
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 # How many tokens before the first new one give SentencePiece its context (leading spaces).
@@ -19,17 +20,38 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def decode_function(tokenizer: Tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as one callable.
+
+    For a Hugging Face fast tokenizer that neither overrides decoding nor cleans up spaces, that is
+    exactly its Rust tokenizer's decode, called directly: the Python layers around it cost twice
+    the decoding itself, twice per generated token.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        from transformers import PreTrainedTokenizerFast
+
+        cls = type(tokenizer)
+        if (
+            isinstance(tokenizer, PreTrainedTokenizerFast)
+            and cls.decode is PreTrainedTokenizerFast.decode
+            and cls._decode is PreTrainedTokenizerFast._decode
+        ):
+            return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of generated token ids into text deltas."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = decode_function(tokenizer)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # start of the decoding window
         self._read_offset = len(self._ids)  # tokens before this are already emitted
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=True)
+        return self._decode_ids(self._ids[start:end])
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the newly complete text (possibly empty)."""

@@ -60,3 +60,18 @@ def test_stop_token_length_and_min_tokens(tokenizer):
     c = Completion(tokenizer, [1], StopConditions(max_tokens=2))
     run(c, [word] * 5)
     assert c.finish_reason is FinishReason.LENGTH and c.num_tokens == 2
+
+
+@pytest.mark.parametrize("grpc_flag", [[], ["--grpc"]])
+def test_hotpath_bench_runs(tiny_model_dir, grpc_flag):
+    """`python -m scheduler.bench_hotpath` stays runnable (a benchmark: nothing about speed here)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "scheduler.bench_hotpath", f"--model={tiny_model_dir}", "--num-requests=8",
+         "--input-len=16:32", "--output-len=8", *grpc_flag],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "tok/s" in result.stdout

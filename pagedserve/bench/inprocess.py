@@ -41,7 +41,7 @@ from scheduler.service import (
     AdminService,
     InvalidRequest,
     load_tokenizer,
-    merge,
+    next_delta,
     sampling_options,
     stop_conditions,
 )
@@ -142,11 +142,7 @@ async def _send_direct(engine: Engine, req: BenchRequest, options: SendOptions, 
                 priority=request.priority,
             )
             while True:
-                item = await active.deltas.get()
-                if not isinstance(item, Exception):
-                    item = merge(item, active.deltas)
-                if isinstance(item, Exception):
-                    raise item
+                item = await next_delta(active.deltas)
                 if item.token_ids:
                     record.message_times.append(time.perf_counter())
                     record.message_tokens.append(len(item.token_ids))
