@@ -116,6 +116,8 @@ def attach_response(runner: ModelRunner, model_name: str, epoch: int) -> executo
         num_cpu_blocks=runner.kv_cache.num_cpu_blocks,
         eos_token_ids=list(runner.spec.eos_token_ids),
         device=device_name,
+        max_num_seqs=runner.max_num_seqs,
+        max_num_batched_tokens=runner.max_num_batched_tokens,
     )
 
 

@@ -121,6 +121,11 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
     return message
 
 
+def _within(own: int, executor_limit: int) -> int:
+    """A batch limit the executor accepts: ours, capped by its own (0 = it did not say)."""
+    return min(own, executor_limit) if executor_limit else own
+
+
 class Engine:
     """Owns the scheduling core, the executor stream and the table of active requests."""
 
@@ -163,8 +168,10 @@ class Engine:
                 num_gpu_blocks=reply.num_gpu_blocks,
                 num_cpu_blocks=reply.num_cpu_blocks,
                 max_model_len=max_model_len,
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_num_seqs=_within(self.config.max_num_seqs, reply.max_num_seqs),
+                max_num_batched_tokens=_within(
+                    self.config.max_num_batched_tokens, reply.max_num_batched_tokens
+                ),
                 enable_prefix_caching=self.config.enable_prefix_caching,
                 preemption_mode=self.config.preemption_mode,
             )

@@ -51,3 +51,21 @@ def test_executor_crash_fails_streams_then_recovers(tiny_model_dir, tmp_path):
             assert len(result.token_ids) >= 1
         wait_until_ready(services)
         assert services.scheduler.poll() is None
+
+
+def test_scheduler_plans_within_the_executor_limits(tiny_model_dir, hf_model, tmp_path):
+    """A scheduler configured for bigger steps than its executor accepts plans within the executor's
+    limits (reported on attach) instead of having every plan refused."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.services import hf_greedy
+
+    prompts = [[20 + i, 30 + i, 40 + i] * (i + 1) for i in range(8)]
+    executor_args = ("--max-num-seqs=4", "--max-num-batched-tokens=32")
+    scheduler_args = ("--max-num-seqs=64", "--max-num-batched-tokens=4096")
+    with running_services(tiny_model_dir, tmp_path, executor_args, scheduler_args) as services:
+        with services.channel() as channel, ThreadPoolExecutor(len(prompts)) as pool:
+            requests = [make_request(p, max_tokens=6, temperature=0) for p in prompts]
+            results = list(pool.map(lambda r: generate(channel, r, timeout=120), requests))
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == hf_greedy(hf_model, prompt, 6)
