@@ -27,6 +27,7 @@ EXECUTOR_FLAGS = (
     "gpu_memory_utilization",
     "num_gpu_blocks_override",
     "swap_space",
+    "cpu_kv_cache_space",
     "max_num_seqs",
     "max_num_batched_tokens",
     "enforce_eager",
@@ -80,6 +81,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space")
+    parser.add_argument("--cpu-kv-cache-space", type=float, default=4.0, help="GiB of KV pool, CPU")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
