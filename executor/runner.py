@@ -16,7 +16,6 @@ A plan is validated in full against the current state before anything is applied
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +27,7 @@ from executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from executor.kv_cache import KVCache, KVCacheLayout, check_fits, cpu_device_num_blocks, gpu_num_blocks
 from executor.loader import ModelSpec, load_model_spec, load_weights
 from executor.model import LlamaModel
+from executor.plan_check import PlanError, PlanLimits, validate_plan
 from executor.profiling import profile_cuda
 from executor.sampler import SamplingParams, sample
 from executor.step_inputs import HostBatch, RequestSlots, build_host_batch, build_step_inputs, stage_batch
@@ -39,10 +39,6 @@ log = structlog.get_logger(__name__)
 SeqId = int
 
 __all__ = ["ModelRunner", "PendingStep", "PlanError", "RequestState", "build_step_inputs"]
-
-
-class PlanError(ValueError):
-    """A StepPlan that contradicts the executor's state or pool; nothing of it was applied."""
 
 
 @dataclass(slots=True)
@@ -85,20 +81,6 @@ class PendingStep:
     def ready(self) -> bool:
         """Whether finishing it would not block."""
         return self.done is None or self.done.query()
-
-
-def sampling_from_proto(s: executor_pb2.Sampling) -> SamplingParams:
-    """Proto3 cannot tell an unset top_p from 0, so top_p <= 0 means off, like 1."""
-    top_p = s.top_p if 0 < s.top_p < 1 else 1.0
-    return SamplingParams(
-        temperature=s.temperature,
-        top_p=top_p,
-        top_k=s.top_k,
-        seed=s.seed if s.has_seed else None,
-        return_logprobs=s.return_logprobs,
-        min_tokens=s.min_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-    )
 
 
 def resolve_max_model_len(config: ExecutorConfig, spec: ModelSpec) -> int:
@@ -153,6 +135,17 @@ class ModelRunner:
         self._requests: dict[SeqId, RequestState] = {}
         self._layer_caches = kv_cache.layer_caches()
         self.slots = RequestSlots(max_num_seqs, self.max_blocks_per_seq, self.device)
+        self._limits = PlanLimits(
+            vocab_size=self.spec.vocab_size,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            num_device_blocks=kv_cache.num_device_blocks,
+            num_cpu_blocks=kv_cache.num_cpu_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_held_requests=self.slots.capacity,
+        )
         self._busy_until = 0.0
         self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
         self.graphs: DecodeGraphs | None = None
@@ -258,7 +251,7 @@ class ModelRunner:
             PlanError: the plan is inconsistent; nothing was applied.
         """
         pending = PendingStep(plan.step_id, time.perf_counter())
-        new_params = self._validate(plan)
+        new_params = validate_plan(plan, self._requests, self._limits)
         kv = self.kv_cache
         kv.swap_out([m.src for m in plan.swap_out], [m.dst for m in plan.swap_out])
         for seq_id in plan.removed_seq_ids:
@@ -381,126 +374,3 @@ class ModelRunner:
         if self.device.type == "cuda":
             pending.done = torch.cuda.Event()
             pending.done.record()
-
-    # --- validation -------------------------------------------------------------------------------
-
-    def _validate(self, plan: executor_pb2.StepPlan) -> list[SamplingParams]:
-        """Checks the whole plan against current state; returns the new requests' sampling params."""
-        nb, ncpu = self.kv_cache.num_device_blocks, self.kv_cache.num_cpu_blocks
-        _check_moves("swap_out", plan.swap_out, nb, ncpu)
-        _check_moves("swap_in", plan.swap_in, ncpu, nb)
-        # Removing a sequence we do not hold is allowed (idempotent), e.g. an abort racing its finish.
-        held = set(self._requests).difference(plan.removed_seq_ids)
-        seen: set[SeqId] = set()
-        total_tokens = 0
-        params: list[SamplingParams] = []
-        for req in plan.new_requests:
-            where = f"new request seq_id={req.seq_id}"
-            if req.seq_id in held:
-                raise PlanError(f"{where}: already held by the executor (not removed first)")
-            if req.seq_id in seen:
-                raise PlanError(f"{where}: appears twice in the plan")
-            seen.add(req.seq_id)
-            if not req.token_ids:
-                raise PlanError(f"{where}: has no token_ids")
-            self._check_request_tokens(where, req)
-            self._check_span(
-                where,
-                req.num_computed_tokens,
-                req.num_new_tokens,
-                len(req.token_ids),
-                num_blocks=len(req.block_ids),
-                unchecked_blocks=req.block_ids,
-            )
-            try:
-                params.append(sampling_from_proto(req.sampling))
-            except ValueError as e:
-                raise PlanError(f"{where}: {e}") from None
-            total_tokens += req.num_new_tokens
-        for req in plan.running:
-            where = f"running seq_id={req.seq_id}"
-            if req.seq_id not in held:
-                raise PlanError(f"{where}: unknown to the executor (never added, or removed)")
-            if req.seq_id in seen:
-                raise PlanError(f"{where}: appears twice in the plan")
-            seen.add(req.seq_id)
-            state = self._requests[req.seq_id]
-            self._check_span(
-                where,
-                state.num_computed,
-                req.num_new_tokens,
-                state.num_tokens,
-                num_blocks=state.num_blocks + len(req.new_block_ids),
-                unchecked_blocks=req.new_block_ids,  # the held ones were checked when they came
-            )
-            total_tokens += req.num_new_tokens
-        if total_tokens > self.max_num_batched_tokens:
-            raise PlanError(
-                f"plan computes {total_tokens} tokens > max_num_batched_tokens {self.max_num_batched_tokens}"
-            )
-        if len(seen) > self.max_num_seqs:
-            raise PlanError(f"plan schedules {len(seen)} sequences > max_num_seqs {self.max_num_seqs}")
-        if len(held) + len(plan.new_requests) > self.slots.capacity:
-            raise PlanError(
-                f"the executor would hold {len(held) + len(plan.new_requests)} requests > max_num_seqs "
-                f"{self.slots.capacity} (remove finished requests first)"
-            )
-        return params
-
-    def _check_request_tokens(self, where: str, req: executor_pb2.NewRequest) -> None:
-        vocab = self.spec.vocab_size
-        if max(req.token_ids) >= vocab:
-            raise PlanError(f"{where}: token id {max(req.token_ids)} >= vocab_size {vocab}")
-        if req.num_prompt_tokens > len(req.token_ids):
-            raise PlanError(
-                f"{where}: num_prompt_tokens {req.num_prompt_tokens} > its {len(req.token_ids)} tokens"
-            )
-        stop_ids = req.sampling.stop_token_ids
-        if stop_ids and max(stop_ids) >= vocab:
-            raise PlanError(f"{where}: stop token id {max(stop_ids)} >= vocab_size {vocab}")
-
-    def _check_span(
-        self,
-        where: str,
-        num_computed: int,
-        num_new: int,
-        num_tokens: int,
-        *,
-        num_blocks: int,
-        unchecked_blocks: Sequence[int],
-    ) -> None:
-        end = num_computed + num_new
-        if end > num_tokens:
-            raise PlanError(
-                f"{where}: num_computed {num_computed} + num_new_tokens {num_new} exceeds its {num_tokens} "
-                "known tokens (decode steps compute exactly the one token sampled last)"
-            )
-        if end > self.max_model_len:
-            raise PlanError(
-                f"{where}: computes up to position {end - 1}, max_model_len is {self.max_model_len}"
-            )
-        if num_blocks * self.block_size < end:
-            raise PlanError(
-                f"{where}: {num_blocks} blocks of {self.block_size} tokens cannot hold {end} tokens"
-            )
-        if num_blocks > self.max_blocks_per_seq:
-            raise PlanError(
-                f"{where}: a table of {num_blocks} blocks is longer than max_model_len "
-                f"{self.max_model_len} needs ({self.max_blocks_per_seq} blocks)"
-            )
-        if unchecked_blocks and max(unchecked_blocks) >= self.kv_cache.num_device_blocks:
-            limit = self.kv_cache.num_device_blocks
-            raise PlanError(
-                f"{where}: block id {max(unchecked_blocks)} out of range (num_gpu_blocks={limit})"
-            )
-
-
-def _check_moves(what: str, moves: Sequence[executor_pb2.BlockMove], num_src: int, num_dst: int) -> None:
-    for move in moves:
-        if move.src >= num_src or move.dst >= num_dst:
-            raise PlanError(
-                f"{what}: move {move.src}->{move.dst} out of range (source pool {num_src} blocks, "
-                f"destination pool {num_dst} blocks)"
-            )
-    if len({m.dst for m in moves}) != len(moves):
-        raise PlanError(f"{what}: several moves write the same destination block")

@@ -1,0 +1,187 @@
+"""Checks a StepPlan in full against what the executor holds, before any of it is applied.
+
+The scheduler owns every decision, so a plan that contradicts the executor's state (an unknown
+sequence, a block id beyond the pool, more tokens than a sequence has) is a protocol error: it is
+refused with a message naming what was wrong (the service turns it into INVALID_ARGUMENT), and the
+executor's state and pool stay exactly as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from executor.sampler import SamplingParams
+from protos import executor_pb2
+
+
+class PlanError(ValueError):
+    """A StepPlan that contradicts the executor's state or pool; nothing of it was applied."""
+
+
+class HeldRequest(Protocol):
+    """What validation reads of a request the executor holds."""
+
+    num_computed: int
+    num_tokens: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """The executor's fixed bounds, as a plan must respect them."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    max_blocks_per_seq: int
+    num_device_blocks: int
+    num_cpu_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_held_requests: int
+
+
+def sampling_from_proto(s: executor_pb2.Sampling) -> SamplingParams:
+    """Proto3 cannot tell an unset top_p from 0, so top_p <= 0 means off, like 1."""
+    top_p = s.top_p if 0 < s.top_p < 1 else 1.0
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=top_p,
+        top_k=s.top_k,
+        seed=s.seed if s.has_seed else None,
+        return_logprobs=s.return_logprobs,
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+    )
+
+
+def validate_plan(
+    plan: executor_pb2.StepPlan, held: Mapping[int, HeldRequest], limits: PlanLimits
+) -> list[SamplingParams]:
+    """Checks the whole plan against the held requests; returns the new requests' sampling params.
+
+    Raises:
+        PlanError: naming the first inconsistency found.
+    """
+    _check_moves("swap_out", plan.swap_out, limits.num_device_blocks, limits.num_cpu_blocks)
+    _check_moves("swap_in", plan.swap_in, limits.num_cpu_blocks, limits.num_device_blocks)
+    # Removing a sequence we do not hold is allowed (idempotent), e.g. an abort racing its finish.
+    kept = set(held).difference(plan.removed_seq_ids)
+    seen: set[int] = set()
+    total_tokens = 0
+    params: list[SamplingParams] = []
+    for req in plan.new_requests:
+        where = f"new request seq_id={req.seq_id}"
+        if req.seq_id in kept:
+            raise PlanError(f"{where}: already held by the executor (not removed first)")
+        if req.seq_id in seen:
+            raise PlanError(f"{where}: appears twice in the plan")
+        seen.add(req.seq_id)
+        if not req.token_ids:
+            raise PlanError(f"{where}: has no token_ids")
+        _check_request_tokens(where, req, limits.vocab_size)
+        _check_span(
+            where,
+            limits,
+            req.num_computed_tokens,
+            req.num_new_tokens,
+            len(req.token_ids),
+            num_blocks=len(req.block_ids),
+            unchecked_blocks=req.block_ids,
+        )
+        try:
+            params.append(sampling_from_proto(req.sampling))
+        except ValueError as e:
+            raise PlanError(f"{where}: {e}") from None
+        total_tokens += req.num_new_tokens
+    for req in plan.running:
+        where = f"running seq_id={req.seq_id}"
+        if req.seq_id not in kept:
+            raise PlanError(f"{where}: unknown to the executor (never added, or removed)")
+        if req.seq_id in seen:
+            raise PlanError(f"{where}: appears twice in the plan")
+        seen.add(req.seq_id)
+        state = held[req.seq_id]
+        _check_span(
+            where,
+            limits,
+            state.num_computed,
+            req.num_new_tokens,
+            state.num_tokens,
+            num_blocks=state.num_blocks + len(req.new_block_ids),
+            unchecked_blocks=req.new_block_ids,  # the held ones were checked when they came
+        )
+        total_tokens += req.num_new_tokens
+    if total_tokens > limits.max_num_batched_tokens:
+        raise PlanError(
+            f"plan computes {total_tokens} tokens > max_num_batched_tokens {limits.max_num_batched_tokens}"
+        )
+    if len(seen) > limits.max_num_seqs:
+        raise PlanError(f"plan schedules {len(seen)} sequences > max_num_seqs {limits.max_num_seqs}")
+    if len(kept) + len(plan.new_requests) > limits.max_held_requests:
+        raise PlanError(
+            f"the executor would hold {len(kept) + len(plan.new_requests)} requests > max_num_seqs "
+            f"{limits.max_held_requests} (remove finished requests first)"
+        )
+    return params
+
+
+def _check_request_tokens(where: str, req: executor_pb2.NewRequest, vocab: int) -> None:
+    if max(req.token_ids) >= vocab:
+        raise PlanError(f"{where}: token id {max(req.token_ids)} >= vocab_size {vocab}")
+    if req.num_prompt_tokens > len(req.token_ids):
+        raise PlanError(
+            f"{where}: num_prompt_tokens {req.num_prompt_tokens} > its {len(req.token_ids)} tokens"
+        )
+    stop_ids = req.sampling.stop_token_ids
+    if stop_ids and max(stop_ids) >= vocab:
+        raise PlanError(f"{where}: stop token id {max(stop_ids)} >= vocab_size {vocab}")
+
+
+def _check_span(
+    where: str,
+    limits: PlanLimits,
+    num_computed: int,
+    num_new: int,
+    num_tokens: int,
+    *,
+    num_blocks: int,
+    unchecked_blocks: Sequence[int],
+) -> None:
+    end = num_computed + num_new
+    if end > num_tokens:
+        raise PlanError(
+            f"{where}: num_computed {num_computed} + num_new_tokens {num_new} exceeds its {num_tokens} "
+            "known tokens (decode steps compute exactly the one token sampled last)"
+        )
+    if end > limits.max_model_len:
+        raise PlanError(
+            f"{where}: computes up to position {end - 1}, max_model_len is {limits.max_model_len}"
+        )
+    if num_blocks * limits.block_size < end:
+        raise PlanError(
+            f"{where}: {num_blocks} blocks of {limits.block_size} tokens cannot hold {end} tokens"
+        )
+    if num_blocks > limits.max_blocks_per_seq:
+        raise PlanError(
+            f"{where}: a table of {num_blocks} blocks is longer than max_model_len "
+            f"{limits.max_model_len} needs ({limits.max_blocks_per_seq} blocks)"
+        )
+    if unchecked_blocks and max(unchecked_blocks) >= limits.num_device_blocks:
+        raise PlanError(
+            f"{where}: block id {max(unchecked_blocks)} out of range "
+            f"(num_gpu_blocks={limits.num_device_blocks})"
+        )
+
+
+def _check_moves(what: str, moves: Sequence[executor_pb2.BlockMove], num_src: int, num_dst: int) -> None:
+    for move in moves:
+        if move.src >= num_src or move.dst >= num_dst:
+            raise PlanError(
+                f"{what}: move {move.src}->{move.dst} out of range (source pool {num_src} blocks, "
+                f"destination pool {num_dst} blocks)"
+            )
+    if len({m.dst for m in moves}) != len(moves):
+        raise PlanError(f"{what}: several moves write the same destination block")
