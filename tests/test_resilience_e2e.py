@@ -69,3 +69,24 @@ def test_scheduler_plans_within_the_executor_limits(tiny_model_dir, hf_model, tm
             results = list(pool.map(lambda r: generate(channel, r, timeout=120), requests))
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == hf_greedy(hf_model, prompt, 6)
+
+
+def test_full_queue_gets_resource_exhausted(tiny_model_dir, tmp_path):
+    """Past --max-queue-len held requests, a new one is refused at once, and served once room frees."""
+    with running_services(tiny_model_dir, tmp_path, scheduler_args=("--max-queue-len=1",)) as services:
+        with services.channel() as channel:
+            first = stream(channel, make_request([9] * 10, max_tokens=900, ignore_eos=True), timeout=60)
+            next(first)  # the first request is held
+            with pytest.raises(grpc.RpcError) as err:
+                generate(channel, make_request([5, 6], max_tokens=2), timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max-queue-len" in err.value.details()
+            first.cancel()
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    assert generate(channel, make_request([5, 6], max_tokens=2), timeout=30).token_ids
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                    time.sleep(0.2)
