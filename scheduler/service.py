@@ -139,15 +139,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             ids = list(self.engine.tokenizer.encode(request.text))
         elif which == "token_ids":
             ids = list(request.token_ids.ids)
-            bad = [i for i in ids if i >= info.vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"prompt token ids {bad[:8]} are outside the vocabulary (size {info.vocab_size})"
-                )
         else:
             ids = []
         if not ids:
             raise InvalidRequest("the prompt is empty")
+        bad = [i for i in ids if i >= info.vocab_size]  # a tokenizer larger than the model, too
+        if bad:
+            raise InvalidRequest(
+                f"prompt token ids {bad[:8]} are outside the vocabulary (size {info.vocab_size})"
+            )
         if len(ids) > info.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens, more than max_model_len ({info.max_model_len})"
