@@ -12,6 +12,8 @@ prefilled, then decode steps are timed:
   CUDA events around each launch give the GPU idle time *between* steps, and a second pass under
   the torch profiler gives the GPU's busy time (kernels and copies), so idle *within* eager steps
   (the GPU waiting for Python to launch kernels) shows too;
+* mixed (--mixed-prompt N, on by default): each step also retires one request and admits a prompt
+  of N tokens, the shape continuous batching runs whenever a request finishes;
 * service (--service): the same runner behind the real gRPC service, a client thread in this
   process streaming plans with two in flight, as the scheduler engine does.
 
@@ -159,16 +161,35 @@ def profiled(fn, cuda: bool):
     return result, gpu_busy_ms(prof)
 
 
-def measure_direct(runner: ModelRunner, sched: AheadScheduler, steps: int) -> dict:
+def mixed_plans(sched: AheadScheduler, steps: int, prompt_len: int) -> list:
+    """Plans of continuous batching at its busiest: each step one request finishes and a new one is
+    admitted, so every step carries the running decodes plus one whole prompt."""
+    plans, next_id = [], max(sched.outputs) + 1
+    for _ in range(steps):
+        sched.retire(next(iter(sched.num_tokens)))
+        sched.add(next_id, prompts(1, prompt_len, seed=next_id)[1])
+        next_id += 1
+        plans.append(sched.plan())
+    return plans
+
+
+def measure_direct(runner: ModelRunner, sched: AheadScheduler, steps: int, mixed_prompt: int = 0) -> dict:
+    """Timing of `steps` decode steps (or, with mixed_prompt, steps that also admit a prompt)."""
     cuda = runner.device.type == "cuda"
-    plans = [sched.plan() for _ in range(steps)]
+
+    def make_plans() -> list:
+        if mixed_prompt:
+            return mixed_plans(sched, steps, mixed_prompt)
+        return [sched.plan() for _ in range(steps)]
+
+    plans = make_plans()
     wall, starts, ends = run_direct(runner, plans, events=cuda)
     between_idle = None
     if cuda:
         torch.cuda.synchronize()
         gaps = [max(0.0, ends[i].elapsed_time(starts[i + 1])) for i in range(steps - 1)]
         between_idle = sum(gaps) / starts[0].elapsed_time(ends[-1])
-    plans = [sched.plan() for _ in range(steps)]
+    plans = make_plans()
     wall2, busy = profiled(lambda: run_direct(runner, plans, events=False)[0], cuda)
     return {
         "wall_ms": 1000 * wall / steps,
@@ -240,6 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/llama-8b-shape"))
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script only")
+    parser.add_argument(
+        "--mixed-prompt", type=int, default=512,
+        help="also time mixed steps: the decodes plus one admitted prompt of this many tokens (0: off)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     max_tokens = 8192
@@ -260,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"runner ready in {time.perf_counter() - t0:.1f} s, {runner.kv_cache.num_device_blocks} KV blocks")
     if graphs is not None:
         print(
-            f"{len(graphs.sizes)} graphs captured in {graphs.capture_seconds:.2f} s; they took "
+            f"{graphs.num_graphs} graphs captured in {graphs.capture_seconds:.2f} s; they took "
             f"{graphs.device_bytes / 2**20:.0f} MiB of device memory, the KV sizing reserved "
             f"{runner.graph_reserve_bytes / 2**20:.0f} MiB"
         )
@@ -277,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
             result = measure_direct(runner, sched, args.steps)
             assert (runner.stats.graph_steps > before) == (mode == "graphs")
             rows.append((batch, f"direct {mode}", result, floor_ms))
+            if args.mixed_prompt:
+                result = measure_direct(runner, sched, args.steps, args.mixed_prompt)
+                rows.append((batch, f"direct {mode}, mixed +{args.mixed_prompt}", result, floor_ms))
         runner.graphs = graphs
         if args.service:
             result = measure_service(runner, batch, args.context, args.steps, max_tokens)

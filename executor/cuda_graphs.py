@@ -1,19 +1,28 @@
-"""CUDA graphs of the decode forward pass (embedding -> final norm -> LM head), one per padded size.
+"""CUDA graphs of the forward pass (embedding -> final norm -> LM head), for every kind of step.
 
-A decode step of the 8B model launches ~20 kernels per layer; launched one by one from Python that
-is several milliseconds of host time per step, and at small batches more than the GPU needs to run
-them. A replayed graph launches them all at once.
+Launched one by one from Python, the 8B model's ~45 kernels per layer cost tens of milliseconds of
+host time per step: more than the GPU needs for a decode step, and more than it needs for a step
+that mixes decodes with a prefill chunk of a few hundred tokens (what continuous batching runs
+whenever a request finishes and another is admitted). A replayed graph launches them all at once.
+Two families are captured:
 
-A graph replays fixed addresses, so its inputs live in static device buffers: one int64 buffer
-with a field of `capacity` entries per input (host ids, feed slots, positions, slot mapping, context
-lengths, slots), filled by one non-blocking copy per step. A batch of b sequences replays the
-smallest graph of size B >= b; rows b..B-1 are padding that cannot disturb anything:
+* *decode* graphs, one per padded batch size B (`decode_graph_sizes`): B sequences of one token,
+  every row sampled; the attention runs the split-KV decode kernel.
+* *mixed* graphs, one per padded token count T (`mixed_graph_sizes`): any batch of up to
+  `max_num_seqs` sequences and T tokens (prefill chunks, whole prompts, decodes), laid out as
+  `num_seq_slots` sequences so the shape never depends on the batch; the attention runs the varlen
+  kernel. Logits are computed for `num_seq_slots` rows (the sampled rows first).
 
-* slot_mapping -1: `write_kv` skips the row, so no KV block is written;
-* context length 1 over the pad row of the block table (block 0): attention reads key 0 of block 0,
-  which always exists, and its result is discarded;
-* feed slot -1 with host id 0: a valid token id;
-* their logits rows are never sampled.
+A graph replays fixed addresses, so its inputs live in one static int64 device buffer (a field per
+input), filled by one non-blocking copy per step. Padding cannot disturb anything:
+
+* padding tokens have slot_mapping -1 (`write_kv` skips them, no KV block is written), host id 0
+  and feed slot -1 (a valid token id), position 0;
+* a decode graph's padding sequences have one token and context length 1 over the pad row of the
+  block table (block 0, which always exists); their results are discarded;
+* a mixed graph's padding sequences have no tokens, except the last one, which owns all padding
+  tokens as a prompt of that length over the pad row; its rows are never sampled;
+* logits rows past the sampled ones are never read.
 
 The Triton kernels choose grids and splits from tensor *shapes* only, and a graph's block tables
 always have the full `max_blocks_per_seq` columns, so every launch parameter is fixed at capture.
@@ -35,125 +44,216 @@ from executor.transfer import pack_int64
 
 log = structlog.get_logger(__name__)
 
-_FIELDS = ("host_ids", "feed_slots", "positions", "slot_mapping", "seq_lens", "rows")
+_TOKEN_FIELDS = ("host_ids", "feed_slots", "positions", "slot_mapping")
+_SEQ_FIELDS = ("seq_lens", "rows", "cu_seqlens", "logits_indices", "sample_rows")
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+def decode_graph_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, then every 8 up to 128 and every 16 beyond, capped by (and always ending at)
     max_num_seqs: padding wastes at most 1/9 of a step above 8 sequences."""
     sizes = [1, 2, 4, *range(8, 129, 8), *range(144, max_num_seqs + 1, 16)]
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
 
 
-class DecodeGraphs:
-    """Captures and replays the decode forward pass for a set of padded batch sizes."""
+def mixed_graph_sizes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Token counts of the mixed graphs: every 128 up to 2048, every 256 up to 4096, every 512
+    beyond, ending at the most tokens a step can hold. Padding wastes at most ~1/8 of a step above
+    1024 tokens (below that a step is bound by reading the weights, so its length matters little).
+
+    A gap never exceeds max_model_len, because the padding tokens form one sequence.
+    """
+    largest = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    sizes, size = [], 0
+    while size < largest:
+        step = 128 if size < 2048 else 256 if size < 4096 else 512
+        size = min(size + min(step, max_model_len), largest)
+        sizes.append(size)
+    return sizes
+
+
+class StepGraphs:
+    """Captures and replays the forward pass of decode batches and of mixed batches."""
 
     def __init__(
         self,
         model: LlamaModel,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         slots: RequestSlots,
-        sizes: list[int],
+        decode_sizes: list[int],
+        mixed_sizes: list[int],
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.slots = slots
-        self.sizes = sorted(sizes)
-        self.capacity = self.sizes[-1]
+        self.decode_sizes = sorted(decode_sizes)
+        self.mixed_sizes = sorted(mixed_sizes)
+        self.max_decode = self.decode_sizes[-1] if self.decode_sizes else 0
+        self.max_seqs = slots.capacity
+        # Mixed graphs hold one more sequence than can run (the padding one). Their token count must
+        # differ from it: equal counts would select the decode kernel.
+        self.num_seq_slots = slots.capacity + 1
+        while self.num_seq_slots in self.mixed_sizes:
+            self.num_seq_slots += 1
         device = slots.device
         self._free_at_start = 0
         if device.type == "cuda":  # graph memory counts from here
             torch.cuda.synchronize(device)
             self._free_at_start = torch.cuda.mem_get_info(device)[0]
-        self._static = torch.zeros(len(_FIELDS) * self.capacity, dtype=torch.int64, device=device)
-        self._logits = torch.empty((self.capacity, model.spec.vocab_size), dtype=torch.float32, device=device)
+        self._token_capacity = max(self.max_decode, self.mixed_sizes[-1] if self.mixed_sizes else 0)
+        self._seq_capacity = self.num_seq_slots + 1  # cu_seqlens has one entry more
+        self._offsets: dict[str, int] = {}
+        offset = 0
+        for names, length in ((_TOKEN_FIELDS, self._token_capacity), (_SEQ_FIELDS, self._seq_capacity)):
+            for name in names:
+                self._offsets[name] = offset
+                offset += length
+        self._static = torch.zeros(offset, dtype=torch.int64, device=device)
+        logits_rows = max(self.max_decode, self.num_seq_slots)
+        self._logits = torch.empty((logits_rows, model.spec.vocab_size), dtype=torch.float32, device=device)
         # A decode batch's cu_seqlens is 0, 1, ..., size: a prefix of one arange. Everything a graph
         # reads must outlive it; a tensor made for one capture and dropped would be freed and reused.
-        self._cu_seqlens = torch.arange(self.capacity + 1, dtype=torch.int32, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self._decode_cu_seqlens = torch.arange(self.max_decode + 1, dtype=torch.int32, device=device)
+        self._decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.device_bytes = 0  # device memory the graphs, their pool and static buffers took
         self.capture_seconds = 0.0
 
+    @property
+    def num_graphs(self) -> int:
+        return len(self.decode_sizes) + len(self.mixed_sizes)
+
     def _field(self, name: str, size: int) -> torch.Tensor:
-        offset = _FIELDS.index(name) * self.capacity
+        offset = self._offsets[name]
         return self._static[offset : offset + size]
 
-    def _forward(self, size: int) -> None:
+    def _forward(self, num_tokens: int, mixed: bool) -> None:
         """The captured work: token gather, block table gather, forward pass into the logits buffer."""
-        f = {name: self._field(name, size) for name in _FIELDS}
+        num_seqs = self.num_seq_slots if mixed else num_tokens
+        tokens = {name: self._field(name, num_tokens) for name in _TOKEN_FIELDS}
+        seqs = {name: self._field(name, num_seqs) for name in _SEQ_FIELDS}
+        if mixed:
+            cu_seqlens = self._field("cu_seqlens", num_seqs + 1).to(torch.int32)
+        else:
+            cu_seqlens = self._decode_cu_seqlens[: num_seqs + 1]
         meta = AttentionMetadata(
-            positions=f["positions"],
-            slot_mapping=f["slot_mapping"],
-            block_tables=self.slots.block_tables(f["rows"], self.slots.max_blocks_per_seq),
-            seq_lens=f["seq_lens"].to(torch.int32),
-            cu_seqlens_q=self._cu_seqlens[: size + 1],
+            positions=tokens["positions"],
+            slot_mapping=tokens["slot_mapping"],
+            block_tables=self.slots.block_tables(seqs["rows"], self.slots.max_blocks_per_seq),
+            seq_lens=seqs["seq_lens"].to(torch.int32),
+            cu_seqlens_q=cu_seqlens,
         )
-        input_ids = self.slots.input_ids(f["host_ids"], f["feed_slots"])
-        self.model(input_ids, meta, self.kv_caches, None, out=self._logits[:size])
+        input_ids = self.slots.input_ids(tokens["host_ids"], tokens["feed_slots"])
+        logits_indices = seqs["logits_indices"] if mixed else None
+        self.model(input_ids, meta, self.kv_caches, logits_indices, out=self._logits[:num_seqs])
 
-    def _fill(self, batch: HostBatch | None) -> None:
-        """Copies a batch into the static inputs, padding rows after it (all rows if None)."""
-        n = 0 if batch is None else batch.num_seqs
-        pad = self.capacity - n
-        fill = {"host_ids": 0, "feed_slots": -1, "positions": 0, "slot_mapping": -1, "seq_lens": 1}
-        fill["rows"] = self.slots.pad_row
+    def _fill(self, batch: HostBatch | None, num_tokens: int, mixed: bool) -> None:
+        """Copies `batch` into the static inputs, padded to `num_tokens` tokens (and, for a mixed
+        graph, `num_seq_slots` sequences); all padding if batch is None."""
+        empty = np.zeros(0, dtype=np.int64)
+        get = (lambda name: empty) if batch is None else (lambda name: getattr(batch, name))
+        t = len(get("positions"))
+        s = len(get("rows"))
+        pad_tokens = num_tokens - t
+        if mixed:
+            pad_seqs = self.num_seq_slots - s  # >= 1
+            if batch is None:  # capture: spread the tokens, no sequence longer than a real one
+                q_lens = np.full(pad_seqs, num_tokens // pad_seqs)
+                q_lens[: num_tokens % pad_seqs] += 1
+                cu = np.concatenate(([0], np.cumsum(q_lens)))
+                seq_lens = q_lens
+            else:  # the last padding sequence owns the padding tokens
+                cu = np.concatenate((batch.cu_seqlens, np.full(pad_seqs - 1, t), [num_tokens]))
+                seq_lens = np.concatenate((batch.seq_lens, np.zeros(pad_seqs - 1), [pad_tokens]))
+        else:
+            pad_seqs = num_tokens - s
+            cu, seq_lens = empty, np.concatenate((get("seq_lens"), np.ones(pad_seqs, dtype=np.int64)))
+        num_sampled = len(get("logits_indices"))
+        pad_row = self.slots.pad_row
+        fields = {
+            "host_ids": (get("host_ids"), np.zeros(pad_tokens)),
+            "feed_slots": (get("feed_slots"), np.full(pad_tokens, -1)),
+            "positions": (get("positions"), np.zeros(pad_tokens)),
+            "slot_mapping": (get("slot_mapping"), np.full(pad_tokens, -1)),
+            "seq_lens": (seq_lens, empty),
+            "rows": (get("rows"), np.full(pad_seqs, pad_row)),
+            "cu_seqlens": (cu, empty),
+            "logits_indices": (get("logits_indices"), np.zeros(s + pad_seqs - num_sampled)),
+            "sample_rows": (get("sample_rows"), np.full(s + pad_seqs - num_sampled, pad_row)),
+        }
         arrays = []
-        for name in _FIELDS:
-            head = [] if batch is None else getattr(batch, name)
-            arrays.append(_concat(head, fill[name], pad))
-        host, _ = pack_int64(arrays, self._static.device, field_len=self.capacity)
+        for names, capacity in ((_TOKEN_FIELDS, self._token_capacity), (_SEQ_FIELDS, self._seq_capacity)):
+            for name in names:
+                head, pad = fields[name]
+                arrays.append(_padded(head, pad, capacity))
+        host, _ = pack_int64(arrays, self._static.device)
         self._static.copy_(host, non_blocking=True)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every size (largest first) and logs the time and device memory it took."""
+        """Captures every graph (largest first) and logs the time and device memory it took."""
         device = self._static.device
         start = time.perf_counter()
-        self._fill(None)
-        self._pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: Triton compiles, cuBLAS picks its kernels
+        pool = torch.cuda.graph_pool_handle()
+        todo = [(n, True, self._mixed_graphs) for n in reversed(self.mixed_sizes)]
+        todo += [(n, False, self._decode_graphs) for n in reversed(self.decode_sizes)]
+        for num_tokens, mixed, graphs in todo:
+            self._fill(None, num_tokens, mixed)
+            self._forward(num_tokens, mixed)  # warm-up: Triton compiles, cuBLAS picks its kernels
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(size)
-            self._graphs[size] = graph
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(num_tokens, mixed)
+            graphs[num_tokens] = graph
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the warm-ups' activations: eager steps get them back as needed
         self.device_bytes = self._free_at_start - torch.cuda.mem_get_info(device)[0]
         self.capture_seconds = time.perf_counter() - start
         log.info(
             "executor.cuda_graphs",
-            sizes=len(self.sizes),
-            largest=self.capacity,
+            decode_graphs=len(self.decode_sizes),
+            largest_decode=self.max_decode,
+            mixed_graphs=len(self.mixed_sizes),
+            largest_mixed=self.mixed_sizes[-1] if self.mixed_sizes else 0,
             seconds=round(self.capture_seconds, 2),
             device_gib=round(self.device_bytes / 2**30, 3),
         )
 
+    def _plan(self, batch: HostBatch) -> tuple[int, bool] | None:
+        """(padded token count, mixed) of the graph that runs `batch`, or None to run it eagerly."""
+        num_tokens = len(batch.positions)
+        if batch.decode_only and num_tokens <= self.max_decode:
+            return next(s for s in self.decode_sizes if s >= num_tokens), False
+        if self.mixed_sizes and num_tokens <= self.mixed_sizes[-1] and batch.num_seqs <= self.max_seqs:
+            return next(s for s in self.mixed_sizes if s >= num_tokens), True
+        return None
+
     def can_run(self, batch: HostBatch) -> bool:
-        return batch.decode_only and batch.num_seqs <= self.capacity
+        return self._plan(batch) is not None
 
-    def padded_size(self, num_seqs: int) -> int:
-        return next(s for s in self.sizes if s >= num_seqs)
-
-    def run(self, batch: HostBatch) -> torch.Tensor:
-        """Replays the smallest graph that holds `batch`; returns its float32 logits [b, vocab]."""
-        self._fill(batch)
-        self._graphs[self.padded_size(batch.num_seqs)].replay()
-        return self._logits[: batch.num_seqs]
+    def run(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays the graph for `batch`: returns its float32 logits [sampled rows, vocab] and the
+        slots of those rows (on the device, for `RequestSlots.store_sampled`)."""
+        num_tokens, mixed = self._plan(batch)
+        self._fill(batch, num_tokens, mixed)
+        (self._mixed_graphs if mixed else self._decode_graphs)[num_tokens].replay()
+        return self._outputs(batch)
 
     @torch.inference_mode()
-    def run_uncaptured(self, batch: HostBatch) -> torch.Tensor:
+    def run_uncaptured(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Computes what `run` replays, padding included, without a graph (tests run it on the CPU)."""
-        self._fill(batch)
-        self._forward(self.padded_size(batch.num_seqs))
-        return self._logits[: batch.num_seqs]
+        num_tokens, mixed = self._plan(batch)
+        self._fill(batch, num_tokens, mixed)
+        self._forward(num_tokens, mixed)
+        return self._outputs(batch)
 
-    def sample_rows(self, num_seqs: int) -> torch.Tensor:
-        """The slots of a replayed batch's rows (all of them sample), already on the device."""
-        return self._field("rows", num_seqs)
+    def _outputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        num_sampled = len(batch.logits_indices)
+        return self._logits[:num_sampled], self._field("sample_rows", num_sampled)
 
 
-def _concat(head, value: int, pad: int) -> np.ndarray:
-    return np.concatenate((np.asarray(head, dtype=np.int64), np.full(pad, value, dtype=np.int64)))
+def _padded(head: np.ndarray, pad: np.ndarray, capacity: int) -> np.ndarray:
+    """head then pad, as int64, zero-filled up to capacity (unused tail of a field)."""
+    out = np.zeros(capacity, dtype=np.int64)
+    out[: len(head)] = head
+    out[len(head) : len(head) + len(pad)] = pad
+    return out

@@ -3,7 +3,9 @@
 Every sequence of a step contributes its new tokens to one [num_tokens, hidden] matrix, so prefill
 chunks and decode tokens share the same matmuls. Attention writes the new K/V into the paged pool
 (`kernels.write_kv`) and attends over it (`kernels.paged_attention`); where each token goes and
-what it sees travels in an explicit `AttentionMetadata`, never in module globals.
+what it sees travels in an explicit `AttentionMetadata`, never in module globals. The elementwise
+work of a layer (RMSNorm with the residual add fused in, rotary, SiLU-and-mul) runs as one kernel
+each (`kernels.layers`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 import kernels
 from executor.loader import ModelSpec, RopeConfig
+from kernels import layers
 
 
 @dataclass(frozen=True)
@@ -68,16 +71,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_len, head_dim / 2], float32
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotates each x [num_tokens, heads, head_dim]; computed in float32, returned in x's dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        out = []
-        for x in xs:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            out.append(rotated.to(x.dtype))
-        return tuple(out)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotates q [num_tokens, heads, head_dim] and k [num_tokens, kv_heads, head_dim] in place."""
+        layers.rotary_embedding(positions, q, k, self.cos, self.sin)
 
 
 def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -87,17 +83,21 @@ def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Paramete
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, the reduction in float32 as in the reference implementations."""
+    """x / rms(x) * weight, the reduction in float32 as in the reference implementations.
+
+    Given the residual stream too, it first adds x into it (one fused kernel) and returns
+    (normed, new residual): see `kernels.layers.rms_norm`.
+    """
 
     def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = _param(size, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return layers.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Linear(nn.Module):
@@ -142,7 +142,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(meta.positions, q, k)
+        self.rotary(meta.positions, q, k)  # in place: q and k are views of this step's qkv output
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale
@@ -159,11 +159,17 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.hidden_size, spec.intermediate_size, False, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layers.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks, their residual adds fused into the following RMSNorm.
+
+    As in vLLM, a layer returns its MLP output and the residual stream *separately*: the add
+    that completes the layer happens inside the next layer's input norm (or the final norm), so
+    each add costs no kernel of its own.
+    """
+
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
@@ -172,10 +178,26 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec, device, dtype)
 
     def forward(
-        self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (MLP output, residual stream); their sum is the layer's output.
+
+        Args:
+            x: the previous layer's MLP output, or the embeddings for the first layer.
+            residual: the previous layer's residual stream; None for the first layer.
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, meta, k_cache, v_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -219,12 +241,12 @@ class LlamaModel(nn.Module):
             out: float32 [num_rows, vocab] to write the logits into: a CUDA graph keeps one buffer
                 for all its batch sizes instead of one output per captured graph.
         """
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, meta, k_cache, v_cache)
+            x, residual = layer(x, residual, meta, k_cache, v_cache)
         if logits_indices is not None:
-            x = x[logits_indices]
-        x = self.norm(x)
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.norm(x, residual)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         logits = F.linear(x, head)
         if out is None:

@@ -6,10 +6,11 @@ The pool takes all memory left under `gpu_memory_utilization` after
 * a reserve for the CUDA graphs, which are captured *after* the pool exists (their kernels must
   see the real pool's addresses) and keep their own memory pool that eager steps cannot reuse.
 
-The graph reserve is measured, not guessed: a decode forward pass at the largest graph size, writing
-into a logits buffer of the graphs' shape, is profiled the same way (graphs captured largest first
-into one shared pool need about that much), plus a fixed allowance per graph for what the driver
-keeps for each instantiated graph. After capture the runner logs the memory the graphs actually took.
+The graph reserve is measured, not guessed: the larger of a decode pass at the largest decode graph
+and a pass of the worst step (the largest mixed graph), each writing into a logits buffer as the
+graphs do, is profiled the same way (graphs captured largest first into one shared pool need about
+that much), plus a fixed allowance per graph for what the driver keeps for each instantiated graph. After
+capture the runner logs the memory the graphs actually took.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import structlog
 import torch
 
 from executor.config import ExecutorConfig
+from executor.cuda_graphs import decode_graph_sizes, mixed_graph_sizes
 from executor.kv_cache import KVCache, KVCacheLayout
 from executor.model import LlamaModel
 from executor.sampler import SamplingParams, sample
@@ -51,13 +53,19 @@ def _scratch_pool(layout: KVCacheLayout, lens: list[int], device: torch.device):
     return KVCache(layout, next_block, 0, device), tables
 
 
-def _worst_step_peak(model: LlamaModel, layout: KVCacheLayout, config: ExecutorConfig, max_model_len: int):
-    """max_num_batched_tokens tokens over up to max_num_seqs prefills, all sampled with top-k/top-p
-    (the sampler's sort is the largest temporary); returns (tokens, seqs, peak without the pool)."""
-    device = next(model.parameters()).device
+def _worst_step_lens(config: ExecutorConfig, max_model_len: int) -> list[int]:
+    """The largest step the config allows: max_num_batched_tokens tokens over up to max_num_seqs
+    prefills."""
     num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens))
     per_seq = min(max_model_len, -(-config.max_num_batched_tokens // num_seqs))
-    lens = [per_seq] * num_seqs
+    return [per_seq] * num_seqs
+
+
+def _worst_step_peak(model: LlamaModel, layout: KVCacheLayout, lens: list[int]) -> int:
+    """Peak torch memory (pool excluded) of an eager step of `lens` prefills, all sampled with
+    top-k/top-p (the sampler's sort is the largest temporary)."""
+    device = next(model.parameters()).device
+    num_seqs = len(lens)
     torch.cuda.reset_peak_memory_stats(device)
     scratch, tables = _scratch_pool(layout, lens, device)
     scratch_bytes = scratch.device_pool.numel() * scratch.device_pool.element_size()
@@ -66,19 +74,24 @@ def _worst_step_peak(model: LlamaModel, layout: KVCacheLayout, config: ExecutorC
     logits = model(inputs.input_ids, inputs.meta, scratch.layer_caches(), inputs.logits_indices)
     sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs, lens)
     torch.cuda.synchronize(device)
-    return sum(lens), num_seqs, torch.cuda.max_memory_allocated(device) - scratch_bytes
+    return torch.cuda.max_memory_allocated(device) - scratch_bytes
 
 
-def _decode_graph_bytes(model: LlamaModel, layout: KVCacheLayout, batch: int) -> int:
-    """Torch memory a decode pass of `batch` rows allocates beyond what is live before it."""
+def _graph_pass_bytes(model: LlamaModel, layout: KVCacheLayout, lens: list[int]) -> int:
+    """Torch memory a forward pass of `lens` new tokens per sequence (logits for every sequence,
+    written into a buffer as a graph does) allocates beyond what is live before it."""
     device = next(model.parameters()).device
-    scratch, tables = _scratch_pool(layout, [1] * batch, device)
-    inputs = build_step_inputs([[0]] * batch, [0] * batch, tables, [True] * batch, layout.block_size, device)
+    num_seqs = len(lens)
+    scratch, tables = _scratch_pool(layout, lens, device)
+    inputs = build_step_inputs([[0] * n for n in lens], [0] * num_seqs, tables, [True] * num_seqs,
+                               layout.block_size, device)  # fmt: skip
+    decode = all(n == 1 for n in lens)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    out = torch.empty((batch, model.spec.vocab_size), dtype=torch.float32, device=device)
-    model(inputs.input_ids, inputs.meta, scratch.layer_caches(), None, out=out)
+    out = torch.empty((num_seqs, model.spec.vocab_size), dtype=torch.float32, device=device)
+    indices = None if decode else inputs.logits_indices
+    model(inputs.input_ids, inputs.meta, scratch.layer_caches(), indices, out=out)
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
 
@@ -89,23 +102,28 @@ def profile_cuda(
     layout: KVCacheLayout,
     config: ExecutorConfig,
     max_model_len: int,
-    graph_sizes: list[int],
+    cuda_graphs: bool,
 ) -> MemoryProfile:
     """Measures the memory everything but the KV pool needs (see the module docstring)."""
     device = next(model.parameters()).device
     torch.cuda.empty_cache()
-    tokens, seqs, peak = _worst_step_peak(model, layout, config, max_model_len)
+    lens = _worst_step_lens(config, max_model_len)
+    peak = _worst_step_peak(model, layout, lens)
     graph_reserve = 0
-    if graph_sizes:
-        graph_reserve = _decode_graph_bytes(model, layout, max(graph_sizes))
-        graph_reserve += GRAPH_OVERHEAD_BYTES * len(graph_sizes)
+    if cuda_graphs:
+        num_graphs = len(decode_graph_sizes(config.max_num_seqs)) + len(
+            mixed_graph_sizes(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+        )
+        decode_pass = _graph_pass_bytes(model, layout, [1] * config.max_num_seqs)
+        graph_reserve = max(decode_pass, _graph_pass_bytes(model, layout, lens))
+        graph_reserve += GRAPH_OVERHEAD_BYTES * num_graphs
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
     log.info(
         "executor.profiled",
-        tokens=tokens,
-        seqs=seqs,
+        tokens=sum(lens),
+        seqs=len(lens),
         peak_gib=round(peak / 2**30, 3),
         non_torch_gib=round(non_torch / 2**30, 3),
         graph_reserve_gib=round(graph_reserve / 2**30, 3),

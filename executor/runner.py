@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from executor.config import ExecutorConfig
-from executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
 from executor.kv_cache import KVCache, KVCacheLayout, check_fits, cpu_device_num_blocks, gpu_num_blocks
 from executor.loader import ModelSpec, load_model_spec, load_weights
 from executor.model import LlamaModel
@@ -148,9 +148,12 @@ class ModelRunner:
         )
         self._busy_until = 0.0
         self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if cuda_graphs:
-            self.graphs = DecodeGraphs(model, self._layer_caches, self.slots, graph_batch_sizes(max_num_seqs))
+            self.graphs = StepGraphs(
+                model, self._layer_caches, self.slots, decode_graph_sizes(max_num_seqs),
+                mixed_graph_sizes(max_num_batched_tokens, max_num_seqs, max_model_len),
+            )  # fmt: skip
             self.graphs.capture()
 
     @classmethod
@@ -175,8 +178,7 @@ class ModelRunner:
         if config.num_gpu_blocks_override is not None:
             num_blocks, why = config.num_gpu_blocks_override, "--num-gpu-blocks-override"
         elif device.type == "cuda":
-            sizes = graph_batch_sizes(config.max_num_seqs) if cuda_graphs else []
-            mem = profile_cuda(model, layout, config, max_model_len, sizes)
+            mem = profile_cuda(model, layout, config, max_model_len, cuda_graphs)
             graph_reserve = mem.graph_reserve_bytes
             num_blocks = gpu_num_blocks(
                 layout, mem.total_bytes, config.gpu_memory_utilization,
@@ -340,15 +342,14 @@ class ModelRunner:
         )
 
     def _launch_forward(self, scheduled: list[_Scheduled], pending: PendingStep) -> None:
-        """Queues the forward pass (a CUDA graph when the step is decode-only), the sampler, the
+        """Queues the forward pass (a CUDA graph replay when one fits), the sampler, the
         device-side token feed and the copy of the sampled tokens to the host."""
         batch = self._host_batch(scheduled)
         sampling = [s.state for s in scheduled if s.state.num_computed + s.num_new == s.state.num_tokens]
         for s in scheduled:
             s.state.num_computed += s.num_new
         if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
-            sample_rows = self.graphs.sample_rows(batch.num_seqs)
+            logits, sample_rows = self.graphs.run(batch)
             self.stats.graph_steps += 1
         else:
             inputs = stage_batch(batch, self.slots)

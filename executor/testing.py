@@ -172,6 +172,8 @@ class AheadScheduler:
         self.num_tokens: dict[int, int] = {}  # admitted requests, counting samples still in flight
         self.num_blocks: dict[int, int] = {}
         self.outputs: dict[int, list[int]] = {}
+        self._block_ids: dict[int, list[int]] = {}
+        self._retired: list[int] = []
         self._step_id = 0
 
     def add(self, seq_id: int, prompt: Iterable[int]) -> None:
@@ -181,11 +183,20 @@ class AheadScheduler:
     def _blocks(self, seq_id: int, end: int) -> list[int]:
         need = max(0, -(-end // self.block_size) - self.num_blocks[seq_id])
         self.num_blocks[seq_id] += need
-        return [self.free.pop() for _ in range(need)]
+        new = [self.free.pop() for _ in range(need)]
+        self._block_ids.setdefault(seq_id, []).extend(new)
+        return new
+
+    def retire(self, seq_id: int) -> None:
+        """Finishes an admitted request: the next plan removes it and its blocks are free again."""
+        del self.num_tokens[seq_id], self.num_blocks[seq_id]
+        self.free.extend(self._block_ids.pop(seq_id))
+        self._retired.append(seq_id)
 
     def plan(self) -> executor_pb2.StepPlan:
         self._step_id += 1
-        plan = executor_pb2.StepPlan(step_id=self._step_id)
+        plan = executor_pb2.StepPlan(step_id=self._step_id, removed_seq_ids=self._retired)
+        self._retired = []
         budget = self.budget
         for seq_id in self.num_tokens:
             new_blocks = self._blocks(seq_id, self.num_tokens[seq_id])

@@ -22,8 +22,8 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-# 5 prompts admitted over two steps (budget 64), mixed with the first decodes (eager steps); then
-# decode-only steps of 5 sequences replay the graph of 8.
+# 5 prompts admitted over two steps (budget 64), mixed with the first decodes (mixed graphs); then
+# decode-only steps of 5 sequences replay the decode graph of 8.
 PROMPTS = {i: _prompt(n, seed=i) for i, n in enumerate((21, 40, 7, 33, 16), start=1)}
 
 
@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory):
 def _runner(model_dir, dtype: str, eager: bool) -> ModelRunner:
     config = ExecutorConfig(
         model=str(model_dir), device="cuda", dtype=dtype, num_gpu_blocks_override=NUM_BLOCKS,
-        swap_space=0.002, max_model_len=256, max_num_seqs=8, enforce_eager=eager,
+        swap_space=0.002, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, enforce_eager=eager,
     )  # fmt: skip
     return ModelRunner.create(config)
 
@@ -68,9 +68,10 @@ def test_float32_graphs_and_eager_match_hf_on_cuda(model_dir):
     assert eager.graphs is None
     assert _generate(eager) == expected
     graphs = _runner(model_dir, "float32", eager=False)
-    assert graphs.graphs is not None and graphs.graphs.sizes == [1, 2, 4, 8]
+    assert graphs.graphs is not None and graphs.graphs.decode_sizes == [1, 2, 4, 8]
+    assert graphs.graphs.mixed_sizes == [64]
     assert _generate(graphs) == expected
-    assert graphs.stats.graph_steps > 0 and eager.stats.graph_steps == 0
+    assert graphs.stats.graph_steps == graphs.stats.steps and eager.stats.graph_steps == 0
 
 
 def test_bfloat16_graphs_match_eager(model_dir):
@@ -106,10 +107,11 @@ def test_graph_padding_rows_write_no_kv(model_dir):
 
 @pytest.mark.parametrize("eager", [False, True])
 def test_decode_launch_never_waits_for_the_device(model_dir, eager):
-    """torch raises on any synchronising call (.item(), .tolist(), pageable copies...)."""
+    """torch raises on any synchronising call (.item(), .tolist(), pageable copies...), in decode
+    steps and in steps that mix decodes with newly admitted prompts."""
     runner = _runner(model_dir, "bfloat16", eager=eager)
     runner.reset()
-    sched = AheadScheduler(NUM_BLOCKS, runner.block_size, max_num_seqs=8)
+    sched = AheadScheduler(NUM_BLOCKS, runner.block_size, max_num_batched_tokens=64, max_num_seqs=8)
     for seq_id, prompt in PROMPTS.items():
         sched.add(seq_id, prompt)
     first = runner.launch(sched.plan())  # prefills (may allocate, compile)

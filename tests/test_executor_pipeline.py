@@ -4,6 +4,7 @@ service loop's ordering."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from executor.config import ExecutorConfig
-from executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
 from executor.runner import ModelRunner, PendingStep, RunnerStats
 from executor.service import ExecutorService
 from executor.testing import AheadScheduler, ToyScheduler, drive_ahead
@@ -105,10 +106,26 @@ def test_slots_are_limited_to_max_num_seqs(runner):
     assert runner.slots.num_free == 8
 
 
-def test_graph_batch_sizes():
-    assert graph_batch_sizes(256)[:8] == [1, 2, 4, 8, 16, 24, 32, 40]
-    assert graph_batch_sizes(256)[-3:] == [224, 240, 256]
-    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+def test_graph_sizes():
+    assert decode_graph_sizes(256)[:8] == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert decode_graph_sizes(256)[-3:] == [224, 240, 256]
+    assert decode_graph_sizes(6) == [1, 2, 4, 6]
+    mixed = mixed_graph_sizes(8192, 256, 8192)
+    assert mixed[:3] == [128, 256, 384] and mixed[15:18] == [2048, 2304, 2560] and mixed[-2:] == [7680, 8192]
+    assert len(mixed) == 32
+    # Gaps never exceed max_model_len (the padding is one sequence); the end never exceeds what
+    # max_num_seqs sequences of max_model_len can hold.
+    assert mixed_graph_sizes(64, 8, 48) == [48, 64]
+    assert mixed_graph_sizes(8192, 4, 100)[-1] == 400
+
+
+def _graphs(runner: ModelRunner, decode_sizes: list[int], mixed_sizes: list[int]) -> StepGraphs:
+    return StepGraphs(runner.model, runner.kv_cache.layer_caches(), runner.slots, decode_sizes, mixed_sizes)
+
+
+def _written_blocks(runner: ModelRunner, pool_before: torch.Tensor) -> set[int]:
+    written = (runner.kv_cache.device_pool != pool_before).flatten(0, 1).any(dim=(0, 2, 3, 4))
+    return set(torch.nonzero(written).flatten().tolist())
 
 
 def test_padded_decode_batch_equals_eager(runner):
@@ -119,27 +136,61 @@ def test_padded_decode_batch_equals_eager(runner):
     for seq_id, n in ((1, 17), (2, 5), (3, 33)):
         sched.add(seq_id, _prompt(n, seed=seq_id))
     sched.observe(runner.execute(sched.plan()))  # prefill; next step is decode-only
-    graphs = DecodeGraphs(runner.model, runner.kv_cache.layer_caches(), runner.slots, [1, 2, 4])
+    graphs = _graphs(runner, [1, 2, 4], [])
     states = [runner._requests[s] for s in (1, 2, 3)]
     from executor.runner import _Scheduled
 
     scheduled = [_Scheduled(st, 1) for st in states]
     batch = runner._host_batch(scheduled)
-    assert batch.decode_only and graphs.padded_size(batch.num_seqs) == 4
+    assert batch.decode_only and graphs._plan(batch) == (4, False)
     pool_before = runner.kv_cache.device_pool.clone()
-    padded = graphs.run_uncaptured(batch).clone()
-    written = (runner.kv_cache.device_pool != pool_before).flatten(0, 1).any(dim=(0, 2, 3, 4))
+    logits, sample_rows = graphs.run_uncaptured(batch)
+    padded = logits.clone()
+    assert sample_rows.tolist() == [st.slot for st in states]
     # Only the blocks holding each sequence's newest position changed: the padding row wrote nothing.
     bs = runner.block_size
     expected = {int(runner.slots.table_host[st.slot, st.num_computed // bs]) for st in states}
     assert 0 not in expected  # so a stray write of the padding row (to block 0) would show
-    assert set(torch.nonzero(written).flatten().tolist()) == expected
+    assert _written_blocks(runner, pool_before) == expected
     runner.kv_cache.device_pool.copy_(pool_before)
     from executor.step_inputs import stage_batch
 
     inputs = stage_batch(batch, runner.slots)
     eager = runner.model(inputs.input_ids, inputs.meta, runner.kv_cache.layer_caches(), None)
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_steps_through_padded_graph_layouts_match_hf(runner, hf_model, monkeypatch, attention):
+    """Every step computed the way its CUDA graph would (padded static inputs, no capture, CPU):
+    mixed prefill+decode batches padded to 32 or 40 tokens and 9 sequence slots (the padding
+    tokens forming one extra sequence), decode batches padded to 4 sequences. Greedy tokens still
+    equal Hugging Face's, and the padding writes no KV. With "triton" the Triton kernels run under
+    the interpreter."""
+    if attention == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/test_kernels.py when the suite runs)")
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION", attention)
+    runner.reset()
+    graphs = _graphs(runner, [1, 2, 4], mixed_graph_sizes(40, runner.max_num_seqs, 32))
+    assert graphs.mixed_sizes == [32, 40] and graphs.num_seq_slots == 9
+    monkeypatch.setattr(graphs, "run", graphs.run_uncaptured)
+    monkeypatch.setattr(runner, "graphs", graphs)
+    # Step 1: prompts 1 and 2 (37 tokens, padded to 40); step 2: their decodes and prompt 3 (7
+    # tokens, padded to 32); then decode steps of 3 sequences padded to 4.
+    prompts = {1: _prompt(21, seed=1), 2: _prompt(16, seed=2), 3: _prompt(5, seed=3)}
+    sched = AheadScheduler(NUM_BLOCKS, runner.block_size, max_num_batched_tokens=40)
+    sched.free.remove(0)  # block 0 stays unallocated: a stray padding write would show there
+    for seq_id, prompt in prompts.items():
+        sched.add(seq_id, prompt)
+    block0 = runner.kv_cache.device_pool[:, :, 0].clone()
+    steps = 12 if attention == "reference" else 5
+    steps_before = runner.stats.graph_steps
+    drive_ahead(runner, sched, steps=steps)
+    assert runner.stats.graph_steps - steps_before == steps
+    assert torch.equal(runner.kv_cache.device_pool[:, :, 0], block0)
+    for seq_id, prompt in prompts.items():
+        got = sched.outputs[seq_id]
+        assert len(got) >= steps - 2 and got == _hf_greedy(hf_model, prompt, len(got)), seq_id
 
 
 # ---- the overlapped service loop, with a runner whose steps finish when the test says -------------

@@ -1,0 +1,283 @@
+"""Triton kernels for the decoder layer's elementwise work: (residual add +) RMSNorm, rotary, SiLU-and-mul.
+
+Contract: see `kernels.layers` (same arguments, same results up to rounding; the plain-torch
+references there define the math). Each replaces a chain of eager torch ops (RMSNorm alone is eight)
+with one launch, and keeps the float32 temporaries in registers.
+
+Rounding follows torch's op order: every step torch rounds to the tensor dtype (the residual sum,
+the normalised activations before the weight multiply, SiLU before the up multiply) is rounded here
+too, and the kernels compile without FMA contraction (`enable_fp_fusion=False`) so `a * b - c * d`
+rounds each product as torch's separate kernels do. What remains different is the order of the
+RMSNorm sum and the approximate `exp`/`rsqrt` of the GPU: a few float32 ulps, which after rounding
+to bf16/fp16 moves an element by at most one ulp, and rarely.
+
+Launches depend on shapes only (no host synchronisation), so they can be captured in CUDA graphs;
+zero tokens launch nothing. Token offsets are computed in 64 bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul"]
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# One program normalises one whole row; beyond this the row no longer fits in registers.
+_MAX_HIDDEN = 65536
+# Elements per program in the rotary and SiLU kernels: enough to keep loads wide, few enough that
+# short batches still spread over the SMs.
+_TILE_ELEMENTS = 2048
+
+
+# --------------------------------------------------------------------------------------------- #
+# Kernels
+# --------------------------------------------------------------------------------------------- #
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_residual,
+    stride_out,
+    stride_residual_out,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Normalises one row; with a residual, first stores the sum x + residual (rounded) and uses it."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    normed = (xf * inv_rms).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_heads(
+    row_ptr,
+    stride_head,
+    first_head,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Rotates heads [first_head, first_head + BLOCK_H) of one token in place (rotate-half layout)."""
+    heads = first_head + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, HALF_PAD)
+    mask = (heads < num_heads)[:, None] & (cols < HALF)[None, :]
+    first = row_ptr + heads[:, None] * stride_head + cols[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(first, (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype), mask=mask)
+    tl.store(first + HALF, (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_table,
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Grid (token, head block): the first ceil(num_q_heads / BLOCK_H) head blocks are q's, the rest k's."""
+    token = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)
+    cos = tl.load(cos_ptr + position * stride_table + cols, mask=cols < HALF, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_table + cols, mask=cols < HALF, other=0.0)
+    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    if head_block < q_blocks:
+        _rotate_heads(
+            q_ptr + token * stride_qt,
+            stride_qh,
+            head_block * BLOCK_H,
+            num_q_heads,
+            cos,
+            sin,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+        )
+    else:
+        _rotate_heads(
+            k_ptr + token * stride_kt,
+            stride_kh,
+            (head_block - q_blocks) * BLOCK_H,
+            num_kv_heads,
+            cos,
+            sin,
+            HALF,
+            HALF_PAD,
+            BLOCK_H,
+        )
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, intermediate, BLOCK: tl.constexpr):
+    """out[t, j] = silu(x[t, j]) * x[t, intermediate + j] for one token and BLOCK columns."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate
+    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + token * stride_x + intermediate + cols, mask=mask, other=0.0)
+    # torch's silu formula, in float32, rounded to the dtype before the multiply as F.silu(gate) * up is.
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Python entry points
+# --------------------------------------------------------------------------------------------- #
+
+
+def _num_warps(elements: int) -> int:
+    return min(max(elements // 512, 1), 16)
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    assert t.dim() == 2, f"{name} must be [num_tokens, size]"
+    assert t.dtype in _SUPPORTED_DTYPES, f"{name}: unsupported dtype {t.dtype}"
+    assert t.stride(1) == 1 or t.shape[1] <= 1, f"{name} rows must be contiguous"
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """See `kernels.layers.rms_norm`."""
+    _check_rows("x", x)
+    num_tokens, hidden = x.shape
+    assert weight.shape == (hidden,) and weight.dtype == x.dtype and weight.stride(0) == 1
+    assert hidden <= _MAX_HIDDEN, f"hidden size {hidden} > {_MAX_HIDDEN}"
+    out = torch.empty_like(x)
+    residual_out = None
+    if residual is not None:
+        _check_rows("residual", residual)
+        assert residual.shape == x.shape and residual.dtype == x.dtype
+        residual_out = torch.empty_like(residual)
+    if num_tokens > 0:
+        _launch_rms_norm(x, weight, eps, out, residual, residual_out)
+    return out if residual is None else (out, residual_out)
+
+
+def _launch_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    residual: torch.Tensor | None,
+    residual_out: torch.Tensor | None,
+) -> None:
+    block = triton.next_power_of_2(x.shape[1])
+    # Without a residual its pointers are never read: x and out stand in for them.
+    _rms_norm_kernel[(x.shape[0],)](
+        x,
+        x if residual is None else residual,
+        weight,
+        out,
+        out if residual_out is None else residual_out,
+        x.stride(0),
+        0 if residual is None else residual.stride(0),
+        out.stride(0),
+        0 if residual_out is None else residual_out.stride(0),
+        x.shape[1],
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=_num_warps(block),
+        enable_fp_fusion=False,
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """See `kernels.layers.rotary_embedding`."""
+    assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
+    assert q.dtype == k.dtype and q.dtype in _SUPPORTED_DTYPES
+    assert q.stride(2) == 1 and k.stride(2) == 1, "q/k head rows must be contiguous"
+    num_tokens, num_q_heads, head_dim = q.shape
+    half = head_dim // 2
+    assert head_dim % 2 == 0 and cos.shape[1] == half and cos.shape == sin.shape
+    assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(1) == 1
+    assert positions.shape == (num_tokens,) and (positions.stride(0) == 1 or num_tokens <= 1)
+    if num_tokens == 0:
+        return
+    num_kv_heads = k.shape[1]
+    half_pad = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _TILE_ELEMENTS // half_pad))
+    head_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h)
+    _rotary_kernel[(num_tokens, head_blocks)](
+        positions,
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        num_q_heads,
+        num_kv_heads,
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        num_warps=_num_warps(block_h * half_pad),
+        enable_fp_fusion=False,
+    )
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """See `kernels.layers.silu_and_mul`."""
+    _check_rows("x", x)
+    num_tokens, width = x.shape
+    assert width % 2 == 0, "x must be [num_tokens, 2 * intermediate]"
+    intermediate = width // 2
+    out = torch.empty((num_tokens, intermediate), dtype=x.dtype, device=x.device)
+    if num_tokens > 0:
+        block = min(triton.next_power_of_2(intermediate), _TILE_ELEMENTS)
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
+            x,
+            out,
+            x.stride(0),
+            out.stride(0),
+            intermediate,
+            BLOCK=block,
+            num_warps=_num_warps(block),
+            enable_fp_fusion=False,
+        )
+    return out
