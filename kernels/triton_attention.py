@@ -7,25 +7,42 @@ Kernel choice, by shape only
 Launch parameters never come from tensor *values* (no `.item()`, `.tolist()` or `max(seq_lens)` on
 the host), so a decode step can be captured in a CUDA graph. Which kernel runs and how big its grid
 is depend only on shapes: `num_tokens = q.shape[0]`, `num_seqs = seq_lens.shape[0]`,
-`max_blocks_per_seq = block_tables.shape[1]` and the head counts.
+`max_blocks_per_seq = block_tables.shape[1]` and the head counts. The constants of a launch are
+worked out once per shape (`_decode_plan`, `_varlen_plan`, cached), which keeps an eager call cheap.
 
 * `num_tokens == num_seqs` (every sequence has one new token in the usual case: a decode batch):
   the split-KV *decode* kernel. Its grid is (token, KV head, split). One program handles all query
   heads that share a KV head (GQA), so each KV block is read once per KV head; its query rows are
   padded to a power of two >= 16 so the products run on `tl.dot`. When tokens x KV heads alone
-  cannot fill the GPU, the context is cut into `num_splits` partitions (flash-decoding) computed by
-  separate programs and merged by a small reduce kernel; the split count comes from the shapes and
-  the SM count. The kernel finds each token's sequence itself, and each token attends causally up
-  to its own position, so the result stays correct even if `num_tokens == num_seqs` hides a
-  sequence with two new tokens next to one with none.
+  cannot fill the GPU, the context is cut into `num_splits` partitions (flash-decoding). Each
+  program stores its partial result, then counts itself in with an atomic on a per-(token, KV head)
+  counter; the program that arrives last merges the partials and writes the output, and sets the
+  counter back to zero, so one launch does it all (no second "reduce" launch on the critical path)
+  and the counters are ready for the next launch, eager or inside a CUDA graph. When the whole
+  context fits one key tile per program in one wave (small batches), each program holds exactly one
+  tile and loads that tile's block ids together with the sequence length, saving a round trip to
+  memory. The kernel finds each token's sequence itself, and each token attends causally up to its
+  own position, so the result stays correct even if `num_tokens == num_seqs` hides a sequence with
+  two new tokens next to one with none.
 * otherwise: the *varlen* kernel (prefill chunks, whole prompts, decodes, in any mix). Its grid is
   (virtual query tile, KV head). Sequence i owns the tile slots starting at
   `cu_seqlens_q[i] // BLOCK_Q + i`; that start is increasing in i and leaves each sequence at least
   `ceil(q_len_i / BLOCK_Q)` slots, so `num_tokens // BLOCK_Q + num_seqs` slots always suffice, and a
   program finds its sequence from `cu_seqlens_q` (one vector load and a count for up to 1024
-  sequences, a binary search beyond). Slots past a sequence's last tile
-  exit at once. A tile holds BLOCK_Q tokens times the (padded) query heads of one KV head group, so
-  here too each KV block is read once per KV head and tile.
+  sequences, a binary search beyond). Slots past a sequence's last tile exit at once. A tile holds
+  BLOCK_Q tokens times the (padded) query heads of one KV head group, so here too each KV block is
+  read once per KV head and tile. Key tiles before the query tile's first position are visible to
+  every row and run without any mask; only the diagonal tiles carry the causal and length masks.
+
+Split-KV scratch
+----------------
+The partial results (fp32) and the arrival counters (int32, zero between launches) live in one
+scratch pair per device, allocated on first use and grown (never shrunk) as shapes need. A buffer
+that is outgrown is kept alive, because CUDA graphs captured earlier still point at it. The scratch
+is shared by all decode launches on a device, so they must run one after another (one stream, as
+the executor does); two split-KV launches running concurrently on different streams would race.
+A graph captured before any eager call of a large enough shape gets its own scratch, zeroed by a
+memset inside the graph (correct, one more node per launch): warm up eagerly before capturing.
 
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
@@ -36,6 +53,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -45,16 +63,28 @@ __all__ = ["paged_attention", "write_kv", "DecodeConfig", "PrefillConfig"]
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Split-KV policy. With the default decode config 4 programs fit on an SM at once (126 registers x
-# 128 threads, by ptxas for sm_90). Decode programs of one launch are equally long, so the launch
-# is as fast as its fullest wave: the split count is the smallest that fills the resident slots
-# to _WAVE_EFFICIENCY (on an H200, 32 x 16384 ran 10% slower at 5 splits, 2.4 waves, than at 2 or
-# 4). Batches that already fill two waves are not split.
+# Read once: @triton.jit chose the interpreter or the compiler at import time as well.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
+# sm_90). Decode programs of one launch are equally long, so the launch is as fast as its fullest
+# wave: the split count is the smallest that fills the resident slots to _WAVE_EFFICIENCY (on an
+# H200, 32 x 16384 ran 10% slower at 5 splits, 2.4 waves, than at 2 or 4). Batches that already
+# fill two waves are not split.
 _RESIDENT_PROGRAMS_PER_SM = 4
 _WAVE_EFFICIENCY = 0.9
-# A split shorter than this many tokens costs more in the reduce than it wins in parallelism.
+# A split shorter than this many tokens costs more in the merge than it wins in parallelism...
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
+# ...unless one key tile per program covers the whole context in one wave of `single_tile_decode_config`
+# programs (2 fit on an SM: 8 warps x 119-128 registers by ptxas for sm_90): then the launch moves
+# few bytes per program and is bound by its chain of dependent memory accesses, which one tile per
+# program shortens (see `_decode_kernel`).
+_SINGLE_TILE_PROGRAMS_PER_SM = 2
+# Elements per thread of the merge's partial-sum chunk. Single-tile programs have registers to
+# spare (64 keeps them at <= 128 registers); programs that loop over tiles do not (at 64 the default
+# config's split variant needs 149 registers and 3 instead of 4 programs fit on an SM).
+_MERGE_ELEMENTS_PER_THREAD = 32
+_MERGE_ELEMENTS_PER_THREAD_SINGLE_TILE = 64
 # The varlen kernel finds its sequence with one vector load up to this many sequences, by binary
 # search beyond.
 _MAX_VECTOR_SEQS = 1024
@@ -85,16 +115,42 @@ def _find_seq(cu_seqlens_q_ptr, target, lo, hi, BLOCK_Q: tl.constexpr, TILE_SPAC
 
 
 @triton.jit
-def _find_seq_vector(cu_seqlens_q_ptr, target, num_seqs, SEQS_PAD: tl.constexpr, BLOCK_Q: tl.constexpr):
-    """`_find_seq` in tile space with one vector load instead of log2(num_seqs) dependent ones.
+def _find_seq_vector(
+    cu_seqlens_q_ptr, seq_lens_ptr, target, num_seqs, SEQS_PAD: tl.constexpr, BLOCK_Q: tl.constexpr
+):
+    """`_find_seq` in tile space with vector loads instead of log2(num_seqs) dependent ones.
 
-    Counts the sequences whose first tile slot is <= target; for batches of up to SEQS_PAD
-    sequences (the start of a prefill program waits on this lookup).
+    Counts the sequences whose first tile slot is <= target, for batches of up to SEQS_PAD
+    sequences, and picks that sequence's q_start, q_end and length out of the same (parallel)
+    loads: the start of a prefill program waits one memory round trip for all four, not three.
+    Returns (seq, q_start, q_end, seq_len).
     """
     idx = tl.arange(0, SEQS_PAD)
-    start = tl.load(cu_seqlens_q_ptr + idx, mask=idx < num_seqs, other=1 << 30)
-    start = start // BLOCK_Q + idx
-    return tl.sum((start <= target).to(tl.int32), axis=0) - 1
+    in_batch = idx < num_seqs
+    starts = tl.load(cu_seqlens_q_ptr + idx, mask=in_batch, other=0)
+    ends = tl.load(cu_seqlens_q_ptr + 1 + idx, mask=in_batch, other=0)
+    lens = tl.load(seq_lens_ptr + idx, mask=in_batch, other=0)
+    first_slot = tl.where(in_batch, starts // BLOCK_Q + idx, 1 << 30)
+    seq = tl.sum((first_slot <= target).to(tl.int32), axis=0) - 1
+    mine = idx == seq
+    q_start = tl.sum(tl.where(mine, starts, 0), axis=0)
+    q_end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    seq_len = tl.sum(tl.where(mine, lens, 0), axis=0)
+    return seq, q_start, q_end, seq_len
+
+
+@triton.jit
+def _load_block_ids(
+    block_table_ptr, k0, limit, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr
+):
+    """Block ids (int64) of the keys k0 .. k0 + BLOCK_N - 1, one per key; keys >= limit get block 0
+    when MASKED (never dereferenced: their K/V loads are masked too)."""
+    kpos = k0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        block_ids = tl.load(block_table_ptr + kpos // PAGE_SIZE, mask=kpos < limit, other=0)
+    else:
+        block_ids = tl.load(block_table_ptr + kpos // PAGE_SIZE)
+    return block_ids.to(tl.int64)
 
 
 @triton.jit
@@ -105,7 +161,7 @@ def _attend_block(
     q,
     k_ptr,
     v_ptr,
-    block_table_ptr,
+    block_ids,
     k0,
     kv_end,
     q_pos,
@@ -129,24 +185,21 @@ def _attend_block(
 ):
     """One online-softmax step over the keys k0 .. k0 + BLOCK_N - 1 of one sequence and KV head.
 
-    The keys are gathered through the block table, page by page. BOUNDS masks keys at or past
-    kv_end; CAUSAL masks keys after each query row's position (q_pos). Interior blocks pass neither,
-    so their loads carry no masks. Scores are kept in the log2 domain (qk_scale includes log2(e)).
+    block_ids holds each key's block (from `_load_block_ids`). BOUNDS masks keys at or past kv_end;
+    CAUSAL masks keys after each query row's position (q_pos). Interior blocks pass neither, so
+    their loads carry no masks. K and V are both requested before the first product needs K.
+    Scores stay in the log2 domain; the scale (which includes log2(e)) is applied inside the exponent
+    (one fused multiply-add per score instead of a multiply and a subtract).
     """
     kpos = k0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_PAD)
-    if BOUNDS:
-        kmask = kpos < kv_end
-        block_ids = tl.load(block_table_ptr + kpos // PAGE_SIZE, mask=kmask, other=0)
-    else:
-        block_ids = tl.load(block_table_ptr + kpos // PAGE_SIZE)
-    block_ids = block_ids.to(tl.int64)
     in_page = (kpos % PAGE_SIZE).to(tl.int64)
     k_rows = block_ids * stride_kb + in_page * stride_kt + k_head_off
     v_rows = block_ids * stride_vb + in_page * stride_vt + v_head_off
     k_ptrs = k_ptr + k_rows[:, None] + d[None, :] * stride_kd
     v_ptrs = v_ptr + v_rows[:, None] + d[None, :] * stride_vd
     if BOUNDS:
+        kmask = kpos < kv_end
         if HEAD_DIM == D_PAD:
             load_mask = kmask[:, None]
         else:
@@ -163,17 +216,67 @@ def _attend_block(
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if BOUNDS:
-        scores = tl.where(kmask[None, :], scores, float("-inf"))
+        scores = tl.where((kpos < kv_end)[None, :], scores, float("-inf"))
     if CAUSAL:
         scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(scores - m_new[:, None])
+    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_range(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    kv_start,
+    full_end,
+    kv_end,
+    q_pos,
+    k_head_off,
+    v_head_off,
+    stride_kb,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """The keys kv_start .. kv_end - 1: whole tiles up to full_end without any mask, the rest with the
+    length mask (and the causal one if CAUSAL). Each tile loads its block ids in the loop, which
+    Triton's software pipeliner prefetches a stage ahead of the K/V loads they address."""
+    for k0 in range(kv_start, full_end, BLOCK_N):
+        block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, DOT_PREC, DOT_FP32,
+        )  # fmt: skip
+    for k0 in range(full_end, kv_end, BLOCK_N):
+        block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, DOT_PREC, DOT_FP32,
+        )  # fmt: skip
+    return acc, m_i, l_i
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -223,25 +326,136 @@ def _write_kv_kernel(
         tl.store(v_dst + d * stride_cvd, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
 
 
+@triton.jit
+def _merge_partials(
+    out_ptr,
+    part_ptr,
+    pair,
+    token,
+    kv_head,
+    live_splits,
+    num_splits,
+    part_rows,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    G_MERGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
+):
+    """Merges the partials of the first live_splits splits of one (token, KV head) into the output.
+
+    Chunks of MERGE_SPLITS splits x GROUP heads x D_PAD are loaded at once (bounded registers) and
+    folded in with the usual online-softmax rescaling. The loads bypass L1 (".cg"): the partials
+    were written by other programs of this launch. Split 0 always has keys, so every real head's
+    running max is finite after the first chunk and its denominator positive.
+    """
+    g = tl.arange(0, G_MERGE)
+    s = tl.arange(0, MERGE_SPLITS)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    m_run = tl.full([G_MERGE], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([G_MERGE], dtype=tl.float32)
+    acc = tl.zeros([G_MERGE, D_PAD], dtype=tl.float32)
+    for s0 in range(0, live_splits, MERGE_SPLITS):
+        splits = s0 + s
+        ok = (splits < live_splits)[:, None] & g_ok[None, :]
+        prow = (pair * num_splits + splits)[:, None] * GROUP + g[None, :]  # [MERGE_SPLITS, G_MERGE]
+        m = tl.load(part_ptr + part_rows * D_PAD + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l_part = tl.load(part_ptr + part_rows * (D_PAD + 1) + prow, mask=ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(
+            part_ptr + prow[:, :, None] * D_PAD + d[None, None, :],
+            mask=ok[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        # Padding heads (g >= GROUP) see only -inf: pin their max to 0 so no NaN appears.
+        m_new = tl.where(g_ok, tl.maximum(m_run, tl.max(m, 0)), 0.0)
+        alpha = tl.math.exp2(m_run - m_new)
+        weight = tl.math.exp2(m - m_new[None, :])
+        l_run = l_run * alpha + tl.sum(weight * l_part, 0)
+        acc = acc * alpha[:, None] + tl.sum(a * weight[:, :, None], 0)
+        m_run = m_new
+    result = acc / tl.where(g_ok, l_run, 1.0)[:, None]
+    q_heads = kv_head * GROUP + g
+    o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _finish_split(
+    acc,
+    m_i,
+    l_i,
+    out_ptr,
+    part_ptr,
+    sem_ptr,
+    token,
+    kv_head,
+    split,
+    has_keys,
+    live_splits,
+    num_splits,
+    part_rows,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    G_MERGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
+):
+    """Stores this split's partial, counts it in, and merges all of them if it is the last to arrive.
+
+    Partials are rows of D_PAD fp32 (row = (pair * num_splits + split) * GROUP + head in group, pair =
+    token * num_kv_heads + kv_head), then part_rows running maxima, then part_rows denominators.
+    Splits without keys store nothing (the merge reads only the live ones) but are counted. The
+    barrier makes every thread's stores precede the one thread's acq_rel atomic (the same pattern as
+    cooperative groups' grid sync); the last program's acquire makes all partials visible to it. It
+    resets the counter, so the scratch is zero again for the next launch (or graph replay).
+    """
+    pair = token.to(tl.int64) * tl.num_programs(1) + kv_head
+    if has_keys:
+        rows = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        row_ok = rows < GROUP
+        prow = (pair * num_splits + split) * GROUP + rows
+        tl.store(part_ptr + prow[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ptr + part_rows * D_PAD + prow, m_i, mask=row_ok)
+        tl.store(part_ptr + part_rows * (D_PAD + 1) + prow, l_i, mask=row_ok)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sem_ptr + pair, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        tl.store(sem_ptr + pair, 0)
+        _merge_partials(
+            out_ptr, part_ptr, pair, token, kv_head, live_splits, num_splits, part_rows,
+            stride_ot, stride_oh, stride_od, GROUP, G_MERGE, HEAD_DIM, D_PAD, MERGE_SPLITS,
+        )  # fmt: skip
+
+
 # Integer arguments that change from step to step are not specialised: Triton would otherwise
 # compile a new variant whenever one of them becomes 1 or a multiple of 16, stalling serving.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "tokens_per_split"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "tokens_per_split", "table_tokens", "part_rows"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     out_ptr,
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
+    part_ptr,
+    sem_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     cu_seqlens_q_ptr,
     qk_scale,
     num_seqs,
-    num_q_heads,
     num_splits,
     tokens_per_split,
+    table_tokens,
+    part_rows,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -259,38 +473,28 @@ def _decode_kernel(
     stride_bt,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
+    G_MERGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """One query token x one KV head group x one context partition.
+    """One query token x one KV head group x one context partition (split).
 
-    Without SPLIT the program covers the whole context and writes the output; with SPLIT it writes
-    its unnormalised partial sum, running max and denominator for `_reduce_splits_kernel`.
+    Without SPLIT the program covers the whole context and writes the output; with SPLIT see
+    `_finish_split`. SINGLE_TILE (tokens_per_split == BLOCK_N) loads the split's block ids before
+    the sequence length is known, assuming the token's sequence is the token's index (true in a
+    decode batch; reloaded otherwise), so the first K/V loads wait one memory round trip, not two.
     """
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    # Which sequence owns this token: token t belongs to sequence t in a pure decode batch (checked
-    # with two loads); otherwise search cu_seqlens_q.
-    # Which sequence owns this token: in a pure decode batch token t belongs to sequence t, which
-    # two loads confirm (issued together with the context length, saving a round trip); otherwise
-    # binary-search cu_seqlens_q.
-    seq = token
-    q_start = tl.load(cu_seqlens_q_ptr + token)
-    q_end = tl.load(cu_seqlens_q_ptr + token + 1)
-    seq_len = tl.load(seq_lens_ptr + token)
-    if (q_start != token) | (q_end != token + 1):
-        seq = _find_seq(cu_seqlens_q_ptr, token, token * 0, token * 0 + num_seqs - 1, 1, False)
-        q_start = tl.load(cu_seqlens_q_ptr + seq)
-        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
-        seq_len = tl.load(seq_lens_ptr + seq)
-    context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
+    kv_start = split * tokens_per_split
 
     rows = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -304,127 +508,73 @@ def _decode_kernel(
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    if SINGLE_TILE:
+        block_ids = _load_block_ids(
+            block_tables_ptr + token.to(tl.int64) * stride_bt,
+            kv_start,
+            table_tokens,
+            BLOCK_N,
+            PAGE_SIZE,
+            True,
+        )
+
+    # Which sequence owns this token: in a pure decode batch token t belongs to sequence t, which
+    # two loads confirm (issued together with the context length); otherwise binary-search.
+    seq = token
+    q_start = tl.load(cu_seqlens_q_ptr + token)
+    q_end = tl.load(cu_seqlens_q_ptr + token + 1)
+    seq_len = tl.load(seq_lens_ptr + token)
+    if (q_start != token) | (q_end != token + 1):
+        seq = _find_seq(cu_seqlens_q_ptr, token, token * 0, token * 0 + num_seqs - 1, 1, False)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        if SINGLE_TILE:
+            block_ids = _load_block_ids(
+                block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                kv_start,
+                table_tokens,
+                BLOCK_N,
+                PAGE_SIZE,
+                True,
+            )
+    context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
 
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    kv_start = split * tokens_per_split
     kv_end = tl.minimum(kv_start + tokens_per_split, context_end)
-    full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head_off = kv_head.to(tl.int64) * stride_kh
     v_head_off = kv_head.to(tl.int64) * stride_vh
-    # Whole key blocks without masks, then the partial last block (if any) with them.
-    for k0 in range(kv_start, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_ptr,
-            v_ptr,
-            block_table_ptr,
-            k0,
-            kv_end,
-            rows,
-            k_head_off,
-            v_head_off,
-            stride_kb,
-            stride_kt,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vd,
-            qk_scale,
-            BLOCK_N,
-            PAGE_SIZE,
-            HEAD_DIM,
-            D_PAD,
-            False,
-            False,
-            DOT_PREC,
-            DOT_FP32,
-        )
-    for k0 in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_ptr,
-            v_ptr,
-            block_table_ptr,
-            k0,
-            kv_end,
-            rows,
-            k_head_off,
-            v_head_off,
-            stride_kb,
-            stride_kt,
-            stride_kd,
-            stride_vb,
-            stride_vt,
-            stride_vd,
-            qk_scale,
-            BLOCK_N,
-            PAGE_SIZE,
-            HEAD_DIM,
-            D_PAD,
-            True,
-            False,
-            DOT_PREC,
-            DOT_FP32,
-        )
+    if SINGLE_TILE:
+        if kv_start < kv_end:
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, kv_start, kv_end, rows, k_head_off, v_head_off,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, False, DOT_PREC, DOT_FP32,
+            )  # fmt: skip
+    else:
+        full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            kv_start, full_end, kv_end, rows, k_head_off, v_head_off,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, DOT_FP32,
+        )  # fmt: skip
 
     if SPLIT:
-        # Partials are [num_tokens, num_q_heads, num_splits, D_PAD] and [.., num_splits], fp32.
-        part = (token.to(tl.int64) * num_q_heads + q_heads) * num_splits + split
-        tl.store(part_m_ptr + part, m_i, mask=row_mask)
-        tl.store(part_l_ptr + part, l_i, mask=row_mask)
-        tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=row_mask[:, None])
+        live_splits = tl.minimum((context_end + tokens_per_split - 1) // tokens_per_split, num_splits)
+        _finish_split(
+            acc, m_i, l_i, out_ptr, part_ptr, sem_ptr, token, kv_head, split, kv_start < kv_end,
+            live_splits, num_splits, part_rows, stride_ot, stride_oh, stride_od,
+            GROUP, G_PAD, G_MERGE, HEAD_DIM, D_PAD, MERGE_SPLITS,
+        )  # fmt: skip
     else:
         result = acc / l_i[:, None]
         o_ptrs = (
             out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + d[None, :] * stride_od
         )
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _reduce_splits_kernel(
-    part_acc_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    out_ptr,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    S_PAD: tl.constexpr,
-):
-    """Merges the split-KV partials of one (token, query head) into the final output.
-
-    Empty partitions carry m = -inf, l = 0 and acc = 0, so they get weight 0; partition 0 is never
-    empty (every token sees at least key 0), so the merged denominator is positive.
-    """
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    num_q_heads = tl.num_programs(1)
-    splits = tl.arange(0, S_PAD)
-    smask = splits < num_splits
-    part = (token * num_q_heads + head) * num_splits + splits
-    m = tl.load(part_m_ptr + part, mask=smask, other=float("-inf"))
-    l_part = tl.load(part_l_ptr + part, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
-    weight = tl.math.exp2(m - m_max)
-    denom = tl.sum(weight * l_part, 0)
-    d = tl.arange(0, D_PAD)
-    acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + d[None, :], mask=smask[:, None], other=0.0)
-    result = tl.sum(acc * weight[:, None], 0) / denom
-    o_ptrs = out_ptr + token * stride_ot + head * stride_oh + d * stride_od
-    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tiles"])
@@ -467,9 +617,9 @@ def _varlen_kernel(
 ):
     """Causal attention of BLOCK_Q new tokens x the G_PAD query heads of one KV head (one tile).
 
-    Rows are token-major: row r is token r // G_PAD, query head r % G_PAD of the group. Keys
-    before the tile's first position are visible to every row and run unmasked; the rest (the
-    diagonal) run with the causal mask.
+    Rows are token-major: row r is token r // G_PAD, query head r % G_PAD of the group. Key tiles
+    that end at or before the tile's first position are visible to every row and run without masks;
+    the rest (the diagonal, at most ceil(BLOCK_Q / BLOCK_N) + 1 tiles) run with the causal mask.
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # Late tiles of a sequence have the most keys: hand them out first for a better tail.
@@ -477,15 +627,18 @@ def _varlen_kernel(
     kv_head = tl.program_id(1)
 
     if SEQS_PAD > 0:
-        seq = _find_seq_vector(cu_seqlens_q_ptr, tile_slot, num_seqs, SEQS_PAD, BLOCK_Q)
+        seq, q_start, q_end, seq_len = _find_seq_vector(
+            cu_seqlens_q_ptr, seq_lens_ptr, tile_slot, num_seqs, SEQS_PAD, BLOCK_Q
+        )
     else:
         zero = tile_slot * 0
         seq = _find_seq(cu_seqlens_q_ptr, tile_slot, zero, zero + num_seqs - 1, BLOCK_Q, True)
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+    q_len = q_end - q_start
     tile = tile_slot - (q_start // BLOCK_Q + seq)
     if tile * BLOCK_Q < q_len:
-        seq_len = tl.load(seq_lens_ptr + seq)
         cached = seq_len - q_len  # context before the new tokens
 
         rows = tl.arange(0, BLOCK_M)
@@ -507,73 +660,15 @@ def _varlen_kernel(
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        k_head_off = kv_head.to(tl.int64) * stride_kh
-        v_head_off = kv_head.to(tl.int64) * stride_vh
-
         first_pos = cached + tile * BLOCK_Q
         kv_end = tl.minimum(cached + (tile + 1) * BLOCK_Q, seq_len)
-        full_end = (first_pos // BLOCK_N) * BLOCK_N
-        for k0 in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i = _attend_block(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k_ptr,
-                v_ptr,
-                block_table_ptr,
-                k0,
-                kv_end,
-                q_pos,
-                k_head_off,
-                v_head_off,
-                stride_kb,
-                stride_kt,
-                stride_kd,
-                stride_vb,
-                stride_vt,
-                stride_vd,
-                qk_scale,
-                BLOCK_N,
-                PAGE_SIZE,
-                HEAD_DIM,
-                D_PAD,
-                False,
-                False,
-                DOT_PREC,
-                DOT_FP32,
-            )
-        for k0 in range(full_end, kv_end, BLOCK_N):
-            acc, m_i, l_i = _attend_block(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k_ptr,
-                v_ptr,
-                block_table_ptr,
-                k0,
-                kv_end,
-                q_pos,
-                k_head_off,
-                v_head_off,
-                stride_kb,
-                stride_kt,
-                stride_kd,
-                stride_vb,
-                stride_vt,
-                stride_vd,
-                qk_scale,
-                BLOCK_N,
-                PAGE_SIZE,
-                HEAD_DIM,
-                D_PAD,
-                True,
-                True,
-                DOT_PREC,
-                DOT_FP32,
-            )
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            0, (first_pos // BLOCK_N) * BLOCK_N, kv_end, q_pos,
+            kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, DOT_FP32,
+        )  # fmt: skip
 
         result = acc / l_i[:, None]
         o_rows = (q_start + q_tok).to(tl.int64) * stride_ot + q_heads * stride_oh
@@ -634,6 +729,19 @@ def default_prefill_config(head_dim_pad: int, dtype: torch.dtype) -> PrefillConf
     return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 
 
+def single_tile_decode_config(head_dim_pad: int, dtype: torch.dtype) -> DecodeConfig:
+    """Decode with one key tile per program (small batches): a big tile, so that few splits (a
+    short merge) still give every SM programs, and 8 warps to keep its K and V in registers.
+
+    num_stages only matters for the merge loop. No spills and <= 128 registers (ptxas, sm_90).
+    """
+    if dtype == torch.float32:
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=2)
+    if head_dim_pad >= 256:
+        return DecodeConfig(block_n=64, num_warps=8, num_stages=2)
+    return DecodeConfig(block_n=128, num_warps=8, num_stages=2)
+
+
 @functools.lru_cache(maxsize=16)
 def _sm_count(device: torch.device) -> int:
     """Multiprocessors of the device; the H200's 132 stands in off the GPU (interpreter)."""
@@ -643,14 +751,36 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
+def choose_decode_launch(
+    num_tokens: int, num_kv_heads: int, max_context: int, head_dim_pad: int, dtype: torch.dtype, sm_count: int
+) -> tuple[DecodeConfig, int]:
+    """Decode config and split count, from shapes only.
+
+    One key tile per program (`single_tile_decode_config`) when that covers the whole context in one
+    wave with at most `_MAX_SPLITS` splits; otherwise `default_decode_config` and
+    `choose_num_splits`.
+    """
+    single = single_tile_decode_config(head_dim_pad, dtype)
+    tiles = _cdiv(max_context, single.block_n)
+    if (
+        1 < tiles <= _MAX_SPLITS
+        and num_tokens * num_kv_heads * tiles <= _SINGLE_TILE_PROGRAMS_PER_SM * sm_count
+    ):
+        return single, tiles
+    config = default_decode_config(head_dim_pad, dtype)
+    return config, choose_num_splits(num_tokens, num_kv_heads, max_context, config.block_n, sm_count)
+
+
+@functools.lru_cache(maxsize=1024)
 def choose_num_splits(
     num_tokens: int, num_kv_heads: int, max_context: int, block_n: int, sm_count: int
 ) -> int:
-    """Split-KV partitions for the decode kernel, from shapes only.
+    """Split-KV partitions for the decode kernel with a looping config, from shapes only.
 
     The smallest count whose programs (tokens x KV heads x splits) fill the GPU's resident slots
     to `_WAVE_EFFICIENCY`, else the best-filling one; never a partition shorter than
-    `_MIN_TOKENS_PER_SPLIT` keys (or one key block), never more than `_MAX_SPLITS`.
+    `_MIN_TOKENS_PER_SPLIT` keys (or one key block), never more than `_MAX_SPLITS`. Batches that
+    fill two waves on their own are not split.
     """
     base = num_tokens * num_kv_heads
     slots = _RESIDENT_PROGRAMS_PER_SM * sm_count
@@ -678,6 +808,186 @@ def _pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
+def _pow2_at_most(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """Everything about a decode launch that follows from shapes (computed once per shape)."""
+
+    grid: tuple[int, int, int]
+    num_splits: int
+    tokens_per_split: int
+    table_tokens: int
+    part_rows: int  # partial rows (tokens x query heads x splits); 0 without splits
+    part_elements: int  # fp32 scratch: part_rows x (D_PAD accumulators + max + denominator)
+    counters: int  # int32 arrival counters: tokens x KV heads
+    meta: dict[str, Any]  # constexpr arguments, num_warps and num_stages (never mutated)
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_plan(
+    num_tokens: int,
+    num_q_heads: int,
+    head_dim: int,
+    num_kv_heads: int,
+    page_size: int,
+    table_width: int,
+    dtype: torch.dtype,
+    sm_count: int,
+    config: DecodeConfig | None,
+    num_splits: int | None,
+) -> _DecodePlan:
+    """Grid, split geometry and meta-parameters of the decode kernel for one shape.
+
+    Splits are whole multiples of block_n keys; a split count that does not divide the context
+    evenly is rounded so no split is empty for the longest possible sequence.
+    """
+    group = num_q_heads // num_kv_heads
+    d_pad = _pow2_at_least(head_dim, 16)
+    table_tokens = table_width * page_size
+    if config is None and num_splits is None:
+        config, num_splits = choose_decode_launch(
+            num_tokens, num_kv_heads, table_tokens, d_pad, dtype, sm_count
+        )
+    config = config or default_decode_config(d_pad, dtype)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tokens, num_kv_heads, table_tokens, config.block_n, sm_count)
+    tokens_per_split = max(1, _cdiv(_cdiv(table_tokens, num_splits), config.block_n)) * config.block_n
+    num_splits = max(1, _cdiv(table_tokens, tokens_per_split))
+    split = num_splits > 1
+    single_tile = split and tokens_per_split == config.block_n
+    g_merge = _pow2_at_least(group)
+    per_thread = _MERGE_ELEMENTS_PER_THREAD_SINGLE_TILE if single_tile else _MERGE_ELEMENTS_PER_THREAD
+    merge_budget = per_thread * 32 * config.num_warps // (g_merge * d_pad)
+    part_rows = num_tokens * num_q_heads * num_splits if split else 0
+    meta = dict(
+        GROUP=group,
+        G_PAD=_pow2_at_least(group, 16),
+        G_MERGE=g_merge,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PAGE_SIZE=page_size,
+        BLOCK_N=config.block_n,
+        SPLIT=split,
+        SINGLE_TILE=single_tile,
+        MERGE_SPLITS=_pow2_at_most(merge_budget),
+        DOT_PREC=_dot_precision(dtype),
+        DOT_FP32=_dot_in_fp32(dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return _DecodePlan(
+        grid=(num_tokens, num_kv_heads, num_splits),
+        num_splits=num_splits,
+        tokens_per_split=tokens_per_split,
+        table_tokens=table_tokens,
+        part_rows=part_rows,
+        part_elements=part_rows * (d_pad + 2),
+        counters=num_tokens * num_kv_heads if split else 0,
+        meta=meta,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_meta(
+    num_q_heads: int,
+    head_dim: int,
+    num_kv_heads: int,
+    page_size: int,
+    dtype: torch.dtype,
+    config: PrefillConfig | None,
+    seqs_pad: int,
+) -> tuple[int, dict[str, Any]]:
+    """Query tokens per tile and the meta-parameters of the varlen kernel for one shape."""
+    group = num_q_heads // num_kv_heads
+    d_pad = _pow2_at_least(head_dim, 16)
+    config = config or default_prefill_config(d_pad, dtype)
+    g_pad = _pow2_at_least(group)
+    block_q = max(1, config.block_m // g_pad)
+    if block_q * g_pad < 16:  # tl.dot needs at least 16 rows
+        block_q = 16 // g_pad
+    meta = dict(
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        PAGE_SIZE=page_size,
+        BLOCK_N=config.block_n,
+        SEQS_PAD=seqs_pad,
+        DOT_PREC=_dot_precision(dtype),
+        DOT_FP32=_dot_in_fp32(dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return block_q, meta
+
+
+def _seqs_pad(num_seqs: int) -> int:
+    """Width of the vectorised sequence lookup: a few buckets rather than every power of two, so a
+    server compiles the prefill kernel a few times at most instead of once per batch size; 0 selects
+    the binary search for batches beyond _MAX_VECTOR_SEQS."""
+    for bucket in _SEQS_PAD_BUCKETS:
+        if num_seqs <= bucket:
+            return bucket
+    return 0
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the products run on fp32 operands.
+
+    True for fp32 inputs, and for bf16 under TRITON_INTERPRET=1: the interpreter keeps bf16 as raw
+    uint16 and its `tl.dot` multiplies those integers (seen with triton 3.7.1), so there the bf16
+    tiles are widened first. Compiled kernels keep bf16 operands.
+    """
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _INTERPRETED)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 products are exact ("ieee"): tf32 would cost ~1e-3 relative error."""
+    return "ieee" if _dot_in_fp32(dtype) else "tf32"
+
+
+# --------------------------------------------------------------------------------------------- #
+# Split-KV scratch (see the module docstring)
+# --------------------------------------------------------------------------------------------- #
+
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_OUTGROWN_SCRATCH: list[torch.Tensor] = []  # kept alive: captured graphs may still use them
+_MIN_SCRATCH_ELEMENTS = 1 << 16
+_MIN_COUNTERS = 1 << 12
+
+
+def _split_scratch(
+    device: torch.device, part_elements: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's partials (fp32) and zeroed arrival counters (int32), at least this large.
+
+    Grows by doubling, so a server allocates a handful of times in all. While a CUDA graph is being
+    captured a new buffer cannot be zeroed before the capture ends, so a capture that outgrows the
+    cached scratch gets private buffers whose zeroing is recorded into the graph.
+    """
+    cached = _SCRATCH.get(device)
+    if cached is not None and cached[0].numel() >= part_elements and cached[1].numel() >= counters:
+        return cached
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return (
+            torch.empty(part_elements, dtype=torch.float32, device=device),
+            torch.zeros(counters, dtype=torch.int32, device=device),
+        )
+    old_part, old_counters = cached if cached is not None else (None, None)
+    part_size, counter_size = _MIN_SCRATCH_ELEMENTS, _MIN_COUNTERS
+    if old_part is not None:
+        part_size, counter_size = 2 * old_part.numel(), 2 * old_counters.numel()
+        _OUTGROWN_SCRATCH.extend(cached)
+    part = torch.empty(max(part_size, part_elements), dtype=torch.float32, device=device)
+    sem = torch.zeros(max(counter_size, counters), dtype=torch.int32, device=device)
+    _SCRATCH[device] = (part, sem)
+    return part, sem
+
+
 # --------------------------------------------------------------------------------------------- #
 # Python entry points
 # --------------------------------------------------------------------------------------------- #
@@ -700,12 +1010,13 @@ def _check_attention_inputs(
     assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and the caches must share a dtype"
     assert block_tables.dim() == 2 and block_tables.shape[0] == seq_lens.shape[0]
     assert cu_seqlens_q.shape == (seq_lens.shape[0] + 1,), "cu_seqlens_q must be [num_seqs + 1]"
+    device = q.device
     for t in (block_tables, seq_lens, cu_seqlens_q):
         assert t.dtype in (torch.int32, torch.int64), "index tensors must be integer"
-        assert t.device == q.device, "all tensors must be on one device"
+        assert t.device == device, "all tensors must be on one device"
     assert seq_lens.stride(0) == 1 and cu_seqlens_q.stride(0) == 1 and block_tables.stride(1) == 1
     if out is not None:
-        assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+        assert out.shape == q.shape and out.dtype == q.dtype and out.device == device
 
 
 def paged_attention(
@@ -740,6 +1051,29 @@ def paged_attention(
     return out
 
 
+def decode_plan(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    config: DecodeConfig | None = None,
+    num_splits: int | None = None,
+) -> _DecodePlan:
+    """The decode launch `paged_attention` would make for these shapes (for the benchmark and tests)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    return _decode_plan(
+        num_tokens,
+        num_q_heads,
+        head_dim,
+        k_cache.shape[2],
+        k_cache.shape[1],
+        block_tables.shape[1],
+        q.dtype,
+        _sm_count(q.device),
+        config,
+        num_splits,
+    )
+
+
 def _launch_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -752,73 +1086,34 @@ def _launch_decode(
     config: DecodeConfig | None,
     num_splits: int | None,
 ) -> None:
-    num_tokens, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    d_pad = _pow2_at_least(head_dim, 16)
-    config = config or default_decode_config(d_pad, q.dtype)
-    max_context = block_tables.shape[1] * page_size
-    if num_splits is None:
-        num_splits = choose_num_splits(
-            num_tokens, num_kv_heads, max_context, config.block_n, _sm_count(q.device)
-        )
-    tokens_per_split = _cdiv(_cdiv(max_context, num_splits), config.block_n) * config.block_n
-    num_splits = _cdiv(max_context, tokens_per_split)
-    split = num_splits > 1
-    if split:
-        part_acc = torch.empty(
-            (num_tokens, num_q_heads, num_splits, d_pad), dtype=torch.float32, device=q.device
-        )
-        part_m = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
+    plan = decode_plan(q, k_cache, block_tables, config, num_splits)
+    if plan.part_rows:
+        part, counters = _split_scratch(q.device, plan.part_elements, plan.counters)
     else:
-        part_acc = part_m = part_l = out  # unused
-    _decode_kernel[(num_tokens, num_kv_heads, num_splits)](
+        part = counters = out  # not read without splits
+    _decode_kernel[plan.grid](
         q,
         k_cache,
         v_cache,
         out,
-        part_acc,
-        part_m,
-        part_l,
+        part,
+        counters,
         block_tables,
         seq_lens,
         cu_seqlens_q,
         scale * _LOG2E,
         seq_lens.shape[0],
-        num_q_heads,
-        num_splits,
-        tokens_per_split,
+        plan.num_splits,
+        plan.tokens_per_split,
+        plan.table_tokens,
+        plan.part_rows,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
         *out.stride(),
         block_tables.stride(0),
-        GROUP=group,
-        G_PAD=_pow2_at_least(group, 16),
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad,
-        PAGE_SIZE=page_size,
-        BLOCK_N=config.block_n,
-        SPLIT=split,
-        DOT_PREC=_dot_precision(q.dtype),
-        DOT_FP32=_dot_in_fp32(q.dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **plan.meta,
     )
-    if split:
-        _reduce_splits_kernel[(num_tokens, num_q_heads)](
-            part_acc,
-            part_m,
-            part_l,
-            out,
-            num_splits,
-            *out.stride(),
-            HEAD_DIM=head_dim,
-            D_PAD=d_pad,
-            S_PAD=_pow2_at_least(num_splits, 2),
-            num_warps=4,
-        )
 
 
 def _launch_varlen(
@@ -834,16 +1129,11 @@ def _launch_varlen(
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    d_pad = _pow2_at_least(head_dim, 16)
-    config = config or default_prefill_config(d_pad, q.dtype)
-    g_pad = _pow2_at_least(group)
-    block_q = max(1, config.block_m // g_pad)
-    if block_q * g_pad < 16:  # tl.dot needs at least 16 rows
-        block_q = 16 // g_pad
+    block_q, meta = _varlen_meta(
+        num_q_heads, head_dim, k_cache.shape[2], k_cache.shape[1], q.dtype, config, _seqs_pad(num_seqs)
+    )
     num_tiles = num_tokens // block_q + num_seqs
-    _varlen_kernel[(num_tiles, num_kv_heads)](
+    _varlen_kernel[(num_tiles, k_cache.shape[2])](
         q,
         k_cache,
         v_cache,
@@ -859,44 +1149,8 @@ def _launch_varlen(
         *v_cache.stride(),
         *out.stride(),
         block_tables.stride(0),
-        GROUP=group,
-        G_PAD=g_pad,
-        BLOCK_Q=block_q,
-        HEAD_DIM=head_dim,
-        D_PAD=d_pad,
-        PAGE_SIZE=page_size,
-        BLOCK_N=config.block_n,
-        SEQS_PAD=_seqs_pad(num_seqs),
-        DOT_PREC=_dot_precision(q.dtype),
-        DOT_FP32=_dot_in_fp32(q.dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **meta,
     )
-
-
-def _seqs_pad(num_seqs: int) -> int:
-    """Width of the vectorised sequence lookup: a few buckets rather than every power of two, so a
-    server compiles the prefill kernel a few times at most instead of once per batch size; 0 selects
-    the binary search for batches beyond _MAX_VECTOR_SEQS."""
-    for bucket in _SEQS_PAD_BUCKETS:
-        if num_seqs <= bucket:
-            return bucket
-    return 0
-
-
-def _dot_in_fp32(dtype: torch.dtype) -> bool:
-    """Whether the products run on fp32 operands.
-
-    True for fp32 inputs, and for bf16 under TRITON_INTERPRET=1: the interpreter keeps bf16 as raw
-    uint16 and its `tl.dot` multiplies those integers (seen with triton 3.7.1), so there the bf16
-    tiles are widened first. Compiled kernels keep bf16 operands.
-    """
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 products are exact ("ieee"): tf32 would cost ~1e-3 relative error."""
-    return "ieee" if _dot_in_fp32(dtype) else "tf32"
 
 
 def write_kv(

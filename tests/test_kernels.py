@@ -203,12 +203,74 @@ def test_decode_batch_matches_reference(dtype, head_dim, num_q_heads, num_kv_hea
 def test_long_decode_uses_split_kv() -> None:
     """A small batch with a long context splits by default, and every split count agrees."""
     batch = make_batch([1, 1], [700, 3], 8, 2, 64, 16, torch.bfloat16, seed=2)
-    max_context = batch["block_tables"].shape[1] * 16
-    config = ta.default_decode_config(64, torch.bfloat16)
-    assert ta.choose_num_splits(2, 2, max_context, config.block_n, 132) > 1
+    plan = ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"])
+    assert plan.num_splits > 1 and plan.meta["SINGLE_TILE"]
     expected = reference_fp32(batch)
     assert_matches(run_triton(batch), expected, torch.bfloat16)
     assert_matches(run_triton(batch, num_splits=7), expected, torch.bfloat16)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, head_dim, num_q_heads, num_kv_heads, block_size", SHAPES)
+def test_decode_split_with_several_tiles_per_split(dtype, head_dim, num_q_heads, num_kv_heads, block_size):
+    """Splits that loop over several key tiles (the non-single-tile split variant), merged in-kernel."""
+    q_lens = [1] * len(DECODE_CONTEXT)
+    batch = make_batch(
+        q_lens, DECODE_CONTEXT, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=11
+    )
+    config = ta.DecodeConfig(block_n=16, num_warps=4, num_stages=2)
+    plan = ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"], config, 2)
+    assert plan.num_splits == 2 and plan.tokens_per_split > 16 and not plan.meta["SINGLE_TILE"]
+    assert_matches(run_triton(batch, decode_config=config, num_splits=2), reference_fp32(batch), dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("splits, single_tile", [(45, True), (23, False)], ids=["single-tile", "looping"])
+def test_fused_merge_over_many_splits(splits: int, single_tile: bool) -> None:
+    """More live splits than two merge chunks hold, an odd count, GQA 5:1 (padded merge rows) and a
+    sequence that ends long before the table does (splits without keys)."""
+    batch = make_batch([1, 1], [700, 21], 10, 2, 64, 16, torch.float16, seed=12)
+    config = ta.DecodeConfig(block_n=16, num_warps=4, num_stages=2)
+    plan = ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"], config, splits)
+    assert plan.num_splits == splits and plan.meta["SINGLE_TILE"] == single_tile
+    assert plan.num_splits > 2 * plan.meta["MERGE_SPLITS"]
+    assert_matches(
+        run_triton(batch, decode_config=config, num_splits=splits), reference_fp32(batch), torch.float16
+    )
+
+
+@needs_triton
+def test_split_counters_are_reset_for_the_next_launch() -> None:
+    """Repeated split launches share the counters: each launch leaves them at zero, and the results
+    stay right and identical across launches and across split counts that use them in turn."""
+    batch = make_batch([1, 1, 1], [300, 45, 160], 8, 2, 64, 16, torch.float32, seed=13)
+    expected = reference_fp32(batch)
+    first = run_triton(batch, num_splits=5)
+    assert_matches(first, expected, torch.float32)
+    for splits in (5, 3, 5):
+        again = run_triton(batch, num_splits=splits)
+        assert_matches(again, expected, torch.float32)
+        counters = ta._SCRATCH[batch["q"].device][1]
+        assert int(counters.count_nonzero()) == 0
+    assert torch.equal(run_triton(batch, num_splits=5), first)
+
+
+@needs_triton
+def test_split_scratch_grows_and_keeps_outgrown_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch that needs more scratch than cached gets bigger buffers; the old ones stay alive
+    (graphs captured with them would still use them)."""
+    monkeypatch.setattr(ta, "_SCRATCH", {})
+    monkeypatch.setattr(ta, "_OUTGROWN_SCRATCH", [])
+    monkeypatch.setattr(ta, "_MIN_SCRATCH_ELEMENTS", 16)
+    monkeypatch.setattr(ta, "_MIN_COUNTERS", 1)
+    small = make_batch([1], [100], 4, 2, 64, 16, torch.float32, seed=14)
+    assert_matches(run_triton(small, num_splits=2), reference_fp32(small), torch.float32)
+    first = ta._SCRATCH[small["q"].device]
+    big = make_batch([1, 1, 1], [100, 250, 7], 4, 2, 64, 16, torch.float32, seed=15)
+    assert_matches(run_triton(big, num_splits=4), reference_fp32(big), torch.float32)
+    assert ta._SCRATCH[small["q"].device][0].numel() > first[0].numel()
+    assert any(t is first[0] for t in ta._OUTGROWN_SCRATCH)
+    assert_matches(run_triton(small, num_splits=2), reference_fp32(small), torch.float32)
 
 
 def test_split_heuristic_depends_on_shapes_only() -> None:
@@ -219,13 +281,29 @@ def test_split_heuristic_depends_on_shapes_only() -> None:
     assert ta.choose_num_splits(8, 8, 4096, 64, 132) == 8
 
 
+def test_decode_launch_choice() -> None:
+    """One tile per program when the whole context fits one wave of them, else the looping kernel."""
+    bf16 = torch.bfloat16
+    single = ta.single_tile_decode_config(128, bf16)
+    assert ta.choose_decode_launch(1, 8, 4096, 128, bf16, 132) == (single, 4096 // single.block_n)
+    assert ta.choose_decode_launch(4, 8, 1024, 128, bf16, 132) == (single, 1024 // single.block_n)
+    looping = ta.default_decode_config(128, bf16)
+    assert ta.choose_decode_launch(8, 8, 4096, 128, bf16, 132) == (looping, 8)
+    assert ta.choose_decode_launch(256, 8, 1024, 128, bf16, 132) == (looping, 1)
+    assert ta.choose_decode_launch(1, 8, 64, 128, bf16, 132) == (looping, 1)  # a single tile: no split
+
+
 @needs_triton
 def test_decode_shape_with_uneven_q_lens() -> None:
-    """num_tokens == num_seqs does not imply q_len 1 everywhere: [2, 0, 1] must still be right."""
+    """num_tokens == num_seqs does not imply q_len 1 everywhere: [2, 0, 1] must still be right,
+    also where single-tile programs guessed the wrong block table row up front."""
     batch = make_batch([2, 0, 1], [5, 9, 30], 4, 2, 64, 16, torch.float32, seed=3)
     expected = reference_fp32(batch)
     assert_matches(run_triton(batch), expected, torch.float32)
     assert_matches(run_triton(batch, num_splits=2), expected, torch.float32)
+    config = ta.DecodeConfig(block_n=16, num_warps=4, num_stages=2)
+    assert ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"], config, 3).meta["SINGLE_TILE"]
+    assert_matches(run_triton(batch, decode_config=config, num_splits=3), expected, torch.float32)
 
 
 @needs_triton
@@ -403,6 +481,27 @@ def test_cuda_graph_capture_of_decode() -> None:
         batch["q"].copy_(fresh["q"])
         graph.replay()
         assert_matches(out, reference_fp32(batch), torch.bfloat16)
+
+
+@needs_cuda
+def test_cuda_graph_of_back_to_back_split_decodes() -> None:
+    """Several split-KV launches in one graph share the counters; replays stay right."""
+    shape = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    batches = [make_batch([1], [2000 + 100 * i], **shape, seed=20 + i) for i in range(3)]
+    outs = [torch.empty_like(b["q"]) for b in batches]
+    for b, o in zip(batches, outs, strict=True):
+        ta.paged_attention(**b, out=o)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for b, o in zip(batches, outs, strict=True):
+            ta.paged_attention(**b, out=o)
+    for _ in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        for b, o in zip(batches, outs, strict=True):
+            assert_matches(o, reference_fp32(b), torch.bfloat16)
 
 
 @needs_cuda
