@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# Every end-to-end number of the README's performance section, in one run on one GPU machine:
-# writes the llama-8b-shape model, then runs W1 (with the Hugging Face static-batch baseline on a
-# subset), W2 (prefix caching on vs off) and W3 (three Poisson rates) through the full path:
-# executor and scheduler as two processes, the bench client in a third.
+# Every number of the README's performance section, on one GPU machine: writes the llama-8b-shape
+# model, then runs the selected stages (default: all):
+#   kernels  python -m kernels.bench (K1 decode shapes and the prefill case vs SDPA)
+#   step     python -m executor.bench_step (decode and mixed steps, graphs vs eager, GPU idle)
+#   w1       W1 through three processes vs the same engine in-process, + the HF static baseline
+#   w2       W2 with prefix caching on vs off
+#   w3       W3 at three Poisson rates
+# The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
-#   OUT=bench-results bash scripts/gpu-bench.sh            # on the GPU machine, from the repo root
-#   MODEL=/tmp/tiny SHAPE=tiny QUICK=1 bash scripts/gpu-bench.sh   # a CPU smoke run of the script
+#   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 9 minutes)
+#   OUT=bench-results STAGES="w2 w3" bash scripts/gpu-bench.sh   # some stages
+#   MODEL=/tmp/tiny SHAPE=tiny QUICK=1 STAGES="w1 w2 w3" bash scripts/gpu-bench.sh   # CPU smoke run
 set -uo pipefail
 OUT=${OUT:-bench-results}
 MODEL=${MODEL:-/tmp/llama-8b-shape}
 SHAPE=${SHAPE:-llama-8b}
+STAGES=${STAGES:-kernels step w1 w2 w3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then  # packages the GPU image lacks (structlog, asyncio-throttle)
@@ -17,23 +23,35 @@ if compgen -G ".whl/*.whl" > /dev/null; then  # packages the GPU image lacks (st
   export PYTHONPATH=/tmp/site
 fi
 device=$(python3 -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
-[ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 
-bench() {  # bench NAME TIMEOUT ARGS...: one bench command, its log kept, a failure reported not fatal
+run() {  # run NAME TIMEOUT CMD...: one stage, its output kept; a failure is reported, not fatal
   local name=$1 limit=$2; shift 2
-  echo "=== $name: pagedserve bench $*"
-  timeout "$limit" python3 -m pagedserve.cli bench --launch --model "$MODEL" --log-dir "$OUT/logs-$name" \
-    --result-file "$OUT/$name.json" --plot "$OUT/$name.png" "$@" > "$OUT/$name.txt" 2>&1
-  echo "=== $name exit=$?"; tail -n 40 "$OUT/$name.txt"
+  echo "=== $name ($(date +%T)): $*"
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  echo "=== $name exit=$? ($(date +%T))"; tail -n "${TAIL:-40}" "$OUT/$name.txt"
 }
+bench() {  # bench NAME TIMEOUT ARGS...: pagedserve bench against launched services
+  local name=$1 limit=$2; shift 2
+  run "$name" "$limit" python3 -m pagedserve.cli bench --launch --model "$MODEL" --log-dir "$OUT/logs-$name" \
+    --result-file "$OUT/$name.json" --plot "$OUT/$name.png" "$@"
+}
+wants() { [[ " $STAGES " == *" $1 "* ]]; }
 
+if wants kernels; then run kernels 150 python3 -m kernels.bench --result-file "$OUT/kernels.json"; fi
+if wants step; then
+  run step 150 python3 -m executor.bench_step --layers 32 --init-on-device --batches 256 --steps 20 \
+    --mixed-prompt 512 --service
+fi
+if wants w1 || wants w2 || wants w3; then
+  [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
+fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
-  small=(--num-prompts 8 --input-len 16:64 --output-len 4:16)
-  bench w1 300 --workload W1 "${small[@]}" --baseline hf-static --baseline-num-prompts 4 --executor-args "--device cpu"
-  bench w2 300 --workload W2 --num-prompts 8 --prefix-len 64 --input-len 8 --output-len 4 --compare-prefix-caching --executor-args "--device cpu"
-  bench w3 300 --workload W3 "${small[@]}" --request-rates 4,16 --executor-args "--device cpu"
+  small=(--num-prompts 8 --input-len 16:64 --output-len 4:16 --executor-args "--device cpu")
+  if wants w1; then bench w1 300 --workload W1 "${small[@]}" --compare-in-process --baseline hf-static --baseline-num-prompts 4; fi
+  if wants w2; then bench w2 300 --workload W2 --num-prompts 8 --prefix-len 64 --input-len 8 --output-len 4 --compare-prefix-caching --executor-args "--device cpu"; fi
+  if wants w3; then bench w3 300 --workload W3 "${small[@]}" --request-rates 4,16; fi
 else
-  bench w1 200 --workload W1 --num-warmups 8 --baseline hf-static --baseline-num-prompts 32
-  bench w2 150 --workload W2 --num-warmups 8 --compare-prefix-caching
-  bench w3 150 --workload W3 --num-warmups 8 --num-prompts 48 --request-rates 2,8,32
+  if wants w1; then bench w1 280 --workload W1 --num-warmups 8 --compare-in-process --baseline hf-static --baseline-num-prompts 32; fi
+  if wants w2; then bench w2 150 --workload W2 --num-warmups 8 --compare-prefix-caching; fi
+  if wants w3; then bench w3 150 --workload W3 --num-warmups 8 --num-prompts 48 --request-rates 2,8,32; fi
 fi
