@@ -36,8 +36,8 @@ class ExecutorConfig:
         cpu_kv_cache_space: GiB of the device KV pool when the device is the CPU.
         max_num_batched_tokens: most tokens in one step; the profiling pass runs this many.
         max_num_seqs: most sequences in one step.
-        enforce_eager: run every step eagerly; otherwise decode-only steps on CUDA replay CUDA graphs
-            captured at startup (see executor.cuda_graphs).
+        enforce_eager: run every step eagerly; otherwise steps on CUDA replay CUDA graphs captured
+            at startup, per padded batch size (decode) or token count (mixed; see executor.cuda_graphs).
     """
 
     model: str

@@ -168,7 +168,7 @@ class ModelRunner:
     @classmethod
     def from_model(cls, config: ExecutorConfig, model: LlamaModel) -> ModelRunner:
         """Sizes and allocates the KV pools for a loaded model (profiling first on CUDA), then
-        captures the decode CUDA graphs (on CUDA, unless enforce_eager)."""
+        captures the CUDA graphs (on CUDA, unless enforce_eager)."""
         spec = model.spec
         device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
         max_model_len = resolve_max_model_len(config, spec)
