@@ -1,8 +1,19 @@
-"""Shared fixtures: tiny models written locally and loaded through the real loader."""
+"""Shared fixtures: tiny models written locally and loaded through the real loader.
+
+Without a GPU, Triton kernels run under its interpreter. TRITON_INTERPRET must be set before any
+module defines a kernel (@triton.jit picks the interpreter then), so it is set here, before pytest
+imports a test module; the CPU executor ignores it (CPU tensors take the plain-torch paths).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
 

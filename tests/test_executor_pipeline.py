@@ -168,7 +168,7 @@ def test_steps_through_padded_graph_layouts_match_hf(runner, hf_model, monkeypat
     equal Hugging Face's, and the padding writes no KV. With "triton" the Triton kernels run under
     the interpreter."""
     if attention == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 (set by tests/test_kernels.py when the suite runs)")
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
     monkeypatch.setenv("PAGEDSERVE_ATTENTION", attention)
     runner.reset()
     graphs = _graphs(runner, [1, 2, 4], mixed_graph_sizes(40, runner.max_num_seqs, 32))

@@ -1,29 +1,25 @@
 """Triton paged-attention kernels against the plain-torch reference, and the reference against SDPA.
 
-Off the GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set below before
-Triton is imported). On a CUDA machine the same cases run the compiled kernels on CUDA tensors,
-plus a few tests that only make sense there (CUDA graph capture, offsets beyond 2^31 elements).
-Every check draws fresh random inputs; outputs are poisoned with NaN first so unwritten rows fail.
+Off the GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before Triton is imported). On a CUDA machine the same cases run the compiled
+kernels on CUDA tensors, plus a few tests that only make sense there (CUDA graph capture, offsets
+beyond 2^31 elements). Every check draws fresh random inputs; outputs are poisoned with NaN first
+so unwritten rows fail.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    # Must happen before triton is imported: @triton.jit picks the interpreter at decoration time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import kernels
+from kernels import reference
+from kernels import triton_attention as ta
 
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
-
+HAS_CUDA = torch.cuda.is_available()  # without it, tests/conftest.py set TRITON_INTERPRET=1
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(

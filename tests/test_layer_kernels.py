@@ -1,30 +1,26 @@
 """Fused layer kernels (RMSNorm, rotary, SiLU-and-mul) against their plain-torch references.
 
-Off the GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set below before
-Triton is imported). The interpreter truncates float32 -> bfloat16 casts where the GPU rounds to
-nearest even, so bf16 is compared within two ulps there; compiled on CUDA, 16-bit results must
-also agree bit for bit with torch on nearly every element. Every check draws fresh random inputs.
+Off the GPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by
+tests/conftest.py before Triton is imported). The interpreter truncates float32 -> bfloat16 casts
+where the GPU rounds to nearest even, so bf16 is compared within two ulps there; compiled on CUDA,
+16-bit results must also agree bit for bit with torch on nearly every element. Every check draws
+fresh random inputs.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    # Must happen before triton is imported: @triton.jit picks the interpreter at decoration time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from executor.loader import load_model_spec, load_weights
+from executor.model import AttentionMetadata, LlamaModel
+from kernels import layers
+from kernels import triton_layers as tlay
+from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
 
-import pytest  # noqa: E402
-
-from executor.loader import load_model_spec, load_weights  # noqa: E402
-from executor.model import AttentionMetadata, LlamaModel  # noqa: E402
-from kernels import layers  # noqa: E402
-from kernels import triton_layers as tlay  # noqa: E402
-from pagedserve.tiny_model import TinyModelSpec, write_tiny_model  # noqa: E402
-
+HAS_CUDA = torch.cuda.is_available()  # without it, tests/conftest.py set TRITON_INTERPRET=1
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(
