@@ -438,8 +438,12 @@ def _finish_split(
 
 
 # Integer arguments that change from step to step are not specialised: Triton would otherwise
-# compile a new variant whenever one of them becomes 1 or a multiple of 16, stalling serving.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "tokens_per_split", "table_tokens", "part_rows"])
+# compile a new variant whenever one of them becomes 1 or a multiple of 16, stalling serving. That
+# includes the block table's row stride: eager steps pass tables as wide as their longest sequence.
+_VARYING = ("num_seqs", "stride_bt")
+
+
+@triton.jit(do_not_specialize=[*_VARYING, "num_splits", "tokens_per_split", "table_tokens", "part_rows"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -577,7 +581,7 @@ def _decode_kernel(
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tiles"])
+@triton.jit(do_not_specialize=[*_VARYING, "num_tiles"])
 def _varlen_kernel(
     q_ptr,
     k_ptr,
