@@ -123,6 +123,13 @@ def _graphs(runner: ModelRunner, decode_sizes: list[int], mixed_sizes: list[int]
     return StepGraphs(runner.model, runner.kv_cache.layer_caches(), runner.slots, decode_sizes, mixed_sizes)
 
 
+def test_mixed_graph_sequence_slots_never_equal_a_token_count(runner):
+    """A mixed graph with as many tokens as sequence slots would run the decode kernel: the slot
+    count (max_num_seqs + 1 = 9 here) moves past every mixed token count."""
+    assert _graphs(runner, [1, 2], [16, 32]).num_seq_slots == 9
+    assert _graphs(runner, [1, 2], [9, 10, 16]).num_seq_slots == 11
+
+
 def _written_blocks(runner: ModelRunner, pool_before: torch.Tensor) -> set[int]:
     written = (runner.kv_cache.device_pool != pool_before).flatten(0, 1).any(dim=(0, 2, 3, 4))
     return set(torch.nonzero(written).flatten().tolist())
