@@ -20,8 +20,10 @@ input), filled by one non-blocking copy per step. Padding cannot disturb anythin
   and feed slot -1 (a valid token id), position 0;
 * a decode graph's padding sequences have one token and context length 1 over the pad row of the
   block table (block 0, which always exists); their results are discarded;
-* a mixed graph's padding sequences have no tokens, except the last one, which owns all padding
-  tokens as a prompt of that length over the pad row; its rows are never sampled;
+* a mixed graph's padding sequences have no tokens, except the last few, which share the padding
+  tokens as prompts over the pad row, none longer than a block table row covers (there are always
+  enough of them: `num_seq_slots` reserves them beyond `max_num_seqs`); their rows are never
+  sampled;
 * logits rows past the sampled ones are never read.
 
 The Triton kernels choose grids and splits from tensor *shapes* only, and a graph's block tables
@@ -59,14 +61,11 @@ def mixed_graph_sizes(max_num_batched_tokens: int, max_num_seqs: int, max_model_
     """Token counts of the mixed graphs: every 128 up to 2048, every 256 up to 4096, every 512
     beyond, ending at the most tokens a step can hold. Padding wastes at most ~1/8 of a step above
     1024 tokens (below that a step is bound by reading the weights, so its length matters little).
-
-    A gap never exceeds max_model_len, because the padding tokens form one sequence.
     """
     largest = min(max_num_batched_tokens, max_num_seqs * max_model_len)
     sizes, size = [], 0
     while size < largest:
-        step = 128 if size < 2048 else 256 if size < 4096 else 512
-        size = min(size + min(step, max_model_len), largest)
+        size = min(size + (128 if size < 2048 else 256 if size < 4096 else 512), largest)
         sizes.append(size)
     return sizes
 
@@ -89,9 +88,14 @@ class StepGraphs:
         self.mixed_sizes = sorted(mixed_sizes)
         self.max_decode = self.decode_sizes[-1] if self.decode_sizes else 0
         self.max_seqs = slots.capacity
-        # Mixed graphs hold one more sequence than can run (the padding one). Their token count must
-        # differ from it: equal counts would select the decode kernel.
-        self.num_seq_slots = slots.capacity + 1
+        # Padding tokens form sequences of at most a block table row's worth of tokens; mixed graphs
+        # reserve enough sequence slots beyond max_num_seqs for the largest padding. Their count
+        # must differ from every token count: equal counts would select the decode kernel.
+        block_size = kv_caches[0][0].shape[1]
+        self.max_pad_seq_len = slots.max_blocks_per_seq * block_size
+        gaps = np.diff([0, *self.mixed_sizes])
+        self.num_pad_seqs = max(1, -(-int(gaps.max(initial=1)) // self.max_pad_seq_len))
+        self.num_seq_slots = slots.capacity + self.num_pad_seqs
         while self.num_seq_slots in self.mixed_sizes:
             self.num_seq_slots += 1
         device = slots.device
@@ -155,15 +159,16 @@ class StepGraphs:
         s = len(get("rows"))
         pad_tokens = num_tokens - t
         if mixed:
-            pad_seqs = self.num_seq_slots - s  # >= 1
-            if batch is None:  # capture: spread the tokens, no sequence longer than a real one
-                q_lens = np.full(pad_seqs, num_tokens // pad_seqs)
-                q_lens[: num_tokens % pad_seqs] += 1
-                cu = np.concatenate(([0], np.cumsum(q_lens)))
-                seq_lens = q_lens
-            else:  # the last padding sequence owns the padding tokens
-                cu = np.concatenate((batch.cu_seqlens, np.full(pad_seqs - 1, t), [num_tokens]))
-                seq_lens = np.concatenate((batch.seq_lens, np.zeros(pad_seqs - 1), [pad_tokens]))
+            pad_seqs = self.num_seq_slots - s  # >= num_pad_seqs
+            # Capture spreads its tokens over every slot (none longer than a real sequence); a batch
+            # spreads its padding over the last num_pad_seqs slots.
+            spread = pad_seqs if batch is None else self.num_pad_seqs
+            q_lens = np.zeros(pad_seqs, dtype=np.int64)
+            q_lens[pad_seqs - spread :] = pad_tokens // spread
+            q_lens[pad_seqs - spread : pad_seqs - spread + pad_tokens % spread] += 1
+            head_cu = np.zeros(1, dtype=np.int64) if batch is None else batch.cu_seqlens
+            cu = np.concatenate((head_cu, t + np.cumsum(q_lens)))
+            seq_lens = np.concatenate((get("seq_lens"), q_lens))
         else:
             pad_seqs = num_tokens - s
             cu, seq_lens = empty, np.concatenate((get("seq_lens"), np.ones(pad_seqs, dtype=np.int64)))

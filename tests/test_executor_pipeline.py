@@ -113,10 +113,9 @@ def test_graph_sizes():
     mixed = mixed_graph_sizes(8192, 256, 8192)
     assert mixed[:3] == [128, 256, 384] and mixed[15:18] == [2048, 2304, 2560] and mixed[-2:] == [7680, 8192]
     assert len(mixed) == 32
-    # Gaps never exceed max_model_len (the padding is one sequence); the end never exceeds what
-    # max_num_seqs sequences of max_model_len can hold.
-    assert mixed_graph_sizes(64, 8, 48) == [48, 64]
-    assert mixed_graph_sizes(8192, 4, 100)[-1] == 400
+    # The end never exceeds what max_num_seqs sequences of max_model_len can hold.
+    assert mixed_graph_sizes(64, 8, 48) == [64]
+    assert mixed_graph_sizes(8192, 4, 100) == [128, 256, 384, 400]
 
 
 def _graphs(runner: ModelRunner, decode_sizes: list[int], mixed_sizes: list[int]) -> StepGraphs:
@@ -167,23 +166,28 @@ def test_padded_decode_batch_equals_eager(runner):
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["reference", "triton"])
-def test_steps_through_padded_graph_layouts_match_hf(runner, hf_model, monkeypatch, attention):
+@pytest.mark.parametrize(
+    ("attention", "mixed_sizes", "num_pad_seqs"),
+    [("reference", [32, 40], 1), ("triton", [32, 40], 1), ("reference", [300, 600], 2)],
+)
+def test_steps_through_padded_graph_layouts_match_hf(
+    runner, hf_model, monkeypatch, attention, mixed_sizes, num_pad_seqs
+):
     """Every step computed the way its CUDA graph would (padded static inputs, no capture, CPU):
-    mixed prefill+decode batches padded to 32 or 40 tokens and 9 sequence slots (the padding
-    tokens forming one extra sequence), decode batches padded to 4 sequences. Greedy tokens still
-    equal Hugging Face's, and the padding writes no KV. With "triton" the Triton kernels run under
-    the interpreter."""
+    mixed prefill+decode batches padded to a mixed graph's token count, their padding tokens
+    forming extra sequences of at most a block table row (256 tokens here: [300, 600] needs two),
+    and decode batches padded to 4 sequences. Greedy tokens still equal Hugging Face's, and the
+    padding writes no KV. With "triton" the Triton kernels run under the interpreter."""
     if attention == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
     monkeypatch.setenv("PAGEDSERVE_ATTENTION", attention)
     runner.reset()
-    graphs = _graphs(runner, [1, 2, 4], mixed_graph_sizes(40, runner.max_num_seqs, 32))
-    assert graphs.mixed_sizes == [32, 40] and graphs.num_seq_slots == 9
+    graphs = _graphs(runner, [1, 2, 4], mixed_sizes)
+    assert graphs.num_pad_seqs == num_pad_seqs and graphs.num_seq_slots == 8 + num_pad_seqs
     monkeypatch.setattr(graphs, "run", graphs.run_uncaptured)
     monkeypatch.setattr(runner, "graphs", graphs)
-    # Step 1: prompts 1 and 2 (37 tokens, padded to 40); step 2: their decodes and prompt 3 (7
-    # tokens, padded to 32); then decode steps of 3 sequences padded to 4.
+    # Step 1: prompts 1 and 2 (37 tokens); step 2: their decodes and prompt 3 (7 tokens); then
+    # decode steps of 3 sequences padded to 4.
     prompts = {1: _prompt(21, seed=1), 2: _prompt(16, seed=2), 3: _prompt(5, seed=3)}
     sched = AheadScheduler(NUM_BLOCKS, runner.block_size, max_num_batched_tokens=40)
     sched.free.remove(0)  # block 0 stays unallocated: a stray padding write would show there
