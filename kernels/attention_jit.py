@@ -1,0 +1,599 @@
+"""The Triton device code of the paged-attention kernels: decode (split-KV, merged in the same
+launch), varlen (prefill chunks, prompts and decodes in any mix) and the KV write.
+
+`kernels.triton_attention` explains the design, chooses every launch parameter from shapes, and
+launches these; nothing here is meant to be called from elsewhere.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# --------------------------------------------------------------------------------------------- #
+# Device helpers
+# --------------------------------------------------------------------------------------------- #
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, target, lo, hi, BLOCK_Q: tl.constexpr, TILE_SPACE: tl.constexpr):
+    """Largest s in [lo, hi] with start(s) <= target, by binary search.
+
+    start(s) is `cu_seqlens_q[s]` in token space, or `cu_seqlens_q[s] // BLOCK_Q + s` in tile space
+    (see the module docstring). Both are non-decreasing in s, which is all the search needs.
+    """
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid)
+        if TILE_SPACE:
+            start = start // BLOCK_Q + mid
+        go_right = start <= target
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _find_seq_vector(
+    cu_seqlens_q_ptr, seq_lens_ptr, target, num_seqs, SEQS_PAD: tl.constexpr, BLOCK_Q: tl.constexpr
+):
+    """`_find_seq` in tile space with vector loads instead of log2(num_seqs) dependent ones.
+
+    Counts the sequences whose first tile slot is <= target, for batches of up to SEQS_PAD
+    sequences, and picks that sequence's q_start, q_end and length out of the same (parallel)
+    loads: the start of a prefill program waits one memory round trip for all four, not three.
+    Returns (seq, q_start, q_end, seq_len).
+    """
+    idx = tl.arange(0, SEQS_PAD)
+    in_batch = idx < num_seqs
+    starts = tl.load(cu_seqlens_q_ptr + idx, mask=in_batch, other=0)
+    ends = tl.load(cu_seqlens_q_ptr + 1 + idx, mask=in_batch, other=0)
+    lens = tl.load(seq_lens_ptr + idx, mask=in_batch, other=0)
+    first_slot = tl.where(in_batch, starts // BLOCK_Q + idx, 1 << 30)
+    seq = tl.sum((first_slot <= target).to(tl.int32), axis=0) - 1
+    mine = idx == seq
+    q_start = tl.sum(tl.where(mine, starts, 0), axis=0)
+    q_end = tl.sum(tl.where(mine, ends, 0), axis=0)
+    seq_len = tl.sum(tl.where(mine, lens, 0), axis=0)
+    return seq, q_start, q_end, seq_len
+
+
+@triton.jit
+def _load_block_ids(
+    block_table_ptr, k0, limit, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr
+):
+    """Block ids (int64) of the keys k0 .. k0 + BLOCK_N - 1, one per key; keys >= limit get block 0
+    when MASKED (never dereferenced: their K/V loads are masked too)."""
+    kpos = k0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        block_ids = tl.load(block_table_ptr + kpos // PAGE_SIZE, mask=kpos < limit, other=0)
+    else:
+        block_ids = tl.load(block_table_ptr + kpos // PAGE_SIZE)
+    return block_ids.to(tl.int64)
+
+
+@triton.jit
+def _attend_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_ptr,
+    v_ptr,
+    block_ids,
+    k0,
+    kv_end,
+    q_pos,
+    k_head_off,
+    v_head_off,
+    stride_kb,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BOUNDS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One online-softmax step over the keys k0 .. k0 + BLOCK_N - 1 of one sequence and KV head.
+
+    block_ids holds each key's block (from `_load_block_ids`). BOUNDS masks keys at or past kv_end;
+    CAUSAL masks keys after each query row's position (q_pos). Interior blocks pass neither, so
+    their loads carry no masks. K and V are both requested before the first product needs K.
+    Scores stay in the log2 domain; the scale (which includes log2(e)) is applied inside the exponent
+    (one fused multiply-add per score instead of a multiply and a subtract).
+    """
+    kpos = k0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D_PAD)
+    in_page = (kpos % PAGE_SIZE).to(tl.int64)
+    k_rows = block_ids * stride_kb + in_page * stride_kt + k_head_off
+    v_rows = block_ids * stride_vb + in_page * stride_vt + v_head_off
+    k_ptrs = k_ptr + k_rows[:, None] + d[None, :] * stride_kd
+    v_ptrs = v_ptr + v_rows[:, None] + d[None, :] * stride_vd
+    if BOUNDS:
+        kmask = kpos < kv_end
+        if HEAD_DIM == D_PAD:
+            load_mask = kmask[:, None]
+        else:
+            load_mask = kmask[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=load_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=load_mask, other=0.0)
+    elif HEAD_DIM == D_PAD:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
+
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if BOUNDS:
+        scores = tl.where((kpos < kv_end)[None, :], scores, float("-inf"))
+    if CAUSAL:
+        scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_range(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    kv_start,
+    full_end,
+    kv_end,
+    q_pos,
+    k_head_off,
+    v_head_off,
+    stride_kb,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vd,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """The keys kv_start .. kv_end - 1: whole tiles up to full_end without any mask, the rest with the
+    length mask (and the causal one if CAUSAL). Each tile loads its block ids in the loop, which
+    Triton's software pipeliner prefetches a stage ahead of the K/V loads they address."""
+    for k0 in range(kv_start, full_end, BLOCK_N):
+        block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, DOT_PREC, DOT_FP32,
+        )  # fmt: skip
+    for k0 in range(full_end, kv_end, BLOCK_N):
+        block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, DOT_PREC, DOT_FP32,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+# --------------------------------------------------------------------------------------------- #
+# Kernels
+# --------------------------------------------------------------------------------------------- #
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ckb,
+    stride_ckt,
+    stride_ckh,
+    stride_ckd,
+    stride_cvb,
+    stride_cvt,
+    stride_cvh,
+    stride_cvd,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """Copies one token's key and value of one KV head into its cache slot; slot < 0 is padding."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        block_id = slot // PAGE_SIZE
+        offset = slot % PAGE_SIZE
+        d = tl.arange(0, D_PAD)
+        dmask = d < HEAD_DIM
+        k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d * stride_kd, mask=dmask)
+        v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d * stride_vd, mask=dmask)
+        k_dst = k_cache_ptr + block_id * stride_ckb + offset * stride_ckt + head * stride_ckh
+        v_dst = v_cache_ptr + block_id * stride_cvb + offset * stride_cvt + head * stride_cvh
+        tl.store(k_dst + d * stride_ckd, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
+        tl.store(v_dst + d * stride_cvd, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _merge_partials(
+    out_ptr,
+    part_ptr,
+    pair,
+    token,
+    kv_head,
+    live_splits,
+    num_splits,
+    part_rows,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    G_MERGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
+):
+    """Merges the partials of the first live_splits splits of one (token, KV head) into the output.
+
+    Chunks of MERGE_SPLITS splits x GROUP heads x D_PAD are loaded at once (bounded registers) and
+    folded in with the usual online-softmax rescaling. The loads bypass L1 (".cg"): the partials
+    were written by other programs of this launch. Split 0 always has keys, so every real head's
+    running max is finite after the first chunk and its denominator positive.
+    """
+    g = tl.arange(0, G_MERGE)
+    s = tl.arange(0, MERGE_SPLITS)
+    d = tl.arange(0, D_PAD)
+    g_ok = g < GROUP
+    m_run = tl.full([G_MERGE], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([G_MERGE], dtype=tl.float32)
+    acc = tl.zeros([G_MERGE, D_PAD], dtype=tl.float32)
+    for s0 in range(0, live_splits, MERGE_SPLITS):
+        splits = s0 + s
+        ok = (splits < live_splits)[:, None] & g_ok[None, :]
+        prow = (pair * num_splits + splits)[:, None] * GROUP + g[None, :]  # [MERGE_SPLITS, G_MERGE]
+        m = tl.load(part_ptr + part_rows * D_PAD + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l_part = tl.load(part_ptr + part_rows * (D_PAD + 1) + prow, mask=ok, other=0.0, cache_modifier=".cg")
+        a = tl.load(
+            part_ptr + prow[:, :, None] * D_PAD + d[None, None, :],
+            mask=ok[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        # Padding heads (g >= GROUP) see only -inf: pin their max to 0 so no NaN appears.
+        m_new = tl.where(g_ok, tl.maximum(m_run, tl.max(m, 0)), 0.0)
+        alpha = tl.math.exp2(m_run - m_new)
+        weight = tl.math.exp2(m - m_new[None, :])
+        l_run = l_run * alpha + tl.sum(weight * l_part, 0)
+        acc = acc * alpha[:, None] + tl.sum(a * weight[:, :, None], 0)
+        m_run = m_new
+    result = acc / tl.where(g_ok, l_run, 1.0)[:, None]
+    q_heads = kv_head * GROUP + g
+    o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _finish_split(
+    acc,
+    m_i,
+    l_i,
+    out_ptr,
+    part_ptr,
+    sem_ptr,
+    token,
+    kv_head,
+    split,
+    has_keys,
+    live_splits,
+    num_splits,
+    part_rows,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    G_MERGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
+):
+    """Stores this split's partial, counts it in, and merges all of them if it is the last to arrive.
+
+    Partials are rows of D_PAD fp32 (row = (pair * num_splits + split) * GROUP + head in group, pair =
+    token * num_kv_heads + kv_head), then part_rows running maxima, then part_rows denominators.
+    Splits without keys store nothing (the merge reads only the live ones) but are counted. The
+    barrier makes every thread's stores precede the one thread's acq_rel atomic (the same pattern as
+    cooperative groups' grid sync); the last program's acquire makes all partials visible to it. It
+    resets the counter, so the scratch is zero again for the next launch (or graph replay).
+    """
+    pair = token.to(tl.int64) * tl.num_programs(1) + kv_head
+    if has_keys:
+        rows = tl.arange(0, G_PAD)
+        d = tl.arange(0, D_PAD)
+        row_ok = rows < GROUP
+        prow = (pair * num_splits + split) * GROUP + rows
+        tl.store(part_ptr + prow[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ptr + part_rows * D_PAD + prow, m_i, mask=row_ok)
+        tl.store(part_ptr + part_rows * (D_PAD + 1) + prow, l_i, mask=row_ok)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sem_ptr + pair, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        tl.store(sem_ptr + pair, 0)
+        _merge_partials(
+            out_ptr, part_ptr, pair, token, kv_head, live_splits, num_splits, part_rows,
+            stride_ot, stride_oh, stride_od, GROUP, G_MERGE, HEAD_DIM, D_PAD, MERGE_SPLITS,
+        )  # fmt: skip
+
+
+# Integer arguments that change from step to step are not specialised: Triton would otherwise
+# compile a new variant whenever one of them becomes 1 or a multiple of 16, stalling serving. That
+# includes the block table's row stride: eager steps pass tables as wide as their longest sequence.
+_VARYING = ("num_seqs", "stride_bt")
+
+
+@triton.jit(do_not_specialize=[*_VARYING, "num_splits", "tokens_per_split", "table_tokens", "part_rows"])
+def decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    part_ptr,
+    sem_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    qk_scale,
+    num_seqs,
+    num_splits,
+    tokens_per_split,
+    table_tokens,
+    part_rows,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    G_MERGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+    MERGE_SPLITS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """One query token x one KV head group x one context partition (split).
+
+    Without SPLIT the program covers the whole context and writes the output; with SPLIT see
+    `_finish_split`. SINGLE_TILE (tokens_per_split == BLOCK_N) loads the split's block ids before
+    the sequence length is known, assuming the token's sequence is the token's index (true in a
+    decode batch; reloaded otherwise), so the first K/V loads wait one memory round trip, not two.
+    """
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_start = split * tokens_per_split
+
+    rows = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    q_heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    if HEAD_DIM == D_PAD:
+        q_mask = row_mask[:, None]
+    else:
+        q_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    q_ptrs = q_ptr + token.to(tl.int64) * stride_qt + q_heads[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    if SINGLE_TILE:
+        block_ids = _load_block_ids(
+            block_tables_ptr + token.to(tl.int64) * stride_bt,
+            kv_start,
+            table_tokens,
+            BLOCK_N,
+            PAGE_SIZE,
+            True,
+        )
+
+    # Which sequence owns this token: in a pure decode batch token t belongs to sequence t, which
+    # two loads confirm (issued together with the context length); otherwise binary-search.
+    seq = token
+    q_start = tl.load(cu_seqlens_q_ptr + token)
+    q_end = tl.load(cu_seqlens_q_ptr + token + 1)
+    seq_len = tl.load(seq_lens_ptr + token)
+    if (q_start != token) | (q_end != token + 1):
+        seq = _find_seq(cu_seqlens_q_ptr, token, token * 0, token * 0 + num_seqs - 1, 1, False)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        if SINGLE_TILE:
+            block_ids = _load_block_ids(
+                block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                kv_start,
+                table_tokens,
+                BLOCK_N,
+                PAGE_SIZE,
+                True,
+            )
+    context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
+
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    kv_end = tl.minimum(kv_start + tokens_per_split, context_end)
+    k_head_off = kv_head.to(tl.int64) * stride_kh
+    v_head_off = kv_head.to(tl.int64) * stride_vh
+    if SINGLE_TILE:
+        if kv_start < kv_end:
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, kv_start, kv_end, rows, k_head_off, v_head_off,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, False, DOT_PREC, DOT_FP32,
+            )  # fmt: skip
+    else:
+        full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            kv_start, full_end, kv_end, rows, k_head_off, v_head_off,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, DOT_FP32,
+        )  # fmt: skip
+
+    if SPLIT:
+        live_splits = tl.minimum((context_end + tokens_per_split - 1) // tokens_per_split, num_splits)
+        _finish_split(
+            acc, m_i, l_i, out_ptr, part_ptr, sem_ptr, token, kv_head, split, kv_start < kv_end,
+            live_splits, num_splits, part_rows, stride_ot, stride_oh, stride_od,
+            GROUP, G_PAD, G_MERGE, HEAD_DIM, D_PAD, MERGE_SPLITS,
+        )  # fmt: skip
+    else:
+        result = acc / l_i[:, None]
+        o_ptrs = (
+            out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + d[None, :] * stride_od
+        )
+        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit(do_not_specialize=[*_VARYING, "num_tiles"])
+def varlen_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    qk_scale,
+    num_seqs,
+    num_tiles,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SEQS_PAD: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Causal attention of BLOCK_Q new tokens x the G_PAD query heads of one KV head (one tile).
+
+    Rows are token-major: row r is token r // G_PAD, query head r % G_PAD of the group. Key tiles
+    that end at or before the tile's first position are visible to every row and run without masks;
+    the rest (the diagonal, at most ceil(BLOCK_Q / BLOCK_N) + 1 tiles) run with the causal mask.
+    """
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    # Late tiles of a sequence have the most keys: hand them out first for a better tail.
+    tile_slot = num_tiles - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    if SEQS_PAD > 0:
+        seq, q_start, q_end, seq_len = _find_seq_vector(
+            cu_seqlens_q_ptr, seq_lens_ptr, tile_slot, num_seqs, SEQS_PAD, BLOCK_Q
+        )
+    else:
+        zero = tile_slot * 0
+        seq = _find_seq(cu_seqlens_q_ptr, tile_slot, zero, zero + num_seqs - 1, BLOCK_Q, True)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+        seq_len = tl.load(seq_lens_ptr + seq)
+    q_len = q_end - q_start
+    tile = tile_slot - (q_start // BLOCK_Q + seq)
+    if tile * BLOCK_Q < q_len:
+        cached = seq_len - q_len  # context before the new tokens
+
+        rows = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D_PAD)
+        q_tok = tile * BLOCK_Q + rows // G_PAD
+        head_in_group = rows % G_PAD
+        q_heads = kv_head * GROUP + head_in_group
+        row_mask = (q_tok < q_len) & (head_in_group < GROUP)
+        if HEAD_DIM == D_PAD:
+            q_mask = row_mask[:, None]
+        else:
+            q_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+        q_rows = (q_start + q_tok).to(tl.int64) * stride_qt + q_heads * stride_qh
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        q_pos = cached + q_tok
+
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        first_pos = cached + tile * BLOCK_Q
+        kv_end = tl.minimum(cached + (tile + 1) * BLOCK_Q, seq_len)
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+            0, (first_pos // BLOCK_N) * BLOCK_N, kv_end, q_pos,
+            kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, DOT_FP32,
+        )  # fmt: skip
+
+        result = acc / l_i[:, None]
+        o_rows = (q_start + q_tok).to(tl.int64) * stride_ot + q_heads * stride_oh
+        o_ptrs = out_ptr + o_rows[:, None] + d[None, :] * stride_od
+        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
