@@ -9,8 +9,6 @@ so unwritten rows fail.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,14 +16,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import reference
 from kernels import triton_attention as ta
-
-HAS_CUDA = torch.cuda.is_available()  # without it, tests/conftest.py set TRITON_INTERPRET=1
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(
-    not HAS_CUDA and not INTERPRETED, reason="Triton needs CUDA or TRITON_INTERPRET=1 (set too late?)"
-)
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+from tests.triton_marks import DEVICE, INTERPRETED, needs_cuda, needs_triton
 
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 

@@ -9,8 +9,6 @@ fresh random inputs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -19,14 +17,9 @@ from executor.model import AttentionMetadata, LlamaModel
 from kernels import layers
 from kernels import triton_layers as tlay
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
+from tests.triton_marks import DEVICE, HAS_CUDA, INTERPRETED, needs_cuda, needs_triton
 
-HAS_CUDA = torch.cuda.is_available()  # without it, tests/conftest.py set TRITON_INTERPRET=1
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(
-    not HAS_CUDA and not INTERPRETED, reason="Triton needs CUDA or TRITON_INTERPRET=1 (set too late?)"
-)
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+pytestmark = needs_triton
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Relative tolerance: two ulps of the dtype (one for torch vs GPU rounding, one for the interpreter's
