@@ -9,8 +9,8 @@ The pool takes all memory left under `gpu_memory_utilization` after
 The graph reserve is measured, not guessed: the larger of a decode pass at the largest decode graph
 and a pass of the worst step (the largest mixed graph), each writing into a logits buffer as the
 graphs do, is profiled the same way (graphs captured largest first into one shared pool need about
-that much), plus a fixed allowance per graph for what the driver keeps for each instantiated graph. After
-capture the runner logs the memory the graphs actually took.
+that much), plus a fixed allowance per graph for what the driver keeps for each instantiated
+graph. After capture the runner logs the memory the graphs actually took.
 """
 
 from __future__ import annotations
