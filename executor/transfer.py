@@ -35,15 +35,19 @@ def pack_int64(
 
     Args:
         arrays: 1-d integer arrays.
-        field_len: place array i at offset i * field_len (each must fit); None = back to back.
+        field_len: place array i at offset i * field_len (each must fit); None = back to back, each
+            starting at an even offset.
 
     Returns:
         (host buffer, offset of each array in it).
     """
     lengths = [len(a) for a in arrays]
     if field_len is None:
-        offsets = np.concatenate(([0], np.cumsum(lengths[:-1], dtype=np.int64))).tolist() if arrays else []
-        total = sum(lengths)
+        # Each array starts 16-byte aligned: Triton specialises a kernel on whether each pointer
+        # argument is, so unaligned views would compile a second variant in the middle of serving.
+        spans = [n + (n & 1) for n in lengths]
+        offsets = np.concatenate(([0], np.cumsum(spans[:-1], dtype=np.int64))).tolist() if arrays else []
+        total = sum(spans)
     else:
         assert max(lengths, default=0) <= field_len, "an array exceeds its field"
         offsets = [i * field_len for i in range(len(arrays))]

@@ -10,6 +10,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_siz
 from executor.runner import ModelRunner, PendingStep, RunnerStats
 from executor.service import ExecutorService
 from executor.testing import AheadScheduler, ToyScheduler, drive_ahead
+from executor.transfer import pack_int64
 from protos import executor_pb2
 
 NUM_BLOCKS = 64
@@ -319,3 +321,13 @@ def test_service_sends_pending_output_before_a_bad_plan_aborts():
     assert next(outputs).step_id == 1
     with pytest.raises(grpc.RpcError):
         next(outputs)
+
+
+def test_packed_inputs_start_16_byte_aligned():
+    """Kernels receive views into one packed buffer; Triton compiles a variant per pointer
+    alignment, so every view starts 16-byte aligned whatever the lengths before it."""
+    arrays = [np.arange(n, dtype=np.int64) for n in (3, 1, 4, 0, 5)]
+    host, offsets = pack_int64(arrays, torch.device("cpu"))
+    assert all(offset % 2 == 0 for offset in offsets)
+    for array, offset in zip(arrays, offsets, strict=True):
+        assert host[offset : offset + len(array)].tolist() == array.tolist()
