@@ -170,9 +170,8 @@ class AheadScheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: dict[int, list[int]] = {}
         self.num_tokens: dict[int, int] = {}  # admitted requests, counting samples still in flight
-        self.num_blocks: dict[int, int] = {}
+        self.block_ids: dict[int, list[int]] = {}  # admitted requests' blocks
         self.outputs: dict[int, list[int]] = {}
-        self._block_ids: dict[int, list[int]] = {}
         self._retired: list[int] = []
         self._step_id = 0
 
@@ -181,16 +180,15 @@ class AheadScheduler:
         self.outputs[seq_id] = []
 
     def _blocks(self, seq_id: int, end: int) -> list[int]:
-        need = max(0, -(-end // self.block_size) - self.num_blocks[seq_id])
-        self.num_blocks[seq_id] += need
-        new = [self.free.pop() for _ in range(need)]
-        self._block_ids.setdefault(seq_id, []).extend(new)
+        held = self.block_ids[seq_id]
+        new = [self.free.pop() for _ in range(max(0, -(-end // self.block_size) - len(held)))]
+        held.extend(new)
         return new
 
     def retire(self, seq_id: int) -> None:
         """Finishes an admitted request: the next plan removes it and its blocks are free again."""
-        del self.num_tokens[seq_id], self.num_blocks[seq_id]
-        self.free.extend(self._block_ids.pop(seq_id))
+        del self.num_tokens[seq_id]
+        self.free.extend(self.block_ids.pop(seq_id))
         self._retired.append(seq_id)
 
     def plan(self) -> executor_pb2.StepPlan:
@@ -209,7 +207,7 @@ class AheadScheduler:
             if len(prompt) > budget or len(self.num_tokens) >= self.max_num_seqs:
                 break
             del self.waiting[seq_id]
-            self.num_blocks[seq_id] = 0
+            self.block_ids[seq_id] = []
             plan.new_requests.append(
                 executor_pb2.NewRequest(
                     seq_id=seq_id, token_ids=prompt, num_new_tokens=len(prompt),
