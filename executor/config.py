@@ -38,6 +38,7 @@ class ExecutorConfig:
         max_num_seqs: most sequences in one step.
         enforce_eager: run every step eagerly; otherwise steps on CUDA replay CUDA graphs captured
             at startup, per padded batch size (decode) or token count (mixed; see executor.cuda_graphs).
+        step_trace: file to write one JSON line of timing per step to (see executor.step_trace).
     """
 
     model: str
@@ -54,6 +55,7 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     enforce_eager: bool = False
+    step_trace: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -142,4 +144,5 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
     group.add_argument("--max-num-batched-tokens", type=int, default=8192)
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
+    group.add_argument("--step-trace", default=None, help="write per-step timing (JSON lines) to this file")
     return parser

@@ -31,6 +31,7 @@ from executor.plan_check import PlanError, PlanLimits, validate_plan
 from executor.profiling import profile_cuda
 from executor.sampler import SamplingParams, sample
 from executor.step_inputs import HostBatch, RequestSlots, build_host_batch, build_step_inputs, stage_batch
+from executor.step_trace import StepRecord, StepTracer
 from executor.transfer import to_host
 from protos import executor_pb2
 
@@ -77,6 +78,7 @@ class PendingStep:
     token_ids: torch.Tensor | None = None  # host tensor, valid once `done` has completed
     logprobs: torch.Tensor | None = None
     done: torch.cuda.Event | None = None  # None on the CPU (everything ran synchronously)
+    trace: StepRecord | None = None  # with --step-trace
 
     def ready(self) -> bool:
         """Whether finishing it would not block."""
@@ -148,6 +150,7 @@ class ModelRunner:
         )
         self._busy_until = 0.0
         self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
+        self.tracer: StepTracer | None = None  # from_model sets it for --step-trace
         self.graphs: StepGraphs | None = None
         if cuda_graphs:
             self.graphs = StepGraphs(
@@ -222,6 +225,8 @@ class ModelRunner:
             cuda_graphs=cuda_graphs,
         )
         runner.graph_reserve_bytes = graph_reserve
+        if config.step_trace:
+            runner.tracer = StepTracer(config.step_trace, device)
         if runner.graphs is not None and graph_reserve and runner.graphs.device_bytes > graph_reserve:
             log.warning(
                 "executor.graph_reserve_exceeded",
@@ -253,6 +258,8 @@ class ModelRunner:
             PlanError: the plan is inconsistent; nothing was applied.
         """
         pending = PendingStep(plan.step_id, time.perf_counter())
+        if self.tracer is not None:
+            pending.trace = self.tracer.begin(plan.step_id)
         new_params = validate_plan(plan, self._requests, self._limits)
         kv = self.kv_cache
         kv.swap_out([m.src for m in plan.swap_out], [m.dst for m in plan.swap_out])
@@ -270,6 +277,8 @@ class ModelRunner:
         stats.tokens_sampled += len(pending.seq_ids)
         stats.swap_out_blocks += len(plan.swap_out)
         stats.swap_in_blocks += len(plan.swap_in)
+        if pending.trace is not None:
+            self.tracer.launched(pending.trace)
         return pending
 
     def finish(self, pending: PendingStep) -> executor_pb2.StepOutput:
@@ -290,6 +299,8 @@ class ModelRunner:
         output.step_seconds = now - pending.started
         self.stats.busy_seconds += max(0.0, now - max(pending.started, self._busy_until))
         self._busy_until = now
+        if pending.trace is not None:
+            self.tracer.finished(pending.trace)
         return output
 
     def _admit(self, plan: executor_pb2.StepPlan, new_params: list[SamplingParams]) -> list[_Scheduled]:
@@ -348,7 +359,10 @@ class ModelRunner:
         sampling = [s.state for s in scheduled if s.state.num_computed + s.num_new == s.state.num_tokens]
         for s in scheduled:
             s.state.num_computed += s.num_new
-        if self.graphs is not None and self.graphs.can_run(batch):
+        graph = self.graphs is not None and self.graphs.can_run(batch)
+        if pending.trace is not None:
+            StepTracer.shape(pending.trace, batch, graph)
+        if graph:
             logits, sample_rows = self.graphs.run(batch)
             self.stats.graph_steps += 1
         else:

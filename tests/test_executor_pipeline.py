@@ -331,3 +331,31 @@ def test_packed_inputs_start_16_byte_aligned():
     assert all(offset % 2 == 0 for offset in offsets)
     for array, offset in zip(arrays, offsets, strict=True):
         assert host[offset : offset + len(array)].tolist() == array.tolist()
+
+
+def test_step_trace_records_each_step_and_sums_up(tiny_model_dir, tmp_path):
+    """--step-trace writes one line per step with its shape; the summary groups them by kind."""
+    from executor.step_trace import load, summarize
+
+    path = tmp_path / "trace.jsonl"
+    config = ExecutorConfig(
+        model=str(tiny_model_dir), device="cpu", num_gpu_blocks_override=NUM_BLOCKS, swap_space=0,
+        max_model_len=256, max_num_seqs=8, step_trace=str(path),
+    )  # fmt: skip
+    traced = ModelRunner.create(config)
+    sched = AheadScheduler(NUM_BLOCKS, traced.block_size, max_num_batched_tokens=24)
+    sched.add(1, _prompt(20, seed=1))
+    sched.add(2, _prompt(9, seed=2))
+    drive_ahead(traced, sched, steps=6)
+    traced.tracer.close()
+    records = load(path)
+    assert [r["step_id"] for r in records] == list(range(1, 7))
+    # Step 1: prompt 1 (prompt 2 does not fit the budget of 24 beside it); step 2: prompt 2 beside
+    # seq 1's first decode; then decodes of both.
+    shapes = [(r["tokens"], r["seqs"], r["decodes"]) for r in records]
+    assert shapes[:3] == [(20, 1, 0), (10, 2, 1), (2, 2, 2)]
+    assert records[2]["kv_tokens"] == 22 + 10
+    assert all(r["gpu_ms"] is None and r["launch_ms"] > 0 for r in records)  # no CUDA events here
+    text = summarize(records)
+    assert "| prefill | 1 | 20 | 0 |" in text and "| mixed | 1 | 10 | 1 |" in text
+    assert "| decode | 4 | 8 |" in text

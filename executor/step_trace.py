@@ -1,0 +1,156 @@
+"""Per-step timing of the executor (`--step-trace FILE`), to see where a workload's time goes.
+
+A benchmark's total says how fast; it does not say whether the time went into prefill, into
+decode steps of a small batch at the end of the run, or into the GPU waiting for the host. With a
+trace, each step appends one JSON line: its shape (tokens, sequences, decode tokens, KV tokens it
+attends over), whether it replayed a CUDA graph, the host time its launch took, and from CUDA events
+recorded in stream order around it, the GPU time from its start to its sampled tokens (`gpu_ms`)
+and how long the GPU sat idle before it (`gap_ms`).
+
+    python -m executor.step_trace FILE      # totals by kind of step and by decode batch size
+
+Off by default: an event pair and a line of JSON per step cost a few microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from executor.step_inputs import HostBatch
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One step, as written to the trace."""
+
+    step_id: int
+    tokens: int = 0
+    seqs: int = 0
+    decodes: int = 0  # sequences with exactly one new token
+    kv_tokens: int = 0  # sum of the sequences' context lengths: what attention reads
+    graph: bool = False
+    launch_ms: float = 0.0  # host time in ModelRunner.launch
+    gpu_ms: float | None = None  # GPU start of the step to its sampled tokens (CUDA only)
+    gap_ms: float | None = None  # GPU idle between the previous step's end and this one's start
+    _t0: float = field(default=0.0, repr=False)
+    _start: torch.cuda.Event | None = field(default=None, repr=False)
+    _end: torch.cuda.Event | None = field(default=None, repr=False)
+
+    @property
+    def kind(self) -> str:
+        if self.tokens == 0:
+            return "empty"
+        if self.decodes == self.tokens:
+            return "decode"
+        return "mixed" if self.decodes else "prefill"
+
+
+class StepTracer:
+    """Owns the trace file and the previous step's end event (for the gap)."""
+
+    def __init__(self, path: str | Path, device: torch.device) -> None:
+        self._out: TextIO = open(path, "w", buffering=1)  # noqa: SIM115 - line-buffered, kept open
+        self._cuda = device.type == "cuda"
+        self._prev_end: torch.cuda.Event | None = None
+
+    def begin(self, step_id: int) -> StepRecord:
+        record = StepRecord(step_id, _t0=time.perf_counter())
+        if self._cuda:
+            record._start = torch.cuda.Event(enable_timing=True)
+            record._start.record()
+        return record
+
+    @staticmethod
+    def shape(record: StepRecord, batch: HostBatch, graph: bool) -> None:
+        q_lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+        record.tokens = int(batch.cu_seqlens[-1])
+        record.seqs = len(batch.rows)
+        record.decodes = int((q_lens == 1).sum())
+        record.kv_tokens = int(batch.seq_lens.sum())
+        record.graph = graph
+
+    def launched(self, record: StepRecord) -> None:
+        record.launch_ms = 1000 * (time.perf_counter() - record._t0)
+        if self._cuda:
+            record._end = torch.cuda.Event(enable_timing=True)
+            record._end.record()
+
+    def finished(self, record: StepRecord) -> None:
+        """Called once the step's outputs are in; writes its line."""
+        if record._start is not None and record._end is not None:
+            record._end.synchronize()
+            record.gpu_ms = record._start.elapsed_time(record._end)
+            if self._prev_end is not None:
+                record.gap_ms = max(0.0, self._prev_end.elapsed_time(record._start))
+            self._prev_end = record._end
+        # Not dataclasses.asdict: it would deep-copy the CUDA events, which cannot be copied.
+        line = {f.name: getattr(record, f.name) for f in fields(record) if not f.name.startswith("_")}
+        self._out.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        self._out.close()
+
+
+def load(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(records: list[dict]) -> str:
+    """A markdown table per kind of step, and decode steps by batch size bucket."""
+
+    def kind(r: dict) -> str:
+        return StepRecord(0, r["tokens"], r["seqs"], r["decodes"]).kind
+
+    def bucket(r: dict) -> str:
+        if kind(r) != "decode":
+            return kind(r)
+        low = 1 << (r["seqs"].bit_length() - 1)
+        return f"decode {low}-{2 * low - 1}"
+
+    def table(title: str, key) -> list[str]:
+        groups: dict[str, list[dict]] = defaultdict(list)
+        for r in records:
+            groups[key(r)].append(r)
+        lines = [
+            f"\n{title}",
+            "| steps | n | tokens | decode tok | KV tok/seq | GPU s | gap s | launch s | GPU µs/token |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name in sorted(groups, key=lambda g: -sum(r["gpu_ms"] or 0 for r in groups[g])):
+            rs = groups[name]
+            tokens = sum(r["tokens"] for r in rs)
+            gpu = sum(r["gpu_ms"] or 0 for r in rs) / 1000
+            gap = sum(r["gap_ms"] or 0 for r in rs) / 1000
+            seqs = sum(r["seqs"] for r in rs)
+            lines.append(
+                f"| {name} | {len(rs)} | {tokens} | {sum(r['decodes'] for r in rs)} | "
+                f"{sum(r['kv_tokens'] for r in rs) / max(seqs, 1):.0f} | {gpu:.2f} | {gap:.2f} | "
+                f"{sum(r['launch_ms'] for r in rs) / 1000:.2f} | {1e6 * gpu / max(tokens, 1):.1f} |"
+            )
+        return lines
+
+    lines = table("by kind", kind) + table("by kind, decode steps by batch size", bucket)
+    gpu = sum(r["gpu_ms"] or 0 for r in records) / 1000
+    gap = sum(r["gap_ms"] or 0 for r in records) / 1000
+    lines.append(f"\n{len(records)} steps: GPU {gpu:.2f} s, idle between steps {gap:.2f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Sums up an executor step trace (--step-trace).")
+    parser.add_argument("trace", type=Path)
+    args = parser.parse_args(argv)
+    print(summarize(load(args.trace)))
+
+
+if __name__ == "__main__":
+    main()
