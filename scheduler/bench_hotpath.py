@@ -273,6 +273,7 @@ async def bench(args, tokenizer, requests, text_ids) -> tuple[TimedEngine, FakeE
         model=args.model,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        stream_interval=args.stream_interval,
         max_model_len=MAX_MODEL_LEN,
     )
     engine = TimedEngine(config, tokenizer, executor)
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-ms", type=float, default=0.0, help="simulated device time per step")
+    parser.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed message")
     parser.add_argument("--grpc", action="store_true", help="stream through the public gRPC service")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the scheduler process")
     parser.add_argument("--profile-lines", type=int, default=30)

@@ -40,6 +40,15 @@ class Delta:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
+    def merged(self, later: Delta) -> Delta:
+        """This delta followed by `later`, as one message."""
+        return Delta(
+            token_ids=self.token_ids + later.token_ids,
+            text=self.text + later.text,
+            logprobs=self.logprobs + later.logprobs,
+            finish_reason=later.finish_reason,
+        )
+
 
 class Completion:
     """Output state of one request: generated tokens, text streamed so far, and whether it ended."""

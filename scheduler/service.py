@@ -105,12 +105,7 @@ async def next_delta(queue: asyncio.Queue[Delta | Exception]) -> Delta:
         nxt = queue.get_nowait()
         if isinstance(nxt, Exception):
             raise nxt
-        merged = Delta(
-            token_ids=merged.token_ids + nxt.token_ids,
-            text=merged.text + nxt.text,
-            logprobs=merged.logprobs + nxt.logprobs,
-            finish_reason=nxt.finish_reason,
-        )
+        merged = merged.merged(nxt)
     if isinstance(merged, Exception):
         raise merged
     return merged

@@ -25,6 +25,10 @@ class ServiceConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     max_queue_len: int = 4096  # requests held (waiting + running) before RESOURCE_EXHAUSTED
+    # Tokens per streamed message (the first token and the last always go at once). Each message
+    # costs this process tens of microseconds; at hundreds of running requests, one per token can
+    # take longer than the GPU's step and leave it waiting for the next plan.
+    stream_interval: int = 1
     attach_timeout: float = 600.0  # seconds to wait for the executor at startup
 
     def __post_init__(self) -> None:
@@ -43,6 +47,8 @@ class ServiceConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_queue_len < 1:
             raise ValueError(f"max_queue_len must be positive, got {self.max_queue_len}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be positive, got {self.stream_interval}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, shared_only: bool = False) -> None:
@@ -61,6 +67,10 @@ class ServiceConfig:
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
         parser.add_argument("--max-queue-len", type=int, default=4096)
+        parser.add_argument(
+            "--stream-interval", type=int, default=1,
+            help="tokens per streamed message (first and last token are sent at once)",
+        )  # fmt: skip
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> ServiceConfig:

@@ -74,6 +74,39 @@ def test_engine_on_in_process_transport_generates_and_survives_a_failed_step(tin
     asyncio.run(scenario())
 
 
+def test_stream_interval_batches_tokens_but_not_the_first_or_last(tiny_model_dir, hf_model):
+    """--stream-interval 3: the first token alone (time to first token), then messages of 3, and
+    whatever is left with the finish reason; the tokens and text are those of interval 1."""
+    model = str(tiny_model_dir)
+    runner = ModelRunner.create(ExecutorConfig(model=model, device="cpu", dtype="float32"))
+    prompt = [7, 8, 9, 10, 11]
+    greedy, stop = SamplingOptions(temperature=0.0), StopConditions(max_tokens=9)
+
+    async def messages(interval: int) -> list[Delta]:
+        config = ServiceConfig(model=model, stream_interval=interval)
+        engine = Engine(config, load_tokenizer(model), InProcessTransport(runner, model))
+        task = asyncio.create_task(engine.run())
+        try:
+            await asyncio.wait_for(engine.wait_until_attached(), 30)
+            active = engine.submit("a", prompt, greedy, stop)
+            got: list[Delta] = []
+            while not got or got[-1].finish_reason is None:
+                got.append(await asyncio.wait_for(active.deltas.get(), 30))
+            return got
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    each, batched = asyncio.run(messages(1)), asyncio.run(messages(3))
+    assert [len(d.token_ids) for d in each] == [1] * 9
+    assert [len(d.token_ids) for d in batched] == [1, 3, 3, 2]
+    assert [t for d in batched for t in d.token_ids] == hf_greedy(hf_model, prompt, 9)
+    assert "".join(d.text for d in batched) == "".join(d.text for d in each)
+    with pytest.raises(ValueError, match="stream_interval"):
+        ServiceConfig(model=model, stream_interval=0)
+
+
 def test_in_process_pass_completes_its_requests(tiny_model_dir, tmp_path):
     result = tmp_path / "local.json"
     argv = ["--in-process", "--model", str(tiny_model_dir), "--executor-args", "--device cpu"]
