@@ -361,7 +361,7 @@ class ModelRunner:
             s.state.num_computed += s.num_new
         graph = self.graphs is not None and self.graphs.can_run(batch)
         if pending.trace is not None:
-            StepTracer.shape(pending.trace, batch, graph)
+            self.tracer.forward_starts(pending.trace, batch, graph)
         if graph:
             logits, sample_rows = self.graphs.run(batch)
             self.stats.graph_steps += 1

@@ -4,8 +4,9 @@ A benchmark's total says how fast; it does not say whether the time went into pr
 decode steps of a small batch at the end of the run, or into the GPU waiting for the host. With a
 trace, each step appends one JSON line: its shape (tokens, sequences, decode tokens, KV tokens it
 attends over), whether it replayed a CUDA graph, the host time its launch took, and from CUDA events
-recorded in stream order around it, the GPU time from its start to its sampled tokens (`gpu_ms`)
-and how long the GPU sat idle before it (`gap_ms`).
+recorded in stream order around it, the GPU time from its first kernel to its sampled tokens
+(`gpu_ms`) and how long the GPU sat idle before it (`gap_ms`), waiting for the plan or for the
+host to prepare the step's inputs.
 
     python -m executor.step_trace FILE      # totals by kind of step and by decode batch size
 
@@ -38,7 +39,7 @@ class StepRecord:
     kv_tokens: int = 0  # sum of the sequences' context lengths: what attention reads
     graph: bool = False
     launch_ms: float = 0.0  # host time in ModelRunner.launch
-    gpu_ms: float | None = None  # GPU start of the step to its sampled tokens (CUDA only)
+    gpu_ms: float | None = None  # its first kernel to its sampled tokens (CUDA only)
     gap_ms: float | None = None  # GPU idle between the previous step's end and this one's start
     _t0: float = field(default=0.0, repr=False)
     _start: torch.cuda.Event | None = field(default=None, repr=False)
@@ -62,24 +63,24 @@ class StepTracer:
         self._prev_end: torch.cuda.Event | None = None
 
     def begin(self, step_id: int) -> StepRecord:
-        record = StepRecord(step_id, _t0=time.perf_counter())
-        if self._cuda:
-            record._start = torch.cuda.Event(enable_timing=True)
-            record._start.record()
-        return record
+        return StepRecord(step_id, _t0=time.perf_counter())
 
-    @staticmethod
-    def shape(record: StepRecord, batch: HostBatch, graph: bool) -> None:
+    def forward_starts(self, record: StepRecord, batch: HostBatch, graph: bool) -> None:
+        """Records the step's shape, and its start event just before its first kernel is queued
+        (the host has prepared the inputs by then, so waiting for that counts as idle)."""
         q_lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
         record.tokens = int(batch.cu_seqlens[-1])
         record.seqs = len(batch.rows)
         record.decodes = int((q_lens == 1).sum())
         record.kv_tokens = int(batch.seq_lens.sum())
         record.graph = graph
+        if self._cuda:
+            record._start = torch.cuda.Event(enable_timing=True)
+            record._start.record()
 
     def launched(self, record: StepRecord) -> None:
         record.launch_ms = 1000 * (time.perf_counter() - record._t0)
-        if self._cuda:
+        if record._start is not None:
             record._end = torch.cuda.Event(enable_timing=True)
             record._end.record()
 

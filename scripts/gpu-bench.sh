@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Every number of the README's performance section, on one GPU machine: writes the llama-8b-shape
 # model, then runs the selected stages (default: all):
-#   kernels  python -m kernels.bench (K1 decode shapes and the prefill case vs SDPA)
-#   step     python -m executor.bench_step (decode and mixed steps, graphs vs eager, GPU idle)
-#   w1       W1 through three processes vs the same engine in-process, + the HF static baseline
-#   w2       W2 with prefix caching on vs off
-#   w3       W3 at three Poisson rates
+#   kernels    python -m kernels.bench (K1 decode shapes and the prefill case vs SDPA)
+#   step       python -m executor.bench_step (decode and mixed steps, graphs vs eager, GPU idle)
+#   breakdown  python -m executor.bench_breakdown (matmul TFLOP/s by M, kernel time by kind, overlap)
+#   w1         W1 with the throughput flags (W1_FLAGS) through three processes vs the same engine
+#              in-process, + the HF static baseline; step traces of both passes
+#   w1-default W1 with default flags (gRPC), with a step trace
+#   w2         W2 with prefix caching on vs off
+#   w3         W3 at three Poisson rates
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 9 minutes)
@@ -15,7 +18,11 @@ set -uo pipefail
 OUT=${OUT:-bench-results}
 MODEL=${MODEL:-/tmp/llama-8b-shape}
 SHAPE=${SHAPE:-llama-8b}
-STAGES=${STAGES:-kernels step w1 w2 w3}
+STAGES=${STAGES:-kernels step breakdown w1 w1-default w2 w3}
+# W1 is offline throughput: all 512 requests run at once, and a message per request every 4 tokens
+# (first and last at once) keeps the scheduler ahead of the GPU (see the README's W1 analysis).
+W1_EXECUTOR_FLAGS="--max-num-seqs 512"
+W1_SCHEDULER_FLAGS="--max-num-seqs 512 --stream-interval 4"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then  # packages the GPU image lacks (structlog, asyncio-throttle)
@@ -38,20 +45,34 @@ bench() {  # bench NAME TIMEOUT ARGS...: pagedserve bench against launched servi
 wants() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if wants kernels; then run kernels 150 python3 -m kernels.bench --result-file "$OUT/kernels.json"; fi
+if wants breakdown; then run breakdown 200 python3 -m executor.bench_breakdown --result-file "$OUT/breakdown.json"; fi
 if wants step; then
   run step 150 python3 -m executor.bench_step --layers 32 --init-on-device --batches 256 --steps 20 \
     --mixed-prompt 512 --service
 fi
-if wants w1 || wants w2 || wants w3; then
+if wants w1 || wants w1-default || wants w2 || wants w3; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
   small=(--num-prompts 8 --input-len 16:64 --output-len 4:16 --executor-args "--device cpu")
-  if wants w1; then bench w1 300 --workload W1 "${small[@]}" --compare-in-process --baseline hf-static --baseline-num-prompts 4; fi
+  if wants w1; then
+    bench w1 300 --workload W1 --num-prompts 8 --input-len 16:64 --output-len 4:16 --compare-in-process \
+      --baseline hf-static --baseline-num-prompts 4 --scheduler-args "$W1_SCHEDULER_FLAGS" \
+      --executor-args "--device cpu $W1_EXECUTOR_FLAGS --step-trace $OUT/w1-trace.jsonl"
+  fi
   if wants w2; then bench w2 300 --workload W2 --num-prompts 8 --prefix-len 64 --input-len 8 --output-len 4 --compare-prefix-caching --executor-args "--device cpu"; fi
   if wants w3; then bench w3 300 --workload W3 "${small[@]}" --request-rates 4,16; fi
 else
-  if wants w1; then bench w1 280 --workload W1 --num-warmups 8 --compare-in-process --baseline hf-static --baseline-num-prompts 32; fi
+  if wants w1; then
+    bench w1 300 --workload W1 --num-warmups 8 --compare-in-process --baseline hf-static --baseline-num-prompts 32 \
+      --executor-args "$W1_EXECUTOR_FLAGS --step-trace $OUT/w1-trace.jsonl" --scheduler-args "$W1_SCHEDULER_FLAGS"
+  fi
+  if wants w1-default; then
+    bench w1-default 200 --workload W1 --num-warmups 8 --executor-args "--step-trace $OUT/w1-default-trace.jsonl"
+  fi
   if wants w2; then bench w2 150 --workload W2 --num-warmups 8 --compare-prefix-caching; fi
   if wants w3; then bench w3 150 --workload W3 --num-warmups 8 --num-prompts 48 --request-rates 2,8,32; fi
 fi
+for trace in "$OUT"/w1*trace*.jsonl; do  # where each W1 pass's GPU time went
+  [ -f "$trace" ] && { echo "=== $trace"; python3 -m executor.step_trace "$trace" | sed -n 1,8p; python3 -m executor.step_trace "$trace" | tail -n 1; }
+done

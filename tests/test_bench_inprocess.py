@@ -130,10 +130,15 @@ def test_in_process_flags_are_checked_before_anything_runs(tiny_model_dir):
 
 @pytest.mark.slow
 def test_compare_in_process_matches_the_grpc_services(tiny_model_dir, tmp_path, capsys):
-    result = tmp_path / "split.json"
-    argv = ["--launch", "--compare-in-process", "--model", str(tiny_model_dir), *CPU]
+    """Same flags for both passes; with --step-trace each pass keeps a trace of its own."""
+    result, trace = tmp_path / "split.json", tmp_path / "trace.jsonl"
+    argv = ["--launch", "--compare-in-process", "--model", str(tiny_model_dir)]
+    argv += ["--executor-args", f"--device cpu --dtype float32 --step-trace {trace}"]
     argv += [*SMALL, "--result-file", str(result)]
     assert bench.main(argv) == 0
+    for path in (trace, tmp_path / "trace-in-process.jsonl"):
+        lines = path.read_text().splitlines()
+        assert sum(json.loads(line)["tokens"] for line in lines) > 6 * 8, path
     report = json.loads(result.read_text())
     grpc_run, local_run = report["runs"]
     assert (grpc_run["label"], local_run["label"]) == ("gRPC", "in-process")

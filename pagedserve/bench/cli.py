@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import shlex
@@ -157,6 +158,9 @@ def _measure_in_process(
     from pagedserve.bench.inprocess import run_in_process
 
     executor, service = _in_process_configs(args)
+    if args.compare_in_process and executor.step_trace:  # the gRPC pass's trace stays as it is
+        trace = Path(executor.step_trace)
+        executor = dataclasses.replace(executor, step_trace=str(trace.with_stem(trace.stem + "-in-process")))
     print(f"bench: in-process engine and runner on {executor.device} (no gRPC)", file=sys.stderr)
     return run_in_process(executor, service, workload, rates, send_options(args), args.num_warmups)
 

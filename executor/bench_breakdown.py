@@ -1,0 +1,234 @@
+"""Where a step's GPU time goes, on CUDA: the numbers behind the README's W1 analysis.
+
+    python -m executor.bench_breakdown                 # all three parts, about a minute on an H200
+
+* gemm: bf16 `F.linear` throughput of the llama-8b-shape projections (qkv, o, gate_up, down,
+  lm_head) for M = 64 .. 8192 rows, and the matmul cost per token of the 32 layers at each M.
+* steps: eager steps of the 32-layer model (decode batches, decode plus a 512-token prompt,
+  whole prompts) under the torch profiler, their kernel time summed by kind (matmul, decode
+  attention, varlen attention, norms, ...).
+* overlap: layer matmuls on one CUDA stream and decode attention on another, against running them
+  one after the other: what two-stream overlap of compute- and memory-bound work would win.
+
+Prints markdown tables; `--result-file` also writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import kernels
+from executor.bench_step import mixed_plans, model_on_device, prefill, prompts, write_model
+from executor.config import ExecutorConfig
+from executor.runner import ModelRunner
+from executor.testing import AheadScheduler
+from pagedserve.model_shapes import SHAPES
+
+LAYERS = 32
+M_VALUES = (64, 128, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
+# Kernel name fragments of each kind (cuBLAS names vary by release: sm90_xmma, nvjet, cutlass...).
+KINDS = (
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "sm90")),
+    ("attention decode", ("decode_kernel",)),
+    ("attention varlen", ("varlen_kernel",)),
+    ("write_kv", ("write_kv",)),
+    ("rms_norm", ("rms",)),
+    ("rotary", ("rotary",)),
+    ("silu_mul", ("silu",)),
+)
+
+
+def projection_shapes() -> dict[str, tuple[int, int]]:
+    """(out, in) features of the llama-8b-shape matmuls."""
+    s = SHAPES["llama-8b"]
+    head_dim = s.hidden_size // s.num_attention_heads
+    qkv = (s.num_attention_heads + 2 * s.num_key_value_heads) * head_dim
+    return {
+        "qkv": (qkv, s.hidden_size),
+        "o": (s.hidden_size, s.num_attention_heads * head_dim),
+        "gate_up": (2 * s.intermediate_size, s.hidden_size),
+        "down": (s.hidden_size, s.intermediate_size),
+        "lm_head": (s.vocab_size, s.hidden_size),
+    }
+
+
+def gemm_table(device: torch.device) -> list[dict]:
+    weights = {
+        name: torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        for name, (n, k) in projection_shapes().items()
+    }
+    rows = []
+    for m in M_VALUES:
+        row: dict = {"M": m}
+        layer_ms = 0.0
+        for name, w in weights.items():
+            x = torch.randn(m, w.shape[1], device=device, dtype=torch.bfloat16)
+            ms = triton.testing.do_bench(lambda x=x, w=w: F.linear(x, w), warmup=20, rep=100)
+            row[name] = 2 * m * w.shape[0] * w.shape[1] / ms / 1e9  # TFLOP/s
+            if name != "lm_head":
+                layer_ms += ms
+        row["layers µs/token"] = 1000 * LAYERS * layer_ms / m
+        rows.append(row)
+    return rows
+
+
+def _kind(kernel_name: str) -> str:
+    low = kernel_name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_steps(runner: ModelRunner, plans: list) -> dict[str, float]:
+    """Kernel time per kind, ms per step, of running `plans` eagerly."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for plan in plans:
+            runner.execute(plan)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[_kind(event.name)] += (event.time_range.end - event.time_range.start) / 1000 / len(plans)
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def step_breakdown(device: torch.device, model_dir: Path) -> list[dict]:
+    directory = write_model(model_dir / f"{LAYERS}l", LAYERS, False, device)
+    config = ExecutorConfig(
+        model=str(directory), max_model_len=2048, max_num_seqs=512, max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.85, swap_space=0, enforce_eager=True,
+    )  # fmt: skip
+    runner = ModelRunner.from_model(config, model_on_device(directory, 2048, device))
+    rows = []
+    for batch, context in ((256, 512), (512, 800)):
+        sched = prefill(runner, batch, context, 8192)
+        rows.append(
+            {"step": f"decode {batch} x {context}", **profile_steps(runner, [sched.plan() for _ in range(5)])}
+        )
+        rows.append(
+            {
+                "step": f"decode {batch} x {context} + 512-token prompt",
+                **profile_steps(runner, mixed_plans(sched, 5, 512)),
+            }
+        )
+    for num, length in ((16, 512), (4, 2048)):
+        runner.reset()
+        sched = AheadScheduler(runner.kv_cache.num_device_blocks, runner.block_size, 8192, 512)
+        for seq_id, prompt in prompts(num, length).items():
+            sched.add(seq_id, prompt)
+        rows.append({"step": f"prompts {num} x {length}", **profile_steps(runner, [sched.plan()])})
+    return rows
+
+
+def overlap_table(device: torch.device, layers: int = 8) -> list[dict]:
+    """Per case: `layers` layers' matmuls at M rows and decode attention of `batch` x `context`,
+    timed alone, one after the other, and on two streams interleaved layer by layer."""
+    shapes = [shape for name, shape in projection_shapes().items() if name != "lm_head"]
+    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for n, k in shapes]
+    s = SHAPES["llama-8b"]
+    heads, kv_heads = s.num_attention_heads, s.num_key_value_heads
+    head_dim, block_size = s.hidden_size // heads, 16
+    attention_stream, matmul_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    rows = []
+    for batch, context, m in ((256, 800, 256), (512, 800, 512), (256, 512, 768), (128, 1000, 128)):
+        width = context // block_size + 1
+        num_blocks = batch * width
+        caches = [
+            tuple(
+                torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+                for _ in "kv"
+            )
+            for _ in range(layers)
+        ]
+        tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, width)
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
+        xs = [torch.randn(m, w.shape[1], device=device, dtype=torch.bfloat16) for w in weights]
+
+        def matmuls(xs=xs) -> None:
+            for x, w in zip(xs, weights, strict=True):
+                F.linear(x, w)
+
+        def attention(k_cache, v_cache, q=q, tables=tables, seq_lens=seq_lens, cu=cu_seqlens) -> None:
+            kernels.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, head_dim**-0.5)
+
+        def serial(caches=caches) -> None:
+            for k_cache, v_cache in caches:
+                matmuls()
+                attention(k_cache, v_cache)
+
+        def two_streams(caches=caches) -> None:
+            current = torch.cuda.current_stream()
+            attention_stream.wait_stream(current)
+            matmul_stream.wait_stream(current)
+            for k_cache, v_cache in caches:
+                with torch.cuda.stream(attention_stream):
+                    attention(k_cache, v_cache)
+                with torch.cuda.stream(matmul_stream):
+                    matmuls()
+            current.wait_stream(attention_stream)
+            current.wait_stream(matmul_stream)
+
+        serial()
+        torch.cuda.synchronize()
+        timings = {
+            "matmuls ms": triton.testing.do_bench(lambda caches=caches: [matmuls() for _ in caches], rep=50),
+            "attention ms": triton.testing.do_bench(
+                lambda caches=caches: [attention(k, v) for k, v in caches], rep=50
+            ),
+            "serial ms": triton.testing.do_bench(serial, rep=50),
+            "two streams ms": triton.testing.do_bench(two_streams, rep=50),
+        }
+        timings["saved"] = 1 - timings["two streams ms"] / timings["serial ms"]
+        rows.append({"batch x context": f"{batch} x {context}", "M": m, **timings})
+        del caches
+    return rows
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    print(f"\n{title}\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    for row in rows:
+        cells = [row.get(c, 0.0) for c in columns]
+        print("| " + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "parts", nargs="*", default=["gemm", "steps", "overlap"], choices=["gemm", "steps", "overlap"]
+    )
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/llama-8b-shape-breakdown"))
+    parser.add_argument("--result-file", type=Path, default=None)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    results = {}
+    if "gemm" in args.parts:
+        results["gemm"] = gemm_table(device)
+        print_table(
+            "bf16 matmul TFLOP/s by rows M (layers µs/token: the 32 layers' matmuls per token)",
+            results["gemm"],
+        )
+    if "overlap" in args.parts:
+        results["overlap"] = overlap_table(device)
+        print_table("8 layers: matmuls and decode attention, serial vs two streams", results["overlap"])
+    if "steps" in args.parts:
+        results["steps"] = step_breakdown(device, args.model_dir)
+        print_table("eager steps of the 32-layer model: kernel ms per step, by kind", results["steps"])
+    if args.result_file:
+        args.result_file.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
