@@ -31,6 +31,7 @@ from executor.runner import ModelRunner
 from executor.testing import AheadScheduler
 from pagedserve.model_shapes import SHAPES
 
+PARTS = ("gemm", "steps", "overlap")
 LAYERS = 32
 M_VALUES = (64, 128, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
 # Kernel name fragments of each kind (cuBLAS names vary by release: sm90_xmma, nvjet, cutlass...).
@@ -206,12 +207,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "parts", nargs="*", default=["gemm", "steps", "overlap"], choices=["gemm", "steps", "overlap"]
-    )
+    parser.add_argument("parts", nargs="*", help=f"any of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/llama-8b-shape-breakdown"))
     parser.add_argument("--result-file", type=Path, default=None)
     args = parser.parse_args(argv)
+    args.parts = args.parts or PARTS
+    if unknown := set(args.parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     device = torch.device("cuda")
     results = {}
     if "gemm" in args.parts:
