@@ -8,7 +8,8 @@
   whole prompts) under the torch profiler, their kernel time summed by kind (matmul, decode
   attention, varlen attention, norms, ...).
 * overlap: layer matmuls on one CUDA stream and decode attention on another, against running them
-  one after the other: what two-stream overlap of compute- and memory-bound work would win.
+  one after the other: what two-stream overlap of compute- and memory-bound work would win; then
+  the same with the SMs split between them (CUDA green contexts).
 
 Prints markdown tables; `--result-file` also writes them as JSON.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +36,7 @@ from pagedserve.model_shapes import SHAPES
 
 PARTS = ("gemm", "steps", "overlap")
 LAYERS = 32
+OVERLAP_LAYERS = 8
 M_VALUES = (64, 128, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
 # Kernel name fragments of each kind (cuBLAS names vary by release: sm90_xmma, nvjet, cutlass...).
 KINDS = (
@@ -129,69 +133,149 @@ def step_breakdown(device: torch.device, model_dir: Path) -> list[dict]:
     return rows
 
 
-def overlap_table(device: torch.device, layers: int = 8) -> list[dict]:
-    """Per case: `layers` layers' matmuls at M rows and decode attention of `batch` x `context`,
-    timed alone, one after the other, and on two streams interleaved layer by layer."""
-    shapes = [shape for name, shape in projection_shapes().items() if name != "lm_head"]
-    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for n, k in shapes]
+@dataclass
+class LayerWork:
+    """`len(attention)` layers of a decode step: the matmuls at M rows (the same weights for every
+    layer) and decode attention over batch x context tokens of random KV (a cache per layer)."""
+
+    matmuls: Callable[[], None]  # one layer's four projections
+    attention: list[Callable[[], None]]  # one call per layer
+
+    def all_matmuls(self) -> None:
+        for _ in self.attention:
+            self.matmuls()
+
+    def all_attention(self) -> None:
+        for attend in self.attention:
+            attend()
+
+
+def layer_work(
+    device: torch.device, weights: list[torch.Tensor], batch: int, context: int, m: int
+) -> LayerWork:
     s = SHAPES["llama-8b"]
     heads, kv_heads = s.num_attention_heads, s.num_key_value_heads
     head_dim, block_size = s.hidden_size // heads, 16
+    width = context // block_size + 1
+    num_blocks = batch * width
+    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, width)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
+    xs = [torch.randn(m, w.shape[1], device=device, dtype=torch.bfloat16) for w in weights]
+
+    def matmuls() -> None:
+        for x, w in zip(xs, weights, strict=True):
+            F.linear(x, w)
+
+    def attend_over(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Callable[[], None]:
+        return lambda: kernels.paged_attention(
+            q, k_cache, v_cache, tables, seq_lens, cu_seqlens, head_dim**-0.5
+        )
+
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    attention = [
+        attend_over(
+            torch.randn(shape, device=device, dtype=torch.bfloat16),
+            torch.randn(shape, device=device, dtype=torch.bfloat16),
+        )
+        for _ in range(OVERLAP_LAYERS)
+    ]
+    return LayerWork(matmuls, attention)
+
+
+def _matmul_weights(device: torch.device) -> list[torch.Tensor]:
+    shapes = [shape for name, shape in projection_shapes().items() if name != "lm_head"]
+    return [torch.randn(n, k, device=device, dtype=torch.bfloat16) for n, k in shapes]
+
+
+def _on(stream: torch.cuda.Stream, *work: Callable[[], None]) -> None:
+    """Runs `work` on `stream`, ordered after what the current stream queued before."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in work:
+            w()
+
+
+def _join(*streams: torch.cuda.Stream) -> None:
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+
+
+def _time_together(*pairs: tuple[torch.cuda.Stream, Callable[[], None]]) -> float:
+    """ms of running each (stream, work) pair at once, joined at the end."""
+
+    def run() -> None:
+        for stream, work in pairs:
+            _on(stream, work)
+        _join(*(stream for stream, _ in pairs))
+
+    run()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(run, rep=40)
+
+
+def overlap_table(device: torch.device) -> list[dict]:
+    """Per case: the matmuls and the decode attention of OVERLAP_LAYERS layers, timed alone, one
+    after the other, and on two streams interleaved layer by layer (as two micro-batches would)."""
+    weights = _matmul_weights(device)
     attention_stream, matmul_stream = torch.cuda.Stream(), torch.cuda.Stream()
     rows = []
     for batch, context, m in ((256, 800, 256), (512, 800, 512), (256, 512, 768), (128, 1000, 128)):
-        width = context // block_size + 1
-        num_blocks = batch * width
-        caches = [
-            tuple(
-                torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
-                for _ in "kv"
-            )
-            for _ in range(layers)
-        ]
-        tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, width)
-        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
-        xs = [torch.randn(m, w.shape[1], device=device, dtype=torch.bfloat16) for w in weights]
+        work = layer_work(device, weights, batch, context, m)
 
-        def matmuls(xs=xs) -> None:
-            for x, w in zip(xs, weights, strict=True):
-                F.linear(x, w)
+        def serial(work=work) -> None:
+            for attend in work.attention:
+                work.matmuls()
+                attend()
 
-        def attention(k_cache, v_cache, q=q, tables=tables, seq_lens=seq_lens, cu=cu_seqlens) -> None:
-            kernels.paged_attention(q, k_cache, v_cache, tables, seq_lens, cu, head_dim**-0.5)
-
-        def serial(caches=caches) -> None:
-            for k_cache, v_cache in caches:
-                matmuls()
-                attention(k_cache, v_cache)
-
-        def two_streams(caches=caches) -> None:
-            current = torch.cuda.current_stream()
-            attention_stream.wait_stream(current)
-            matmul_stream.wait_stream(current)
-            for k_cache, v_cache in caches:
-                with torch.cuda.stream(attention_stream):
-                    attention(k_cache, v_cache)
-                with torch.cuda.stream(matmul_stream):
-                    matmuls()
-            current.wait_stream(attention_stream)
-            current.wait_stream(matmul_stream)
+        def two_streams(work=work) -> None:
+            for attend in work.attention:
+                _on(attention_stream, attend)
+                _on(matmul_stream, work.matmuls)
+            _join(attention_stream, matmul_stream)
 
         serial()
         torch.cuda.synchronize()
         timings = {
-            "matmuls ms": triton.testing.do_bench(lambda caches=caches: [matmuls() for _ in caches], rep=50),
-            "attention ms": triton.testing.do_bench(
-                lambda caches=caches: [attention(k, v) for k, v in caches], rep=50
-            ),
+            "matmuls ms": triton.testing.do_bench(work.all_matmuls, rep=50),
+            "attention ms": triton.testing.do_bench(work.all_attention, rep=50),
             "serial ms": triton.testing.do_bench(serial, rep=50),
             "two streams ms": triton.testing.do_bench(two_streams, rep=50),
         }
         timings["saved"] = 1 - timings["two streams ms"] / timings["serial ms"]
         rows.append({"batch x context": f"{batch} x {context}", "M": m, **timings})
-        del caches
+    return rows
+
+
+def green_context_table(device: torch.device) -> list[dict]:
+    """SM partitioning instead of streams: a decode step of 512 x 800 split into two micro-batches
+    of 256, one's attention on `a` SMs (a green context) while the other's matmuls run on `b`.
+    Two such rounds replace the full batch's matmuls and attention run one after the other."""
+    weights = _matmul_weights(device)
+    half, full = layer_work(device, weights, 256, 800, 256), layer_work(device, weights, 512, 800, 512)
+    half.all_attention()
+    full.all_attention()
+    torch.cuda.synchronize()
+    serial_full = triton.testing.do_bench(lambda: (full.all_matmuls(), full.all_attention()), rep=40)
+    rows = []
+    for attention_sms, matmul_sms in ((32, 96), (48, 80), (64, 64)):
+        # The contexts must outlive their streams' work: keep them referenced through the iteration.
+        contexts = [
+            torch.cuda.green_contexts.GreenContext.create(num_sms=n, device_id=device.index or 0)
+            for n in (attention_sms, matmul_sms)
+        ]
+        attention_stream, matmul_stream = (context.Stream() for context in contexts)
+        both = _time_together((attention_stream, half.all_attention), (matmul_stream, half.all_matmuls))
+        rows.append({
+            "SMs attention / matmuls": f"{attention_sms} / {matmul_sms}",
+            "attention alone ms": _time_together((attention_stream, half.all_attention)),
+            "matmuls alone ms": _time_together((matmul_stream, half.all_matmuls)),
+            "concurrent ms": both,
+            "two rounds ms": 2 * both,
+            "full batch serial ms": serial_full,
+            "saved": 1 - 2 * both / serial_full,
+        })  # fmt: skip
     return rows
 
 
@@ -224,7 +308,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     if "overlap" in args.parts:
         results["overlap"] = overlap_table(device)
-        print_table("8 layers: matmuls and decode attention, serial vs two streams", results["overlap"])
+        print_table(
+            f"{OVERLAP_LAYERS} layers: matmuls and decode attention, serial vs two streams",
+            results["overlap"],
+        )
+        results["green_contexts"] = green_context_table(device)
+        print_table(f"{OVERLAP_LAYERS} layers, SMs partitioned (green contexts)", results["green_contexts"])
     if "steps" in args.parts:
         results["steps"] = step_breakdown(device, args.model_dir)
         print_table("eager steps of the 32-layer model: kernel ms per step, by kind", results["steps"])
