@@ -31,6 +31,7 @@ EXECUTOR_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "enforce_eager",
+    "step_trace",
 )
 SCHEDULER_FLAGS = (
     "max_model_len",
@@ -40,6 +41,7 @@ SCHEDULER_FLAGS = (
     "preemption_mode",
     "max_queue_len",
     "served_model_name",
+    "stream_interval",
 )
 
 
@@ -85,6 +87,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--step-trace", default=None, help="executor: per-step timing (JSON lines) to this file"
+    )
     from scheduler.service_config import ServiceConfig
 
     ServiceConfig.add_cli_args(parser, shared_only=True)

@@ -62,3 +62,32 @@ def test_serve_generate_health_and_shutdown(tmp_path):
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0
     assert cli("health", f"--port={port}", "--timeout=1", env=env).returncode == 1
+
+
+def test_serve_forwards_every_flag_it_accepts(tmp_path):
+    """A flag `serve` accepts reaches the process it belongs to; none is dropped on the way."""
+    import argparse
+
+    from executor.config import ExecutorConfig, add_cli_args
+    from pagedserve.cli import EXECUTOR_FLAGS, SCHEDULER_FLAGS, _forward, add_serve_args
+    from scheduler.service_config import ServiceConfig
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    own = {"help", "model", "host", "port", "executor_port"}
+    accepted = {action.dest for action in parser._actions} - own
+    assert accepted == set(EXECUTOR_FLAGS) | set(SCHEDULER_FLAGS)
+
+    trace = str(tmp_path / "trace.jsonl")
+    args = parser.parse_args(["--step-trace", trace, "--stream-interval", "4", "--max-num-seqs", "64"])
+    executor_parser = add_cli_args(argparse.ArgumentParser())
+    executor = ExecutorConfig.from_args(
+        executor_parser.parse_args(["--model", "m", *_forward(args, EXECUTOR_FLAGS)])
+    )
+    scheduler_parser = argparse.ArgumentParser()
+    ServiceConfig.add_cli_args(scheduler_parser)
+    service = ServiceConfig.from_args(
+        scheduler_parser.parse_args(["--model", "m", *_forward(args, SCHEDULER_FLAGS)])
+    )
+    assert (executor.step_trace, executor.max_num_seqs) == (trace, 64)
+    assert (service.stream_interval, service.max_num_seqs) == (4, 64)
