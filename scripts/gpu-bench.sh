@@ -54,9 +54,10 @@ if wants w1 || wants w1-default || wants w2 || wants w3; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
-  small=(--num-prompts 8 --input-len 16:64 --output-len 4:16 --executor-args "--device cpu")
+  lengths=(--num-prompts 8 --input-len 16:64 --output-len 4:16)
+  small=("${lengths[@]}" --executor-args "--device cpu")
   if wants w1; then
-    bench w1 300 --workload W1 --num-prompts 8 --input-len 16:64 --output-len 4:16 --compare-in-process \
+    bench w1 300 --workload W1 "${lengths[@]}" --compare-in-process \
       --baseline hf-static --baseline-num-prompts 4 --scheduler-args "$W1_SCHEDULER_FLAGS" \
       --executor-args "--device cpu $W1_EXECUTOR_FLAGS --step-trace $OUT/w1-trace.jsonl"
   fi
