@@ -1,5 +1,5 @@
-"""The Triton device code of the paged-attention kernels: decode (split-KV, merged in the same
-launch), varlen (prefill chunks, prompts and decodes in any mix) and the KV write.
+"""The Triton device code of the paged-attention kernels: decode (split-KV), the merge of its
+splits, varlen (prefill chunks, prompts and decodes in any mix) and the KV write.
 
 `kernels.triton_attention` explains the design, chooses every launch parameter from shapes, and
 launches these; nothing here is meant to be called from elsewhere.
@@ -245,117 +245,6 @@ def write_kv_kernel(
         tl.store(v_dst + d * stride_cvd, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
-def _merge_partials(
-    out_ptr,
-    part_ptr,
-    pair,
-    token,
-    kv_head,
-    live_splits,
-    num_splits,
-    part_rows,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    GROUP: tl.constexpr,
-    G_MERGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr,
-):
-    """Merges the partials of the first live_splits splits of one (token, KV head) into the output.
-
-    Chunks of MERGE_SPLITS splits x GROUP heads x D_PAD are loaded at once (bounded registers) and
-    folded in with the usual online-softmax rescaling. The loads bypass L1 (".cg"): the partials
-    were written by other programs of this launch. Split 0 always has keys, so every real head's
-    running max is finite after the first chunk and its denominator positive.
-    """
-    g = tl.arange(0, G_MERGE)
-    s = tl.arange(0, MERGE_SPLITS)
-    d = tl.arange(0, D_PAD)
-    g_ok = g < GROUP
-    m_run = tl.full([G_MERGE], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([G_MERGE], dtype=tl.float32)
-    acc = tl.zeros([G_MERGE, D_PAD], dtype=tl.float32)
-    for s0 in range(0, live_splits, MERGE_SPLITS):
-        splits = s0 + s
-        ok = (splits < live_splits)[:, None] & g_ok[None, :]
-        prow = (pair * num_splits + splits)[:, None] * GROUP + g[None, :]  # [MERGE_SPLITS, G_MERGE]
-        m = tl.load(part_ptr + part_rows * D_PAD + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l_part = tl.load(part_ptr + part_rows * (D_PAD + 1) + prow, mask=ok, other=0.0, cache_modifier=".cg")
-        a = tl.load(
-            part_ptr + prow[:, :, None] * D_PAD + d[None, None, :],
-            mask=ok[:, :, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        # Padding heads (g >= GROUP) see only -inf: pin their max to 0 so no NaN appears.
-        m_new = tl.where(g_ok, tl.maximum(m_run, tl.max(m, 0)), 0.0)
-        alpha = tl.math.exp2(m_run - m_new)
-        weight = tl.math.exp2(m - m_new[None, :])
-        l_run = l_run * alpha + tl.sum(weight * l_part, 0)
-        acc = acc * alpha[:, None] + tl.sum(a * weight[:, :, None], 0)
-        m_run = m_new
-    result = acc / tl.where(g_ok, l_run, 1.0)[:, None]
-    q_heads = kv_head * GROUP + g
-    o_ptrs = out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + d[None, :] * stride_od
-    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _finish_split(
-    acc,
-    m_i,
-    l_i,
-    out_ptr,
-    part_ptr,
-    sem_ptr,
-    token,
-    kv_head,
-    split,
-    has_keys,
-    live_splits,
-    num_splits,
-    part_rows,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    GROUP: tl.constexpr,
-    G_PAD: tl.constexpr,
-    G_MERGE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr,
-):
-    """Stores this split's partial, counts it in, and merges all of them if it is the last to arrive.
-
-    Partials are rows of D_PAD fp32 (row = (pair * num_splits + split) * GROUP + head in group, pair =
-    token * num_kv_heads + kv_head), then part_rows running maxima, then part_rows denominators.
-    Splits without keys store nothing (the merge reads only the live ones) but are counted. The
-    barrier makes every thread's stores precede the one thread's acq_rel atomic (the same pattern as
-    cooperative groups' grid sync); the last program's acquire makes all partials visible to it. It
-    resets the counter, so the scratch is zero again for the next launch (or graph replay).
-    """
-    pair = token.to(tl.int64) * tl.num_programs(1) + kv_head
-    if has_keys:
-        rows = tl.arange(0, G_PAD)
-        d = tl.arange(0, D_PAD)
-        row_ok = rows < GROUP
-        prow = (pair * num_splits + split) * GROUP + rows
-        tl.store(part_ptr + prow[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_ptr + part_rows * D_PAD + prow, m_i, mask=row_ok)
-        tl.store(part_ptr + part_rows * (D_PAD + 1) + prow, l_i, mask=row_ok)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(sem_ptr + pair, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
-        tl.store(sem_ptr + pair, 0)
-        _merge_partials(
-            out_ptr, part_ptr, pair, token, kv_head, live_splits, num_splits, part_rows,
-            stride_ot, stride_oh, stride_od, GROUP, G_MERGE, HEAD_DIM, D_PAD, MERGE_SPLITS,
-        )  # fmt: skip
-
-
 # Integer arguments that change from step to step are not specialised: Triton would otherwise
 # compile a new variant whenever one of them becomes 1 or a multiple of 16, stalling serving. That
 # includes the block table's row stride: eager steps pass tables as wide as their longest sequence.
@@ -369,7 +258,6 @@ def decode_kernel(
     v_ptr,
     out_ptr,
     part_ptr,
-    sem_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     cu_seqlens_q_ptr,
@@ -396,23 +284,22 @@ def decode_kernel(
     stride_bt,
     GROUP: tl.constexpr,
     G_PAD: tl.constexpr,
-    G_MERGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """One query token x one KV head group x one context partition (split).
 
-    Without SPLIT the program covers the whole context and writes the output; with SPLIT see
-    `_finish_split`. SINGLE_TILE (tokens_per_split == BLOCK_N) loads the split's block ids before
-    the sequence length is known, assuming the token's sequence is the token's index (true in a
-    decode batch; reloaded otherwise), so the first K/V loads wait one memory round trip, not two.
+    Without SPLIT the program covers the whole context and writes the output; with SPLIT it writes
+    its partial result for `merge_kernel`. SINGLE_TILE (tokens_per_split == BLOCK_N) loads the
+    split's block ids before the sequence length is known, assuming the token's sequence is the
+    token's index (true in a decode batch; reloaded otherwise), so the first K/V loads wait one
+    memory round trip, not two.
     """
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -486,18 +373,57 @@ def decode_kernel(
         )  # fmt: skip
 
     if SPLIT:
-        live_splits = tl.minimum((context_end + tokens_per_split - 1) // tokens_per_split, num_splits)
-        _finish_split(
-            acc, m_i, l_i, out_ptr, part_ptr, sem_ptr, token, kv_head, split, kv_start < kv_end,
-            live_splits, num_splits, part_rows, stride_ot, stride_oh, stride_od,
-            GROUP, G_PAD, G_MERGE, HEAD_DIM, D_PAD, MERGE_SPLITS,
-        )  # fmt: skip
+        # Partial rows: (token * num_q_heads + q_head) * num_splits + split, each D_PAD fp32, then
+        # part_rows running maxima and part_rows denominators. A split past the context stores the
+        # empty state (zeros, -inf, 0), which the merge weighs by zero.
+        num_q_heads = tl.num_programs(1) * GROUP
+        prow = (token.to(tl.int64) * num_q_heads + q_heads) * num_splits + split
+        tl.store(part_ptr + prow[:, None] * D_PAD + d[None, :], acc, mask=row_mask[:, None])
+        tl.store(part_ptr + part_rows * D_PAD + prow, m_i, mask=row_mask)
+        tl.store(part_ptr + part_rows * (D_PAD + 1) + prow, l_i, mask=row_mask)
     else:
         result = acc / l_i[:, None]
         o_ptrs = (
             out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + d[None, :] * stride_od
         )
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits", "part_rows"])
+def merge_kernel(
+    out_ptr,
+    part_ptr,
+    num_splits,
+    part_rows,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    """Merges the split partials of one query token x one query head into its output row.
+
+    A launch of its own rather than the last split program's job: on an H200 (B = 1, 4096 keys, 32
+    splits) the merge inside the split kernel, done by whichever program finished last (an atomic
+    counter), cost 6 us of a 15 us call, and this kernel 1.5 us. The partials were written by the
+    previous launch, so ".cg" loads (L2) are as good as any. Split 0 always has keys, so the max is
+    finite and the denominator positive.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    q_head = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    live = s < num_splits
+    prow = (token * tl.num_programs(1) + q_head) * num_splits + s
+    m = tl.load(part_ptr + part_rows * D_PAD + prow, mask=live, other=float("-inf"), cache_modifier=".cg")
+    l_part = tl.load(part_ptr + part_rows * (D_PAD + 1) + prow, mask=live, other=0.0, cache_modifier=".cg")
+    acc_ptrs = part_ptr + prow[:, None] * D_PAD + d[None, :]
+    acc = tl.load(acc_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+    weight = tl.math.exp2(m - tl.max(m, 0))
+    result = tl.sum(acc * weight[:, None], 0) / tl.sum(weight * l_part, 0)
+    o_ptrs = out_ptr + token * stride_ot + q_head * stride_oh + d * stride_od
+    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=[*_VARYING, "num_tiles"])

@@ -18,6 +18,9 @@
      a pool much larger than the working set; the anchor is
      `scaled_dot_product_attention(..., enable_gqa=True)` on a contiguous cache of the same shape.
      Bandwidth counts the KV bytes read, B * L * 2 * 8 * 128 * 2.
+   * Gather floor (decode shapes, graph x20): a kernel that only reads the same paged K and V
+     through the same block tables and sums them (no softmax, no split merge, no output). It is
+     what any kernel of this design needs at least, so sdpa / floor bounds the reachable ratio.
    * Prefill: 8 sequences x 2048 tokens, causal, 32/8 heads, head_dim 128, bf16, against SDPA's
      causal attention on contiguous tensors; TFLOP/s counts 4 * S * H * T^2 * D / 2.
 3. `--sweep` also times, from 20-call graphs, every decode shape with other decode configs (keys
@@ -42,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 import triton.testing
 
 from kernels import reference
@@ -85,6 +89,43 @@ PREFILL_SWEEP = [
     ta.PrefillConfig(128, 64, 4, 2),
     ta.PrefillConfig(32, 64, 4, 3),
 ]
+
+
+# The gather floor's tile and programs: 64 keys x 4 warps, enough splits for 4 programs per SM.
+FLOOR_BLOCK_N, FLOOR_WARPS, FLOOR_PROGRAMS_PER_SM = 64, 4, 4
+
+
+@triton.jit
+def gather_only_kernel(
+    k_ptr,
+    v_ptr,
+    block_tables_ptr,
+    out_ptr,
+    keys_per_program,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_bt,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Reads one (sequence, KV head, split)'s keys and values through its block table and stores
+    their sum: a decode call's memory traffic with none of its math (the floor in `time_decode`)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    d = tl.arange(0, HEAD_DIM)
+    total = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    first = split * keys_per_program
+    for k0 in range(first, first + keys_per_program, BLOCK_N):
+        kpos = k0 + tl.arange(0, BLOCK_N)
+        block_ids = tl.load(block_tables_ptr + seq * stride_bt + kpos // PAGE_SIZE).to(tl.int64)
+        rows = block_ids * stride_kb + (kpos % PAGE_SIZE) * stride_kt + kv_head * stride_kh
+        total += tl.load(k_ptr + rows[:, None] + d[None, :]).to(tl.float32)
+        total += tl.load(v_ptr + rows[:, None] + d[None, :]).to(tl.float32)
+    program = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
+    tl.store(out_ptr + program, tl.sum(tl.sum(total, 1), 0))
 
 
 def log(msg: str) -> None:
@@ -251,6 +292,33 @@ class DecodeCase:
             for inputs, out in zip(self.inputs, self.outs, strict=True)
         ]
 
+    def gather_floor(self, sm_count: int) -> list[Callable[[], object]]:
+        """`gather_only_kernel` over the same block tables (needs K1's whole-tile lengths)."""
+        tiles = self.length // FLOOR_BLOCK_N
+        splits = max(1, min(tiles, math.ceil(FLOOR_PROGRAMS_PER_SM * sm_count / (self.batch * NUM_KV_HEADS))))
+        while tiles % splits:
+            splits -= 1
+        grid = (self.batch, NUM_KV_HEADS, splits)
+        k, v = self.inputs[0]["k_cache"], self.inputs[0]["v_cache"]
+        sums = torch.empty(math.prod(grid), dtype=torch.float32, device=k.device)
+        return [
+            functools.partial(
+                gather_only_kernel[grid],
+                k,
+                v,
+                i["block_tables"],
+                sums,
+                self.length // splits,
+                *k.stride()[:3],
+                i["block_tables"].stride(0),
+                BLOCK_N=FLOOR_BLOCK_N,
+                PAGE_SIZE=BLOCK_SIZE,
+                HEAD_DIM=HEAD_DIM,
+                num_warps=FLOOR_WARPS,
+            )  # fmt: skip
+            for i in self.inputs
+        ]
+
     def sdpa(self) -> list[Callable[[], object]]:
         return [
             functools.partial(F.scaled_dot_product_attention, q4, k, v, enable_gqa=True)
@@ -301,6 +369,7 @@ def time_decode(pool: Pool, results: dict, sweep: bool, deadline: float) -> None
         ours, anchor = bench(ours_fn), bench(sdpa_fn)
         ours_graph, anchor_graph = bench(as_graph(ours_fn)), bench(as_graph(sdpa_fn))
         ours_20, anchor_20 = per_call_us(case.ours()), per_call_us(case.sdpa())
+        floor_20 = per_call_us(case.gather_floor(results["sm_count"]))
         kv_bytes = case.kv_bytes
         plan = plan_summary(case.inputs[0])
         row = {
@@ -321,6 +390,9 @@ def time_decode(pool: Pool, results: dict, sweep: bool, deadline: float) -> None
             "sdpa_graph20_us": anchor_20,
             "sdpa_graph20_tbps": kv_bytes / anchor_20 / 1e6,
             "graph20_speedup": anchor_20 / ours_20,
+            "gather_floor_graph20_us": floor_20,
+            "gather_floor_graph20_tbps": kv_bytes / floor_20 / 1e6,
+            "sdpa_over_gather_floor": anchor_20 / floor_20,
             "graph20_input_sets": len(case.inputs),
             "goal": DECODE_GOALS.get((batch, length)),
             "num_splits": plan["num_splits"],
@@ -332,7 +404,8 @@ def time_decode(pool: Pool, results: dict, sweep: bool, deadline: float) -> None
             f"x{row['speedup']:.2f} | graph: triton {ours_graph:7.1f} us, sdpa {anchor_graph:7.1f} us, "
             f"x{row['graph_speedup']:.2f} | graph x{GRAPH_CALLS}: triton {ours_20:7.1f} us "
             f"{row['triton_graph20_tbps']:4.2f} TB/s, sdpa {anchor_20:7.1f} us "
-            f"{row['sdpa_graph20_tbps']:4.2f} TB/s, x{row['graph20_speedup']:.2f} [{describe(plan)}]"
+            f"{row['sdpa_graph20_tbps']:4.2f} TB/s, x{row['graph20_speedup']:.2f}, gather floor "
+            f"{floor_20:.1f} us (x{row['sdpa_over_gather_floor']:.2f}) [{describe(plan)}]"
         )
         if batch <= 8:
             # Diagnostic: the same shape with consecutive block ids (a contiguous working set).
@@ -489,7 +562,8 @@ def print_table(results: dict) -> None:
     log("")
     log(
         f"{'case':<21}{'eager':>8}{'sdpa':>8}{'ratio':>6} |{'graph':>8}{'sdpa':>8}{'ratio':>6} |"
-        f"{'x20/call':>9}{'sdpa':>8}{'ratio':>6} |{'triton':>10}{'sdpa':>10} |{'goal':>5}  met"
+        f"{'x20/call':>9}{'sdpa':>8}{'ratio':>6} |{'triton':>10}{'sdpa':>10} |{'goal':>5}  met |"
+        f"{'floor':>7}{'max ratio':>10}"
     )
     for r in results["decode"]:
         name = f"decode B={r['batch']} L={r['context']}"
@@ -499,7 +573,8 @@ def print_table(results: dict) -> None:
             f"{r['triton_graph_us']:>8.1f}{r['sdpa_graph_us']:>8.1f}{r['graph_speedup']:>6.2f} |"
             f"{r['triton_graph20_us']:>9.1f}{r['sdpa_graph20_us']:>8.1f}{r['graph20_speedup']:>6.2f} |"
             f"{r['triton_graph20_tbps']:>6.2f}TB/s{r['sdpa_graph20_tbps']:>6.2f}TB/s |"
-            f"{'' if goal is None else goal:>5}  {met_text(r['graph20_speedup'], goal)}"
+            f"{'' if goal is None else goal:>5}  {met_text(r['graph20_speedup'], goal):<3} |"
+            f"{r['gather_floor_graph20_us']:>7.1f}{r['sdpa_over_gather_floor']:>10.2f}"
         )
     p = results["prefill"]
     name = f"prefill {p['seqs']}x{p['length']}"
@@ -519,6 +594,10 @@ def print_table(results: dict) -> None:
     log(
         "Decode goals (ratio = sdpa / ours >= goal) are judged on x20/call, and the TB/s columns come "
         "from it; prefill is judged eager (one ~1 ms call)."
+    )
+    log(
+        "floor: x20/call of a kernel that only gathers the same paged K/V (no math, no merge); "
+        "max ratio = sdpa / floor, the most a kernel of this design could reach."
     )
     log(f"correctness: {'all ok' if results['correct'] else 'FAILURES'}")
 

@@ -200,7 +200,7 @@ def test_long_decode_uses_split_kv() -> None:
 @needs_triton
 @pytest.mark.parametrize("dtype, head_dim, num_q_heads, num_kv_heads, block_size", SHAPES)
 def test_decode_split_with_several_tiles_per_split(dtype, head_dim, num_q_heads, num_kv_heads, block_size):
-    """Splits that loop over several key tiles (the non-single-tile split variant), merged in-kernel."""
+    """Splits that loop over several key tiles (the non-single-tile split variant), then merged."""
     q_lens = [1] * len(DECODE_CONTEXT)
     batch = make_batch(
         q_lens, DECODE_CONTEXT, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=11
@@ -213,32 +213,29 @@ def test_decode_split_with_several_tiles_per_split(dtype, head_dim, num_q_heads,
 
 @needs_triton
 @pytest.mark.parametrize("splits, single_tile", [(45, True), (23, False)], ids=["single-tile", "looping"])
-def test_fused_merge_over_many_splits(splits: int, single_tile: bool) -> None:
-    """More live splits than two merge chunks hold, an odd count, GQA 5:1 (padded merge rows) and a
-    sequence that ends long before the table does (splits without keys)."""
+def test_merge_over_many_splits(splits: int, single_tile: bool) -> None:
+    """An odd split count (padded in the merge), GQA 5:1 and a sequence that ends long before the
+    table does (splits without keys)."""
     batch = make_batch([1, 1], [700, 21], 10, 2, 64, 16, torch.float16, seed=12)
     config = ta.DecodeConfig(block_n=16, num_warps=4, num_stages=2)
     plan = ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"], config, splits)
     assert plan.num_splits == splits and plan.meta["SINGLE_TILE"] == single_tile
-    assert plan.num_splits > 2 * plan.meta["MERGE_SPLITS"]
+    assert plan.merge_meta["S_PAD"] > plan.num_splits
     assert_matches(
         run_triton(batch, decode_config=config, num_splits=splits), reference_fp32(batch), torch.float16
     )
 
 
 @needs_triton
-def test_split_counters_are_reset_for_the_next_launch() -> None:
-    """Repeated split launches share the counters: each launch leaves them at zero, and the results
-    stay right and identical across launches and across split counts that use them in turn."""
+def test_repeated_split_launches_share_the_scratch() -> None:
+    """Launches with different split counts reuse one partials buffer; each result stays right, and
+    a repeat is bit-identical."""
     batch = make_batch([1, 1, 1], [300, 45, 160], 8, 2, 64, 16, torch.float32, seed=13)
     expected = reference_fp32(batch)
     first = run_triton(batch, num_splits=5)
     assert_matches(first, expected, torch.float32)
     for splits in (5, 3, 5):
-        again = run_triton(batch, num_splits=splits)
-        assert_matches(again, expected, torch.float32)
-        counters = ta._SCRATCH[batch["q"].device][1]
-        assert int(counters.count_nonzero()) == 0
+        assert_matches(run_triton(batch, num_splits=splits), expected, torch.float32)
     assert torch.equal(run_triton(batch, num_splits=5), first)
 
 
@@ -249,14 +246,13 @@ def test_split_scratch_grows_and_keeps_outgrown_buffers(monkeypatch: pytest.Monk
     monkeypatch.setattr(ta, "_SCRATCH", {})
     monkeypatch.setattr(ta, "_OUTGROWN_SCRATCH", [])
     monkeypatch.setattr(ta, "_MIN_SCRATCH_ELEMENTS", 16)
-    monkeypatch.setattr(ta, "_MIN_COUNTERS", 1)
     small = make_batch([1], [100], 4, 2, 64, 16, torch.float32, seed=14)
     assert_matches(run_triton(small, num_splits=2), reference_fp32(small), torch.float32)
     first = ta._SCRATCH[small["q"].device]
     big = make_batch([1, 1, 1], [100, 250, 7], 4, 2, 64, 16, torch.float32, seed=15)
     assert_matches(run_triton(big, num_splits=4), reference_fp32(big), torch.float32)
-    assert ta._SCRATCH[small["q"].device][0].numel() > first[0].numel()
-    assert any(t is first[0] for t in ta._OUTGROWN_SCRATCH)
+    assert ta._SCRATCH[small["q"].device].numel() > first.numel()
+    assert any(t is first for t in ta._OUTGROWN_SCRATCH)
     assert_matches(run_triton(small, num_splits=2), reference_fp32(small), torch.float32)
 
 
@@ -472,7 +468,7 @@ def test_cuda_graph_capture_of_decode() -> None:
 
 @needs_cuda
 def test_cuda_graph_of_back_to_back_split_decodes() -> None:
-    """Several split-KV launches in one graph share the counters; replays stay right."""
+    """Several split-KV launches (and their merges) in one graph share the scratch; replays stay right."""
     shape = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
     batches = [make_batch([1], [2000 + 100 * i], **shape, seed=20 + i) for i in range(3)]
     outs = [torch.empty_like(b["q"]) for b in batches]
