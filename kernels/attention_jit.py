@@ -487,7 +487,8 @@ def varlen_kernel(
         seq_len = tl.load(seq_lens_ptr + seq)
     q_len = q_end - q_start
     tile = tile_slot - (q_start // BLOCK_Q + seq)
-    if tile * BLOCK_Q < q_len:
+    # tile < 0: a slot before the first sequence's (cu_seqlens_q need not start at 0).
+    if (tile >= 0) & (tile * BLOCK_Q < q_len):
         cached = seq_len - q_len  # context before the new tokens
 
         rows = tl.arange(0, BLOCK_M)

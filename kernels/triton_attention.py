@@ -35,6 +35,13 @@ worked out once per shape (`_decode_plan`, `_varlen_plan`, cached), which keeps 
   BLOCK_Q tokens times the (padded) query heads of one KV head group, so here too each KV block is
   read once per KV head and tile. Key tiles before the query tile's first position are visible to
   every row and run without any mask; only the diagonal tiles carry the causal and length masks.
+* a mixed batch whose caller says that its first `num_decodes` sequences are decodes: those go to
+  the decode kernel (on the leading rows of q) and the rest to the varlen kernel, which is slower at
+  decodes (on an H200, 256 decodes of 512 tokens beside a 512-token prompt: 6.25 ms of attention
+  per step through varlen alone, 4.76 ms for the decodes alone through the decode kernel). The
+  varlen launch gets the remaining sequences' slice of `cu_seqlens_q`, which starts at
+  `num_decodes` rather than 0: its token indices stay those of the whole q, and the tile slots
+  before the first remaining sequence's find no tile of theirs and exit.
 
 Split-KV scratch
 ----------------
@@ -437,22 +444,41 @@ def paged_attention(
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
     num_splits: int | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; see `kernels.reference.paged_attention`.
 
-    The keyword-only arguments override the shape-based choices (for tests and tuning).
+    num_decodes: the first `num_decodes` sequences have one new token each (the caller's promise,
+    not checked on the device). In a mixed batch they run through the decode kernel, the others
+    through the varlen kernel. The other keyword-only arguments override the shape-based choices
+    (for tests and tuning).
     """
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
+    num_seqs = seq_lens.shape[0]
+    assert 0 <= num_decodes <= num_seqs, f"num_decodes {num_decodes} is not within 0..{num_seqs}"
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if q.shape[0] == 0 or seq_lens.shape[0] == 0:
+    if q.shape[0] == 0 or num_seqs == 0:
         return out
-    if q.shape[0] == seq_lens.shape[0]:
+    if q.shape[0] == num_seqs:
         _launch_decode(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, decode_config, num_splits
         )
-    else:
-        _launch_varlen(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, prefill_config)
+        return out
+    assert num_decodes < num_seqs, "a batch of decodes only has one token per sequence"
+    if num_decodes:
+        # The decodes' rows are q[:num_decodes], so their slice of cu_seqlens_q is 0..num_decodes.
+        nd = num_decodes
+        _launch_decode(
+            q[:nd], k_cache, v_cache, block_tables[:nd], seq_lens[:nd], cu_seqlens_q[: nd + 1], scale,
+            out[:nd], decode_config, num_splits,
+        )  # fmt: skip
+    # The varlen kernel gets the whole q and out and the remaining sequences: their cu_seqlens_q
+    # entries still index rows of the whole q.
+    _launch_varlen(
+        q, k_cache, v_cache, block_tables[num_decodes:], seq_lens[num_decodes:],
+        cu_seqlens_q[num_decodes:], scale, out, prefill_config,
+    )  # fmt: skip
     return out
 
 

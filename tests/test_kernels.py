@@ -176,6 +176,22 @@ def test_mixed_batch_matches_reference(dtype, head_dim, num_q_heads, num_kv_head
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype, head_dim, num_q_heads, num_kv_heads, block_size", SHAPES[:3])
+@pytest.mark.parametrize("vector_lookup", [True, False], ids=["vector-lookup", "binary-search"])
+def test_mixed_batch_with_leading_decodes(
+    monkeypatch, vector_lookup, dtype, head_dim, num_q_heads, num_kv_heads, block_size
+) -> None:
+    """num_decodes: three leading decodes (one long enough to split) through the decode kernel, the
+    rest (chunks, a prompt, q_len 0 and one more decode) through the varlen kernel, whose sequences
+    then start at row 3 (both ways of finding a tile's sequence)."""
+    if not vector_lookup:
+        monkeypatch.setattr(ta, "_seqs_pad", lambda num_seqs: 0)
+    q_lens, context = [1, 1, 1, 7, 0, 19, 1], [33, 300, 2, 40, 5, 19, 70]
+    batch = make_batch(q_lens, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=3)
+    assert_matches(run_triton(batch, num_decodes=3), reference_fp32(batch), dtype)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype, head_dim, num_q_heads, num_kv_heads, block_size", SHAPES)
 def test_decode_batch_matches_reference(dtype, head_dim, num_q_heads, num_kv_heads, block_size) -> None:
     """Decode kernel (num_tokens == num_seqs), with and without split-KV."""
