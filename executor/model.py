@@ -32,8 +32,6 @@ class AttentionMetadata:
         block_tables: [num_seqs, max_blocks] int32, each sequence's physical blocks (zero padded).
         seq_lens: [num_seqs] int32, context length of each sequence including its new tokens.
         cu_seqlens_q: [num_seqs + 1] int32, row ranges of each sequence's tokens.
-        num_decodes: how many leading sequences have one new token each (a host int: attention
-            runs them through its decode kernel in a mixed batch).
     """
 
     positions: torch.Tensor
@@ -41,7 +39,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
-    num_decodes: int = 0
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -148,14 +145,7 @@ class Attention(nn.Module):
         self.rotary(meta.positions, q, k)  # in place: q and k are views of this step's qkv output
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.cu_seqlens_q,
-            self.scale,
-            num_decodes=meta.num_decodes,
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 

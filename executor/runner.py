@@ -269,9 +269,6 @@ class ModelRunner:
                 self.slots.release(state.slot)
         kv.swap_in([m.src for m in plan.swap_in], [m.dst for m in plan.swap_in])
         scheduled = [s for s in self._admit(plan, new_params) if s.num_new > 0]
-        # Single-token sequences first (a stable sort): attention runs that leading run of a mixed
-        # batch through its decode kernel. Outputs name their seq ids, so their order is free.
-        scheduled.sort(key=lambda s: s.num_new != 1)
         if scheduled:
             self._launch_forward(scheduled, pending)
         stats = self.stats
@@ -285,8 +282,7 @@ class ModelRunner:
         return pending
 
     def finish(self, pending: PendingStep) -> executor_pb2.StepOutput:
-        """Waits for a launched step's sampled tokens and reports them (single-token sequences
-        first, then the others, each group in plan order)."""
+        """Waits for a launched step's sampled tokens and reports them, in plan order."""
         if pending.done is not None:
             pending.done.synchronize()
         output = executor_pb2.StepOutput(step_id=pending.step_id, seq_ids=pending.seq_ids)

@@ -104,7 +104,6 @@ class HostBatch:
         logits_indices: [R] the token rows that are sampled (each sampling sequence's last token).
         sample_rows: [R] the slots of the sampling sequences.
         width: block table columns this step needs.
-        num_decodes: how many leading sequences compute exactly one token.
     """
 
     rows: np.ndarray
@@ -117,7 +116,6 @@ class HostBatch:
     logits_indices: np.ndarray
     sample_rows: np.ndarray
     width: int
-    num_decodes: int
 
     @property
     def num_seqs(self) -> int:
@@ -166,7 +164,6 @@ def build_host_batch(
     if host_lens.any():
         host_ids[from_host] = np.concatenate([c for c in host_chunks if len(c)])
     seq_lens = starts + q_lens
-    not_single = np.flatnonzero(q_lens != 1)
     return HostBatch(
         rows=rows,
         seq_lens=seq_lens,
@@ -178,7 +175,6 @@ def build_host_batch(
         logits_indices=(cu[1:] - 1)[samples],
         sample_rows=rows[samples],
         width=int(-(-seq_lens.max() // block_size)) if num_seqs else 1,
-        num_decodes=int(not_single[0]) if len(not_single) else num_seqs,
     )
 
 
@@ -217,7 +213,6 @@ def stage_batch(batch: HostBatch, slots: RequestSlots) -> StepInputs:
         block_tables=slots.block_tables(rows, batch.width),
         seq_lens=seq_lens.to(torch.int32),
         cu_seqlens_q=cu.to(torch.int32),
-        num_decodes=batch.num_decodes,
     )
     input_ids = host_ids if all_from_host else slots.input_ids(host_ids, feed_slots)
     return StepInputs(input_ids, meta, logits_indices, sample_rows)

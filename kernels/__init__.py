@@ -23,20 +23,13 @@ def _use_triton(t: torch.Tensor) -> bool:
     return choice == "triton" or t.is_cuda
 
 
-def paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=None, *, num_decodes=0
-):
-    """See `kernels.reference.paged_attention` for the contract.
-
-    num_decodes (optional, host int): the caller knows that the first `num_decodes` sequences have
-    exactly one new token each. A mixed batch then runs them through the decode kernel and only the
-    rest through the varlen kernel, which is slower at decodes. The reference ignores it.
-    """
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=None):
+    """See `kernels.reference.paged_attention` for the contract."""
     if _use_triton(q):
         from kernels import triton_attention
 
         return triton_attention.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, num_decodes=num_decodes
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out
         )
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
 

@@ -290,22 +290,24 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
+    BY_SEQ: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """One query token x one KV head group x one context partition (split).
+    """One decode token x one KV head group x one context partition (split).
 
+    Grid row r is token r (a decode batch), or with BY_SEQ sequence r of a mixed batch, whose token
+    this is only if it has exactly one new token (other rows exit; the varlen kernel takes them).
     Without SPLIT the program covers the whole context and writes the output; with SPLIT it writes
     its partial result for `merge_kernel`. SINGLE_TILE (tokens_per_split == BLOCK_N) loads the
-    split's block ids before the sequence length is known, assuming the token's sequence is the
-    token's index (true in a decode batch; reloaded otherwise), so the first K/V loads wait one
-    memory round trip, not two.
+    split's block ids before the sequence length is known, assuming that the token's sequence is
+    the token's index (true in a decode batch; reloaded otherwise) or knowing it (BY_SEQ), so the
+    first K/V loads wait one memory round trip, not two.
     """
-    token = tl.program_id(0)
+    row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     kv_start = split * tokens_per_split
-
     rows = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     q_heads = kv_head * GROUP + rows
@@ -314,85 +316,91 @@ def decode_kernel(
         q_mask = row_mask[:, None]
     else:
         q_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
-    q_ptrs = q_ptr + token.to(tl.int64) * stride_qt + q_heads[:, None] * stride_qh + d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
     if SINGLE_TILE:
         block_ids = _load_block_ids(
-            block_tables_ptr + token.to(tl.int64) * stride_bt,
-            kv_start,
-            table_tokens,
-            BLOCK_N,
-            PAGE_SIZE,
-            True,
+            block_tables_ptr + row.to(tl.int64) * stride_bt, kv_start, table_tokens, BLOCK_N, PAGE_SIZE, True
         )
 
-    # Which sequence owns this token: in a pure decode batch token t belongs to sequence t, which
-    # two loads confirm (issued together with the context length); otherwise binary-search.
-    seq = token
-    q_start = tl.load(cu_seqlens_q_ptr + token)
-    q_end = tl.load(cu_seqlens_q_ptr + token + 1)
-    seq_len = tl.load(seq_lens_ptr + token)
-    if (q_start != token) | (q_end != token + 1):
-        seq = _find_seq(cu_seqlens_q_ptr, token, token * 0, token * 0 + num_seqs - 1, 1, False)
-        q_start = tl.load(cu_seqlens_q_ptr + seq)
-        q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
-        seq_len = tl.load(seq_lens_ptr + seq)
+    # Which sequence owns the token, and which token the row is.
+    seq = row
+    q_start = tl.load(cu_seqlens_q_ptr + row)
+    q_end = tl.load(cu_seqlens_q_ptr + row + 1)
+    seq_len = tl.load(seq_lens_ptr + row)
+    if BY_SEQ:
+        token = q_start
+        is_decode = q_end - q_start == 1
+    else:
+        # In a pure decode batch token t belongs to sequence t, which the two loads above confirm;
+        # otherwise binary-search.
+        token = row
+        is_decode = True
+        if (q_start != token) | (q_end != token + 1):
+            seq = _find_seq(cu_seqlens_q_ptr, token, token * 0, token * 0 + num_seqs - 1, 1, False)
+            q_start = tl.load(cu_seqlens_q_ptr + seq)
+            q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
+            seq_len = tl.load(seq_lens_ptr + seq)
+            if SINGLE_TILE:
+                block_ids = _load_block_ids(
+                    block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                    kv_start,
+                    table_tokens,
+                    BLOCK_N,
+                    PAGE_SIZE,
+                    True,
+                )
+    if is_decode:
+        q_ptrs = (
+            q_ptr + token.to(tl.int64) * stride_qt + q_heads[:, None] * stride_qh + d[None, :] * stride_qd
+        )
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
+
+        acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+        m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        kv_end = tl.minimum(kv_start + tokens_per_split, context_end)
+        k_head_off = kv_head.to(tl.int64) * stride_kh
+        v_head_off = kv_head.to(tl.int64) * stride_vh
         if SINGLE_TILE:
-            block_ids = _load_block_ids(
-                block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                kv_start,
-                table_tokens,
-                BLOCK_N,
-                PAGE_SIZE,
-                True,
-            )
-    context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
-
-    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
-    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    kv_end = tl.minimum(kv_start + tokens_per_split, context_end)
-    k_head_off = kv_head.to(tl.int64) * stride_kh
-    v_head_off = kv_head.to(tl.int64) * stride_vh
-    if SINGLE_TILE:
-        if kv_start < kv_end:
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, kv_start, kv_end, rows, k_head_off, v_head_off,
+            if kv_start < kv_end:
+                acc, m_i, l_i = _attend_block(
+                    acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, kv_start, kv_end, rows, k_head_off, v_head_off,
+                    stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+                    BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, False, DOT_PREC, DOT_FP32,
+                )  # fmt: skip
+        else:
+            full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
+            acc, m_i, l_i = _attend_range(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
+                kv_start, full_end, kv_end, rows, k_head_off, v_head_off,
                 stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, False, DOT_PREC, DOT_FP32,
+                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, DOT_FP32,
             )  # fmt: skip
-    else:
-        full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _attend_range(
-            acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-            kv_start, full_end, kv_end, rows, k_head_off, v_head_off,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, DOT_FP32,
-        )  # fmt: skip
 
-    if SPLIT:
-        # Partial rows: (token * num_q_heads + q_head) * num_splits + split, each D_PAD fp32, then
-        # part_rows running maxima and part_rows denominators. A split past the context stores the
-        # empty state (zeros, -inf, 0), which the merge weighs by zero.
-        num_q_heads = tl.num_programs(1) * GROUP
-        prow = (token.to(tl.int64) * num_q_heads + q_heads) * num_splits + split
-        tl.store(part_ptr + prow[:, None] * D_PAD + d[None, :], acc, mask=row_mask[:, None])
-        tl.store(part_ptr + part_rows * D_PAD + prow, m_i, mask=row_mask)
-        tl.store(part_ptr + part_rows * (D_PAD + 1) + prow, l_i, mask=row_mask)
-    else:
-        result = acc / l_i[:, None]
-        o_ptrs = (
-            out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + d[None, :] * stride_od
-        )
-        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
+        if SPLIT:
+            # Partial rows: (grid row * num_q_heads + q_head) * num_splits + split, each D_PAD fp32,
+            # then part_rows running maxima and part_rows denominators. A split past the context
+            # stores the empty state (zeros, -inf, 0), which the merge weighs by zero.
+            num_q_heads = tl.num_programs(1) * GROUP
+            prow = (row.to(tl.int64) * num_q_heads + q_heads) * num_splits + split
+            tl.store(part_ptr + prow[:, None] * D_PAD + d[None, :], acc, mask=row_mask[:, None])
+            tl.store(part_ptr + part_rows * D_PAD + prow, m_i, mask=row_mask)
+            tl.store(part_ptr + part_rows * (D_PAD + 1) + prow, l_i, mask=row_mask)
+        else:
+            result = acc / l_i[:, None]
+            o_rows = token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh
+            tl.store(
+                out_ptr + o_rows + d[None, :] * stride_od, result.to(out_ptr.dtype.element_ty), mask=q_mask
+            )
 
 
 @triton.jit(do_not_specialize=["num_splits", "part_rows"])
 def merge_kernel(
     out_ptr,
     part_ptr,
+    cu_seqlens_q_ptr,
     num_splits,
     part_rows,
     stride_ot,
@@ -401,8 +409,10 @@ def merge_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
+    BY_SEQ: tl.constexpr,
 ):
-    """Merges the split partials of one query token x one query head into its output row.
+    """Merges the split partials of one grid row (as in `decode_kernel`) x one query head into its
+    output row.
 
     A launch of its own rather than the last split program's job: on an H200 (B = 1, 4096 keys, 32
     splits) the merge inside the split kernel, done by whichever program finished last (an atomic
@@ -410,20 +420,27 @@ def merge_kernel(
     previous launch, so ".cg" loads (L2) are as good as any. Split 0 always has keys, so the max is
     finite and the denominator positive.
     """
-    token = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)
     q_head = tl.program_id(1)
-    s = tl.arange(0, S_PAD)
-    d = tl.arange(0, D_PAD)
-    live = s < num_splits
-    prow = (token * tl.num_programs(1) + q_head) * num_splits + s
-    m = tl.load(part_ptr + part_rows * D_PAD + prow, mask=live, other=float("-inf"), cache_modifier=".cg")
-    l_part = tl.load(part_ptr + part_rows * (D_PAD + 1) + prow, mask=live, other=0.0, cache_modifier=".cg")
-    acc_ptrs = part_ptr + prow[:, None] * D_PAD + d[None, :]
-    acc = tl.load(acc_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
-    weight = tl.math.exp2(m - tl.max(m, 0))
-    result = tl.sum(acc * weight[:, None], 0) / tl.sum(weight * l_part, 0)
-    o_ptrs = out_ptr + token * stride_ot + q_head * stride_oh + d * stride_od
-    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    token = row
+    is_decode = True
+    if BY_SEQ:
+        token = tl.load(cu_seqlens_q_ptr + row).to(tl.int64)
+        is_decode = tl.load(cu_seqlens_q_ptr + row + 1) - token == 1
+    if is_decode:
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D_PAD)
+        live = s < num_splits
+        prow = (row * tl.num_programs(1) + q_head) * num_splits + s
+        m_ptrs = part_ptr + part_rows * D_PAD + prow
+        m = tl.load(m_ptrs, mask=live, other=float("-inf"), cache_modifier=".cg")
+        l_part = tl.load(m_ptrs + part_rows, mask=live, other=0.0, cache_modifier=".cg")
+        acc_ptrs = part_ptr + prow[:, None] * D_PAD + d[None, :]
+        acc = tl.load(acc_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        weight = tl.math.exp2(m - tl.max(m, 0))
+        result = tl.sum(acc * weight[:, None], 0) / tl.sum(weight * l_part, 0)
+        o_ptrs = out_ptr + token * stride_ot + q_head * stride_oh + d * stride_od
+        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=[*_VARYING, "num_tiles"])
@@ -461,6 +478,7 @@ def varlen_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SEQS_PAD: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -487,8 +505,10 @@ def varlen_kernel(
         seq_len = tl.load(seq_lens_ptr + seq)
     q_len = q_end - q_start
     tile = tile_slot - (q_start // BLOCK_Q + seq)
-    # tile < 0: a slot before the first sequence's (cu_seqlens_q need not start at 0).
-    if (tile >= 0) & (tile * BLOCK_Q < q_len):
+    has_tile = tile * BLOCK_Q < q_len
+    if SKIP_DECODES:  # sequences of one new token are the decode kernel's
+        has_tile = has_tile & (q_len != 1)
+    if has_tile:
         cached = seq_len - q_len  # context before the new tokens
 
         rows = tl.arange(0, BLOCK_M)

@@ -26,8 +26,13 @@ worked out once per shape (`_decode_plan`, `_varlen_plan`, cached), which keeps 
   round trip to memory. The kernel finds each token's sequence itself, and each token attends
   causally up to its own position, so the result stays correct even if `num_tokens == num_seqs`
   hides a sequence with two new tokens next to one with none.
-* otherwise: the *varlen* kernel (prefill chunks, whole prompts, decodes, in any mix). Its grid is
-  (virtual query tile, KV head). Sequence i owns the tile slots starting at
+* otherwise, a mixed batch (prefill chunks, whole prompts and decodes in any order): both kernels.
+  The decode kernel runs with one grid row per *sequence* (`BY_SEQ`): the rows of sequences with
+  exactly one new token do the work above, the others exit at once. The *varlen* kernel, launched
+  after it with `SKIP_DECODES`, takes the other sequences. Run through the varlen kernel, a
+  decode costs a whole query tile of mostly padding: on an H200, 256 decodes of 512 tokens next to
+  a 512-token prompt took 6.25 ms of attention per step that way and 5.46 ms split between the
+  two kernels. The varlen grid is (virtual query tile, KV head). Sequence i owns the tile slots starting at
   `cu_seqlens_q[i] // BLOCK_Q + i`; that start is increasing in i and leaves each sequence at least
   `ceil(q_len_i / BLOCK_Q)` slots, so `num_tokens // BLOCK_Q + num_seqs` slots always suffice, and a
   program finds its sequence from `cu_seqlens_q` (one vector load and a count for up to 1024
@@ -35,13 +40,6 @@ worked out once per shape (`_decode_plan`, `_varlen_plan`, cached), which keeps 
   BLOCK_Q tokens times the (padded) query heads of one KV head group, so here too each KV block is
   read once per KV head and tile. Key tiles before the query tile's first position are visible to
   every row and run without any mask; only the diagonal tiles carry the causal and length masks.
-* a mixed batch whose caller says that its first `num_decodes` sequences are decodes: those go to
-  the decode kernel (on the leading rows of q) and the rest to the varlen kernel, which is slower at
-  decodes (on an H200, 256 decodes of 512 tokens beside a 512-token prompt: 6.25 ms of attention
-  per step through varlen alone, 4.76 ms for the decodes alone through the decode kernel). The
-  varlen launch gets the remaining sequences' slice of `cu_seqlens_q`, which starts at
-  `num_decodes` rather than 0: its token indices stay those of the whole q, and the tile slots
-  before the first remaining sequence's find no tile of theirs and exit.
 
 Split-KV scratch
 ----------------
@@ -242,7 +240,7 @@ class _DecodePlan:
     num_splits: int
     tokens_per_split: int
     table_tokens: int
-    part_rows: int  # partial rows (tokens x query heads x splits); 0 without splits
+    part_rows: int  # partial rows (grid rows x query heads x splits); 0 without splits
     part_elements: int  # fp32 scratch: part_rows x (D_PAD accumulators + max + denominator)
     meta: dict[str, Any]  # constexpr arguments, num_warps and num_stages (never mutated)
     merge_meta: dict[str, Any]  # the same for `merge_kernel` (empty without splits)
@@ -250,7 +248,7 @@ class _DecodePlan:
 
 @functools.lru_cache(maxsize=4096)
 def _decode_plan(
-    num_tokens: int,
+    num_rows: int,
     num_q_heads: int,
     head_dim: int,
     num_kv_heads: int,
@@ -260,8 +258,11 @@ def _decode_plan(
     sm_count: int,
     config: DecodeConfig | None,
     num_splits: int | None,
+    by_seq: bool,
 ) -> _DecodePlan:
     """Grid, split geometry and meta-parameters of the decode kernel (and the merge) for one shape.
+
+    num_rows: grid rows, one per sequence (= per token in a decode batch).
 
     Splits are whole multiples of block_n keys; a split count that does not divide the context
     evenly is rounded so no split is empty for the longest possible sequence.
@@ -271,15 +272,15 @@ def _decode_plan(
     table_tokens = table_width * page_size
     if config is None and num_splits is None:
         config, num_splits = choose_decode_launch(
-            num_tokens, num_kv_heads, table_tokens, d_pad, dtype, sm_count
+            num_rows, num_kv_heads, table_tokens, d_pad, dtype, sm_count
         )
     config = config or default_decode_config(d_pad, dtype)
     if num_splits is None:
-        num_splits = choose_num_splits(num_tokens, num_kv_heads, table_tokens, config.block_n, sm_count)
+        num_splits = choose_num_splits(num_rows, num_kv_heads, table_tokens, config.block_n, sm_count)
     tokens_per_split = max(1, _cdiv(_cdiv(table_tokens, num_splits), config.block_n)) * config.block_n
     num_splits = max(1, _cdiv(table_tokens, tokens_per_split))
     split = num_splits > 1
-    part_rows = num_tokens * num_q_heads * num_splits if split else 0
+    part_rows = num_rows * num_q_heads * num_splits if split else 0
     meta = dict(
         GROUP=group,
         G_PAD=_pow2_at_least(group, 16),
@@ -289,6 +290,7 @@ def _decode_plan(
         BLOCK_N=config.block_n,
         SPLIT=split,
         SINGLE_TILE=split and tokens_per_split == config.block_n,
+        BY_SEQ=by_seq,
         DOT_PREC=_dot_precision(dtype),
         DOT_FP32=_dot_in_fp32(dtype),
         num_warps=config.num_warps,
@@ -298,9 +300,11 @@ def _decode_plan(
     if split:
         s_pad = _pow2_at_least(num_splits)
         warps = min(8, _pow2_at_least(_cdiv(s_pad * d_pad, 32 * _MERGE_ELEMENTS_PER_THREAD)))
-        merge_meta = dict(HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=s_pad, num_warps=warps, num_stages=1)
+        merge_meta = dict(
+            HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=s_pad, BY_SEQ=by_seq, num_warps=warps, num_stages=1
+        )
     return _DecodePlan(
-        grid=(num_tokens, num_kv_heads, num_splits),
+        grid=(num_rows, num_kv_heads, num_splits),
         num_splits=num_splits,
         tokens_per_split=tokens_per_split,
         table_tokens=table_tokens,
@@ -320,6 +324,7 @@ def _varlen_meta(
     dtype: torch.dtype,
     config: PrefillConfig | None,
     seqs_pad: int,
+    skip_decodes: bool,
 ) -> tuple[int, dict[str, Any]]:
     """Query tokens per tile and the meta-parameters of the varlen kernel for one shape."""
     group = num_q_heads // num_kv_heads
@@ -338,6 +343,7 @@ def _varlen_meta(
         PAGE_SIZE=page_size,
         BLOCK_N=config.block_n,
         SEQS_PAD=seqs_pad,
+        SKIP_DECODES=skip_decodes,
         DOT_PREC=_dot_precision(dtype),
         DOT_FP32=_dot_in_fp32(dtype),
         num_warps=config.num_warps,
@@ -444,41 +450,23 @@ def paged_attention(
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
     num_splits: int | None = None,
-    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; see `kernels.reference.paged_attention`.
 
-    num_decodes: the first `num_decodes` sequences have one new token each (the caller's promise,
-    not checked on the device). In a mixed batch they run through the decode kernel, the others
-    through the varlen kernel. The other keyword-only arguments override the shape-based choices
-    (for tests and tuning).
+    The keyword-only arguments override the shape-based choices (for tests and tuning).
     """
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
-    num_seqs = seq_lens.shape[0]
-    assert 0 <= num_decodes <= num_seqs, f"num_decodes {num_decodes} is not within 0..{num_seqs}"
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if q.shape[0] == 0 or num_seqs == 0:
+    if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
-    if q.shape[0] == num_seqs:
-        _launch_decode(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, decode_config, num_splits
-        )
-        return out
-    assert num_decodes < num_seqs, "a batch of decodes only has one token per sequence"
-    if num_decodes:
-        # The decodes' rows are q[:num_decodes], so their slice of cu_seqlens_q is 0..num_decodes.
-        nd = num_decodes
-        _launch_decode(
-            q[:nd], k_cache, v_cache, block_tables[:nd], seq_lens[:nd], cu_seqlens_q[: nd + 1], scale,
-            out[:nd], decode_config, num_splits,
-        )  # fmt: skip
-    # The varlen kernel gets the whole q and out and the remaining sequences: their cu_seqlens_q
-    # entries still index rows of the whole q.
-    _launch_varlen(
-        q, k_cache, v_cache, block_tables[num_decodes:], seq_lens[num_decodes:],
-        cu_seqlens_q[num_decodes:], scale, out, prefill_config,
-    )  # fmt: skip
+    decode_batch = q.shape[0] == seq_lens.shape[0]
+    args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
+    # A mixed batch: the decode kernel takes its sequences of one new token, the varlen kernel the
+    # others (it is slower at decodes).
+    _launch_decode(*args, decode_config, num_splits, by_seq=not decode_batch)
+    if not decode_batch:
+        _launch_varlen(*args, prefill_config, skip_decodes=True)
     return out
 
 
@@ -488,11 +476,12 @@ def decode_plan(
     block_tables: torch.Tensor,
     config: DecodeConfig | None = None,
     num_splits: int | None = None,
+    by_seq: bool = False,
 ) -> _DecodePlan:
     """The decode launch `paged_attention` would make for these shapes (for the benchmark and tests)."""
-    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_q_heads, head_dim = q.shape
     return _decode_plan(
-        num_tokens,
+        block_tables.shape[0],
         num_q_heads,
         head_dim,
         k_cache.shape[2],
@@ -502,6 +491,7 @@ def decode_plan(
         _sm_count(q.device),
         config,
         num_splits,
+        by_seq,
     )
 
 
@@ -516,8 +506,9 @@ def _launch_decode(
     out: torch.Tensor,
     config: DecodeConfig | None,
     num_splits: int | None,
+    by_seq: bool,
 ) -> None:
-    plan = decode_plan(q, k_cache, block_tables, config, num_splits)
+    plan = decode_plan(q, k_cache, block_tables, config, num_splits, by_seq)
     part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out  # unread unsplit
     decode_kernel[plan.grid](
         q,
@@ -542,8 +533,8 @@ def _launch_decode(
         **plan.meta,
     )
     if plan.part_rows:
-        merge_kernel[(q.shape[0], q.shape[1])](
-            out, part, plan.num_splits, plan.part_rows, *out.stride(), **plan.merge_meta
+        merge_kernel[plan.grid[0], q.shape[1]](
+            out, part, cu_seqlens_q, plan.num_splits, plan.part_rows, *out.stride(), **plan.merge_meta
         )
 
 
@@ -557,12 +548,14 @@ def _launch_varlen(
     scale: float,
     out: torch.Tensor,
     config: PrefillConfig | None,
+    skip_decodes: bool,
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_q, meta = _varlen_meta(
-        num_q_heads, head_dim, k_cache.shape[2], k_cache.shape[1], q.dtype, config, _seqs_pad(num_seqs)
-    )
+        num_q_heads, head_dim, k_cache.shape[2], k_cache.shape[1], q.dtype, config, _seqs_pad(num_seqs),
+        skip_decodes,
+    )  # fmt: skip
     num_tiles = num_tokens // block_q + num_seqs
     varlen_kernel[(num_tiles, k_cache.shape[2])](
         q,

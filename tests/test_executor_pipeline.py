@@ -131,31 +131,6 @@ def test_mixed_graph_sequence_slots_never_equal_a_token_count(runner):
     assert _graphs(runner, [1, 2], [9, 10, 16]).num_seq_slots == 11
 
 
-def test_mixed_step_puts_decodes_first(runner, monkeypatch):
-    """A new prompt planned before two decodes: the batch runs the decodes first (attention's
-    decode kernel takes that leading run), and the output names every sampled sequence."""
-    runner.reset()
-    sched = ToyScheduler(NUM_BLOCKS, 0, runner.block_size, seed=4)
-    for seq_id, n in ((1, 9), (2, 20)):
-        sched.add(seq_id, _prompt(n, seed=seq_id))
-    sched.observe(runner.execute(sched.plan()))
-    sched.add(3, _prompt(12, seed=3))
-    batches = []
-    build = runner._host_batch
-
-    def spy(scheduled):
-        batches.append(build(scheduled))
-        return batches[-1]
-
-    monkeypatch.setattr(runner, "_host_batch", spy)
-    plan = sched.plan()
-    assert [r.seq_id for r in plan.new_requests] == [3] and [r.seq_id for r in plan.running] == [1, 2]
-    output = runner.execute(plan)
-    sched.observe(output)
-    assert list(output.seq_ids) == [1, 2, 3]
-    assert batches[0].num_decodes == 2 and batches[0].cu_seqlens.tolist() == [0, 1, 2, 14]
-
-
 def _written_blocks(runner: ModelRunner, pool_before: torch.Tensor) -> set[int]:
     written = (runner.kv_cache.device_pool != pool_before).flatten(0, 1).any(dim=(0, 2, 3, 4))
     return set(torch.nonzero(written).flatten().tolist())

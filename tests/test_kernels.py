@@ -178,17 +178,32 @@ def test_mixed_batch_matches_reference(dtype, head_dim, num_q_heads, num_kv_head
 @needs_triton
 @pytest.mark.parametrize("dtype, head_dim, num_q_heads, num_kv_heads, block_size", SHAPES[:3])
 @pytest.mark.parametrize("vector_lookup", [True, False], ids=["vector-lookup", "binary-search"])
-def test_mixed_batch_with_leading_decodes(
+def test_mixed_batch_splits_its_work_between_the_kernels(
     monkeypatch, vector_lookup, dtype, head_dim, num_q_heads, num_kv_heads, block_size
 ) -> None:
-    """num_decodes: three leading decodes (one long enough to split) through the decode kernel, the
-    rest (chunks, a prompt, q_len 0 and one more decode) through the varlen kernel, whose sequences
-    then start at row 3 (both ways of finding a tile's sequence)."""
+    """In a mixed batch each kernel writes exactly its own rows: the decode kernel (one grid row per
+    sequence, split here: one decode has a long context) those of single-token sequences, the
+    varlen kernel the others (both ways of finding a tile's sequence); together, the reference."""
     if not vector_lookup:
         monkeypatch.setattr(ta, "_seqs_pad", lambda num_seqs: 0)
-    q_lens, context = [1, 1, 1, 7, 0, 19, 1], [33, 300, 2, 40, 5, 19, 70]
+    q_lens, context = [7, 1, 0, 19, 1, 1], [40, 300, 5, 19, 2, 70]
     batch = make_batch(q_lens, context, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=3)
-    assert_matches(run_triton(batch, num_decodes=3), reference_fp32(batch), dtype)
+    expected = reference_fp32(batch)
+    decode_rows = torch.tensor([7, 27, 28])  # the tokens of the q_len 1 sequences
+    args = [
+        batch[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "scale")
+    ]
+    assert ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"], by_seq=True).num_splits > 1
+    decodes_only = torch.full_like(batch["q"], float("nan"))
+    ta._launch_decode(*args, decodes_only, None, None, by_seq=True)
+    others_only = torch.full_like(batch["q"], float("nan"))
+    ta._launch_varlen(*args, others_only, None, skip_decodes=True)
+    is_decode = torch.zeros(batch["q"].shape[0], dtype=torch.bool)
+    is_decode[decode_rows] = True
+    assert decodes_only[~is_decode].isnan().all() and others_only[is_decode].isnan().all()
+    assert_matches(decodes_only[is_decode], expected[is_decode], dtype)
+    assert_matches(others_only[~is_decode], expected[~is_decode], dtype)
+    assert_matches(run_triton(batch), expected, dtype)
 
 
 @needs_triton

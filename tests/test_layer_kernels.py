@@ -202,13 +202,12 @@ def tiny_dir(tmp_path_factory):
 
 
 def _forward(model_dir, dtype: torch.dtype) -> torch.Tensor:
-    """Logits of the last token of three prompts (1, 13 and 6 tokens) in one step, from fresh
-    caches. The one-token prompt leads, marked as a decode (`num_decodes`), as the runner orders
-    a mixed step."""
+    """Logits of the last token of three prompts (13, 1 and 6 tokens) in one step, from fresh caches;
+    the one-token prompt is a decode to the attention kernels (a mixed batch)."""
     spec = load_model_spec(model_dir)
     model = LlamaModel(spec, 64, torch.device(DEVICE), dtype)
     load_weights(model, spec, model_dir)
-    block_size, lens = 16, [1, 13, 6]
+    block_size, lens = 16, [13, 1, 6]
     cache_shape = (4, block_size, spec.num_kv_heads, spec.head_dim)
     caches = [
         (
@@ -223,10 +222,9 @@ def _forward(model_dir, dtype: torch.dtype) -> torch.Tensor:
         slot_mapping=torch.cat([torch.arange(n) + i * block_size for i, n in enumerate(lens)]).to(DEVICE),
         block_tables=torch.tensor([[0], [1], [2]], dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        cu_seqlens_q=torch.tensor([0, 1, 14, 20], dtype=torch.int32, device=DEVICE),
-        num_decodes=1,
+        cu_seqlens_q=torch.tensor([0, 13, 14, 20], dtype=torch.int32, device=DEVICE),
     )
-    return model(ids.to(DEVICE), meta, caches, torch.tensor([0, 13, 19], device=DEVICE))
+    return model(ids.to(DEVICE), meta, caches, torch.tensor([12, 13, 19], device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)], ids=str)
