@@ -287,6 +287,22 @@ def test_split_scratch_grows_and_keeps_outgrown_buffers(monkeypatch: pytest.Monk
     assert_matches(run_triton(small, num_splits=2), reference_fp32(small), torch.float32)
 
 
+@needs_triton
+def test_bench_gather_floor_reads_every_kv_byte_once() -> None:
+    """kernels.bench's floor kernel sums exactly the K and V its block tables address."""
+    from kernels import bench
+
+    pool = bench.Pool(64, torch.device(DEVICE))
+    inputs = bench.decode_inputs(pool, 2, 128)
+    case = bench.DecodeCase(2, 128, [inputs], [torch.empty_like(inputs["q"])], [])
+    (launch,) = case.gather_floor(sm_count=4)
+    launch()
+    sums = launch.args[3].view(2, bench.NUM_KV_HEADS, -1).sum(-1).cpu()
+    ids = inputs["block_tables"].long().cpu()
+    kv = (pool.k.float() + pool.v.float()).cpu()[ids].flatten(1, 2)  # [seqs, tokens, heads, dim]
+    torch.testing.assert_close(sums, kv.sum(dim=(1, 3)), rtol=1e-4, atol=1e-2)
+
+
 def test_split_heuristic_depends_on_shapes_only() -> None:
     assert ta.choose_num_splits(256, 8, 1024, 64, 132) == 1  # the batch fills the GPU
     assert ta.choose_num_splits(1, 8, 4096, 64, 132) > 8  # one sequence needs splitting
