@@ -478,7 +478,6 @@ def varlen_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SEQS_PAD: tl.constexpr,
-    SKIP_DECODES: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -487,6 +486,8 @@ def varlen_kernel(
     Rows are token-major: row r is token r // G_PAD, query head r % G_PAD of the group. Key tiles
     that end at or before the tile's first position are visible to every row and run without masks;
     the rest (the diagonal, at most ceil(BLOCK_Q / BLOCK_N) + 1 tiles) run with the causal mask.
+    Sequences with exactly one new token are skipped: `paged_attention` gives them to the decode
+    kernel.
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # Late tiles of a sequence have the most keys: hand them out first for a better tail.
@@ -505,10 +506,8 @@ def varlen_kernel(
         seq_len = tl.load(seq_lens_ptr + seq)
     q_len = q_end - q_start
     tile = tile_slot - (q_start // BLOCK_Q + seq)
-    has_tile = tile * BLOCK_Q < q_len
-    if SKIP_DECODES:  # sequences of one new token are the decode kernel's
-        has_tile = has_tile & (q_len != 1)
-    if has_tile:
+    # Sequences of one new token are the decode kernel's (it runs beside this one on mixed batches).
+    if (tile * BLOCK_Q < q_len) & (q_len != 1):
         cached = seq_len - q_len  # context before the new tokens
 
         rows = tl.arange(0, BLOCK_M)

@@ -18,7 +18,7 @@ worked out once per shape (`_decode_plan`, `_varlen_plan`, cached), which keeps 
   padded to a power of two >= 16 so the products run on `tl.dot`. When tokens x KV heads alone
   cannot fill the GPU, the context is cut into `num_splits` partitions (flash-decoding): each
   program stores its partial result (unnormalised sum, running max, denominator) and a second,
-  small launch (`merge_kernel`, one program per token and query head) combines them. The merge
+  small launch (`merge_kernel`, one program per grid row and query head) combines them. The merge
   once ran inside the split launch, done by the last program to finish (an atomic counter), which
   saved a launch but cost far more: 15.5 us against 10.1 us at (1, 4096) on an H200. When the
   whole context fits one key tile per program in one wave (small batches), each program holds
@@ -29,10 +29,11 @@ worked out once per shape (`_decode_plan`, `_varlen_plan`, cached), which keeps 
 * otherwise, a mixed batch (prefill chunks, whole prompts and decodes in any order): both kernels.
   The decode kernel runs with one grid row per *sequence* (`BY_SEQ`): the rows of sequences with
   exactly one new token do the work above, the others exit at once. The *varlen* kernel, launched
-  after it with `SKIP_DECODES`, takes the other sequences. Run through the varlen kernel, a
-  decode costs a whole query tile of mostly padding: on an H200, 256 decodes of 512 tokens next to
-  a 512-token prompt took 6.25 ms of attention per step that way and 5.91 ms split between the
-  two kernels. The varlen grid is (virtual query tile, KV head). Sequence i owns the tile slots starting at
+  after it, takes the other sequences (it always leaves single-token ones to the decode kernel).
+  Run through the varlen kernel, a decode would cost a whole query tile of mostly padding: on an
+  H200, 256 decodes of 512 tokens next to a 512-token prompt took 6.25 ms of attention per step
+  that way and 5.91 ms split between the two kernels. The varlen grid is (virtual query tile, KV
+  head). Sequence i owns the tile slots starting at
   `cu_seqlens_q[i] // BLOCK_Q + i`; that start is increasing in i and leaves each sequence at least
   `ceil(q_len_i / BLOCK_Q)` slots, so `num_tokens // BLOCK_Q + num_seqs` slots always suffice, and a
   program finds its sequence from `cu_seqlens_q` (one vector load and a count for up to 1024
@@ -320,7 +321,6 @@ def _varlen_meta(
     dtype: torch.dtype,
     config: PrefillConfig | None,
     seqs_pad: int,
-    skip_decodes: bool,
 ) -> tuple[int, dict[str, Any]]:
     """Query tokens per tile and the meta-parameters of the varlen kernel for one shape."""
     group = num_q_heads // num_kv_heads
@@ -339,7 +339,6 @@ def _varlen_meta(
         PAGE_SIZE=page_size,
         BLOCK_N=config.block_n,
         SEQS_PAD=seqs_pad,
-        SKIP_DECODES=skip_decodes,
         DOT_PREC=_dot_precision(dtype),
         DOT_FP32=_dot_in_fp32(dtype),
         num_warps=config.num_warps,
@@ -462,7 +461,7 @@ def paged_attention(
     # others (it is slower at decodes).
     _launch_decode(*args, decode_config, num_splits, by_seq=not decode_batch)
     if not decode_batch:
-        _launch_varlen(*args, prefill_config, skip_decodes=True)
+        _launch_varlen(*args, prefill_config)
     return out
 
 
@@ -544,14 +543,12 @@ def _launch_varlen(
     scale: float,
     out: torch.Tensor,
     config: PrefillConfig | None,
-    skip_decodes: bool,
 ) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     block_q, meta = _varlen_meta(
-        num_q_heads, head_dim, k_cache.shape[2], k_cache.shape[1], q.dtype, config, _seqs_pad(num_seqs),
-        skip_decodes,
-    )  # fmt: skip
+        num_q_heads, head_dim, k_cache.shape[2], k_cache.shape[1], q.dtype, config, _seqs_pad(num_seqs)
+    )
     num_tiles = num_tokens // block_q + num_seqs
     varlen_kernel[(num_tiles, k_cache.shape[2])](
         q,

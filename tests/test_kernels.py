@@ -197,7 +197,7 @@ def test_mixed_batch_splits_its_work_between_the_kernels(
     decodes_only = torch.full_like(batch["q"], float("nan"))
     ta._launch_decode(*args, decodes_only, None, None, by_seq=True)
     others_only = torch.full_like(batch["q"], float("nan"))
-    ta._launch_varlen(*args, others_only, None, skip_decodes=True)
+    ta._launch_varlen(*args, others_only, None)
     is_decode = torch.zeros(batch["q"].shape[0], dtype=torch.bool)
     is_decode[decode_rows] = True
     assert decodes_only[~is_decode].isnan().all() and others_only[is_decode].isnan().all()
