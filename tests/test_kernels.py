@@ -288,19 +288,23 @@ def test_split_scratch_grows_and_keeps_outgrown_buffers(monkeypatch: pytest.Monk
 
 
 @needs_triton
-def test_bench_gather_floor_reads_every_kv_byte_once() -> None:
-    """kernels.bench's floor kernel sums exactly the K and V its block tables address."""
+def test_bench_floors_read_every_kv_byte_once() -> None:
+    """kernels.bench's floor kernels sum exactly the K and V of the case: the gather floor through
+    its block tables, the contiguous floor from the anchor's copies."""
     from kernels import bench
 
     pool = bench.Pool(64, torch.device(DEVICE))
     inputs = bench.decode_inputs(pool, 2, 128)
-    case = bench.DecodeCase(2, 128, [inputs], [torch.empty_like(inputs["q"])], [])
-    (launch,) = case.gather_floor(sm_count=4)
-    launch()
-    sums = launch.args[3].view(2, bench.NUM_KV_HEADS, -1).sum(-1).cpu()
     ids = inputs["block_tables"].long().cpu()
     kv = (pool.k.float() + pool.v.float()).cpu()[ids].flatten(1, 2)  # [seqs, tokens, heads, dim]
-    torch.testing.assert_close(sums, kv.sum(dim=(1, 3)), rtol=1e-4, atol=1e-2)
+    expected = kv.sum(dim=(1, 3))
+    anchor_kv = bench.contiguous_kv(pool, inputs["block_tables"], 128)
+    case = bench.DecodeCase(2, 128, [inputs], [torch.empty_like(inputs["q"])], [(inputs["q"], *anchor_kv)])
+    for floor, sums_arg in ((case.gather_floor, 3), (case.contiguous_floor, 2)):
+        (launch,) = floor(sm_count=4)
+        launch()
+        sums = launch.args[sums_arg].view(2, bench.NUM_KV_HEADS, -1).sum(-1)
+        torch.testing.assert_close(sums.cpu(), expected, rtol=1e-4, atol=1e-2)
 
 
 def test_split_heuristic_depends_on_shapes_only() -> None:
@@ -309,6 +313,34 @@ def test_split_heuristic_depends_on_shapes_only() -> None:
     assert ta.choose_num_splits(1, 8, 64, 64, 132) == 1  # too short to split
     assert ta.choose_num_splits(32, 8, 16384, 64, 132) == 2  # 512 programs: one nearly full wave
     assert ta.choose_num_splits(8, 8, 4096, 64, 132) == 8
+
+
+def test_prefill_tile_choice() -> None:
+    """Tall query tiles only where they still give every SM several programs, and only for 2-byte
+    types with head_dim <= 128; by shapes only."""
+    bf16, big = torch.bfloat16, ta.big_prefill_config()
+    assert ta.choose_prefill_config(8 * 2048, 8, 8, 4, 128, bf16, 132) == big  # K1's prefill
+    assert ta.choose_prefill_config(8192, 12, 8, 4, 128, torch.float16, 132) == big  # a full chunk
+    default = ta.default_prefill_config(128, bf16)
+    assert ta.choose_prefill_config(2048, 1, 8, 4, 128, bf16, 132) == default  # 256 programs
+    assert ta.choose_prefill_config(8192, 8000, 8, 4, 128, bf16, 132) == default  # mostly decodes
+    assert ta.choose_prefill_config(8192, 12, 8, 4, 256, bf16, 132) == ta.default_prefill_config(256, bf16)
+    fp32 = ta.default_prefill_config(128, torch.float32)
+    assert ta.choose_prefill_config(8192, 12, 8, 4, 128, torch.float32, 132) == fp32
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "dtype, head_dim, num_q_heads, num_kv_heads",
+    [(torch.bfloat16, 128, 8, 2), (torch.float16, 80, 10, 2), (torch.bfloat16, 64, 3, 3)],
+)
+def test_big_prefill_tiles_match_reference(dtype, head_dim, num_q_heads, num_kv_heads) -> None:
+    """`big_prefill_config` on a mixed batch (prompt longer than one tall tile, chunk after cached
+    context, decodes, an idle sequence), GQA 4:1, 5:1 and 1:1."""
+    batch = make_batch(
+        [300, 1, 70, 0, 1], [300, 45, 120, 9, 17], num_q_heads, num_kv_heads, head_dim, 16, dtype, seed=11
+    )
+    assert_matches(run_triton(batch, prefill_config=ta.big_prefill_config()), reference_fp32(batch), dtype)
 
 
 def test_decode_launch_choice() -> None:
