@@ -128,14 +128,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         }[type(exc)]
         await context.abort(code, str(exc))
 
-    def _prompt_ids(self, request: generation_pb2.GenerateRequest, info: ExecutorInfo) -> list[int]:
+    async def _encode(self, text: str) -> list[int]:
+        """Tokenizes on a worker thread: a text of megabytes takes seconds to encode (the Rust
+        tokenizer releases the GIL meanwhile), and on the event loop it would stall every stream."""
+        return list(await asyncio.to_thread(self.engine.tokenizer.encode, text))
+
+    async def _request_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
+        """The prompt as token ids: the request's own, or its text tokenized."""
         which = request.WhichOneof("prompt")
         if which == "text":
-            ids = list(self.engine.tokenizer.encode(request.text))
-        elif which == "token_ids":
-            ids = list(request.token_ids.ids)
-        else:
-            ids = []
+            return await self._encode(request.text)
+        return list(request.token_ids.ids) if which == "token_ids" else []
+
+    def _prompt_ids(self, ids: list[int], info: ExecutorInfo) -> list[int]:
+        """Checks the prompt's token ids (from the text or the request) against the model."""
         if not ids:
             raise InvalidRequest("the prompt is empty")
         bad = [i for i in ids if i >= info.vocab_size]  # a tokenizer larger than the model, too
@@ -154,8 +160,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            info = self._info()
-            prompt_ids = self._prompt_ids(request, info)
+            ids = await self._request_ids(request)
+            info = self._info()  # after tokenizing: the executor may have changed meanwhile
+            prompt_ids = self._prompt_ids(ids, info)
             active = self.engine.submit(
                 request_id,
                 prompt_ids,
@@ -188,7 +195,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             yield response
 
     async def Tokenize(self, request, context):
-        return generation_pb2.TokenizeResponse(ids=self.engine.tokenizer.encode(request.text))
+        return generation_pb2.TokenizeResponse(ids=await self._encode(request.text))
 
     async def GetModelInfo(self, request, context):
         try:

@@ -7,6 +7,7 @@ service split costs. Either way the engine sees only the protocol's messages.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
 
 import grpc
@@ -42,7 +43,13 @@ class _GrpcStepStream:
         self._call = call
 
     async def write(self, plan: executor_pb2.StepPlan) -> None:
-        await self._call.write(plan)
+        try:
+            await self._call.write(plan)
+        except asyncio.InvalidStateError:
+            # The call ended while no read was pending (the executor died while the engine was
+            # idle): grpc reports that as a state error, not the RPC's status, so say what ended it.
+            code, details = await self._call.code(), await self._call.details()
+            raise RuntimeError(f"the executor step stream ended: {code.name}: {details}") from None
 
     async def read(self) -> executor_pb2.StepOutput | None:
         output = await self._call.read()

@@ -1,5 +1,6 @@
-"""Losing the executor mid-stream: clients get UNAVAILABLE (none hangs), the scheduler stays up,
-re-attaches to the restarted executor under a new lease, and serves again."""
+"""Losing the executor mid-stream or while idle: clients get UNAVAILABLE (none hangs), the scheduler
+stays up, re-attaches to the restarted executor under a new lease, and serves again. Hostile loads
+(a full queue, a prompt of megabytes) get a clear status without stalling the other clients."""
 
 from __future__ import annotations
 
@@ -90,3 +91,66 @@ def test_full_queue_gets_resource_exhausted(tiny_model_dir, tmp_path):
                 except grpc.RpcError as exc:
                     assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
                     time.sleep(0.2)
+
+
+def test_executor_lost_while_idle_does_not_crash_the_scheduler(tiny_model_dir, tmp_path):
+    """The executor dies while no step is in flight, so nothing reads the step stream when it ends:
+    the next request must get UNAVAILABLE (not take the scheduler down), and once the executor is
+    back the scheduler re-attaches and serves."""
+    with running_services(tiny_model_dir, tmp_path) as services:
+        with services.channel() as channel:
+            assert generate(channel, make_request([5, 6, 7], max_tokens=2), timeout=30).token_ids
+            services.restart_executor()
+            deadline = time.monotonic() + 60
+            while True:  # until the new executor has loaded its model
+                try:
+                    services.executor_stats()
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "the executor never came back"
+                    time.sleep(0.3)
+            request = make_request([5, 6, 7], max_tokens=4, temperature=0)
+            while True:
+                try:
+                    result = generate(channel, request, timeout=30)
+                    break
+                except grpc.RpcError as exc:
+                    assert services.scheduler.poll() is None, f"scheduler exited:\n{services.scheduler_log()}"
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE and "executor" in exc.details()
+                    assert time.monotonic() < deadline, "the scheduler never re-attached"
+                    time.sleep(0.5)
+            assert len(result.token_ids) == 4
+        assert services.scheduler.poll() is None
+
+
+def test_huge_text_prompt_does_not_stall_other_streams(tiny_model_dir, tmp_path):
+    """A text of megabytes takes seconds to tokenize: it is refused with INVALID_ARGUMENT, and a
+    stream already running keeps receiving tokens meanwhile."""
+    arrivals: list[float] = []
+    with running_services(tiny_model_dir, tmp_path) as services, services.channel() as channel:
+        responses = stream(channel, make_request([7] * 8, max_tokens=1000, ignore_eos=True, temperature=0))
+        next(responses)
+
+        def read() -> None:
+            try:
+                for _ in responses:
+                    arrivals.append(time.monotonic())
+            except grpc.RpcError:
+                pass  # cancelled below
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            generate(channel, make_request("hello world, " * 250_000, max_tokens=2), timeout=60)
+        end = time.monotonic()
+        responses.cancel()
+        reader.join(timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_model_len" in err.value.details()
+    # Gaps between the other stream's messages while the huge prompt was handled (up to the
+    # stream's own end, if it finished first): none may last most of that time.
+    window_end = min(end, arrivals[-1])
+    times = [start, *(t for t in arrivals if start < t < window_end), window_end]
+    longest_gap = max(b - a for a, b in zip(times, times[1:], strict=False))
+    assert longest_gap < 0.5 * (end - start), (longest_gap, end - start)
