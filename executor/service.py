@@ -237,6 +237,9 @@ class ExecutorServer:
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                # The scheduler pings every 10 s to notice a frozen executor (scheduler.transport);
+                # by default a server answers pings this frequent on an idle stream with GOAWAY.
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ],
         )
         executor_pb2_grpc.add_ExecutorServicer_to_server(self.service, self._server)

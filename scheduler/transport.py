@@ -59,6 +59,16 @@ class _GrpcStepStream:
         self._call.cancel()
 
 
+# HTTP/2 keepalive on the channel to the executor: an executor that stops answering (a frozen
+# process, a host gone without closing its connections) fails the Step stream with UNAVAILABLE
+# ("ping timeout") about 10 s after its last reply, as a crash does at once, instead of leaving
+# every client stream hanging. (grpc 1.84 waits `grpc.http2.ping_timeout_ms` for the ack, not
+# `grpc.keepalive_timeout_ms`.) The executor's server accepts pings this often (executor.service).
+# A busy executor still acks: grpc's own threads answer pings, not the Python ones.
+KEEPALIVE_TIME_MS = 10_000
+PING_TIMEOUT_MS = 10_000
+
+
 class GrpcTransport:
     """The executor service at `address`, over one channel opened on first attach (inside the
     event loop that will use it)."""
@@ -77,6 +87,8 @@ class GrpcTransport:
                 options=[
                     ("grpc.max_receive_message_length", 64 << 20),
                     ("grpc.max_send_message_length", 64 << 20),
+                    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+                    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
                 ],
             )
         return executor_pb2_grpc.ExecutorStub(self._channel)

@@ -4,6 +4,7 @@ stays up, re-attaches to the restarted executor under a new lease, and serves ag
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -51,6 +52,36 @@ def test_executor_crash_fails_streams_then_recovers(tiny_model_dir, tmp_path):
                     time.sleep(0.5)
             assert len(result.token_ids) >= 1
         wait_until_ready(services)
+        assert services.scheduler.poll() is None
+
+
+def test_frozen_executor_fails_streams_then_recovers(tiny_model_dir, tmp_path):
+    """An executor that stops answering without closing its connection (SIGSTOP here; a host that
+    vanished looks the same): keepalive fails the running stream with UNAVAILABLE instead of leaving
+    it hanging, and once the executor runs again the scheduler re-attaches and serves."""
+    with running_services(tiny_model_dir, tmp_path) as services:
+        with services.channel() as channel:
+            responses = stream(channel, make_request([9] * 30, max_tokens=990, ignore_eos=True))
+            next(responses)  # streaming has begun; the stream has no deadline of its own
+            services.executor.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(grpc.RpcError) as err:
+                    for _ in responses:
+                        pass
+            finally:
+                services.executor.send_signal(signal.SIGCONT)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "executor" in err.value.details()
+            deadline = time.monotonic() + 60
+            while True:  # until the scheduler has re-attached to the resumed executor
+                try:
+                    result = generate(channel, make_request([5, 6, 7], max_tokens=4), timeout=30)
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    assert time.monotonic() < deadline, "the scheduler never re-attached"
+                    time.sleep(0.5)
+            assert len(result.token_ids) == 4
         assert services.scheduler.poll() is None
 
 
