@@ -131,6 +131,9 @@ class _FakeSteps:
     def cancel(self) -> None:
         self._outputs.clear()
 
+    def ended(self) -> bool:
+        return False
+
 
 class TimedEngine(Engine):
     """Starts stepping once every request is queued (clients over gRPC arrive one by one), and

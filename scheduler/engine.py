@@ -36,6 +36,9 @@ log = structlog.get_logger()
 PLANS_IN_FLIGHT = 2
 STATS_LOG_INTERVAL_S = 10.0
 ATTACH_RETRY_PERIOD_S = 1.0
+# While idle, how often the engine checks that the executor's step stream is still up, so that it
+# re-attaches to a restarted executor before the next request rather than failing that request.
+IDLE_CHECK_PERIOD_S = 0.5
 
 
 class EngineUnavailable(Exception):
@@ -288,6 +291,8 @@ class Engine:
                         raise RuntimeError("the executor closed the step stream")
                     self._on_output(in_flight.popleft(), output)
                 elif not in_flight:
+                    if call.ended():
+                        raise RuntimeError("the executor ended the step stream while idle")
                     await self._wait_for_work()
                 if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
                     last_log = time.monotonic()
@@ -296,10 +301,11 @@ class Engine:
             call.cancel()
 
     async def _wait_for_work(self) -> None:
-        """Sleeps until a request arrives or is aborted (or briefly, if queued work cannot run)."""
+        """Sleeps until a request arrives or is aborted (briefly, if queued work cannot run; at most
+        `IDLE_CHECK_PERIOD_S`, so that the step loop checks the stream)."""
         assert self.scheduler is not None
         self._wakeup.clear()
-        timeout = 0.05 if self.scheduler.has_unfinished_requests() else None
+        timeout = 0.05 if self.scheduler.has_unfinished_requests() else IDLE_CHECK_PERIOD_S
         try:
             await asyncio.wait_for(self._wakeup.wait(), timeout)
         except TimeoutError:

@@ -26,6 +26,11 @@ class StepStream(Protocol):
 
     def cancel(self) -> None: ...
 
+    def ended(self) -> bool:
+        """Whether the stream is over on its own (the executor closed it, died or stopped answering),
+        which the engine checks while it has nothing in flight and so is not reading."""
+        ...
+
 
 class ExecutorTransport(Protocol):
     """How the engine reaches its executor. Failures raise grpc.aio.AioRpcError or RuntimeError,
@@ -57,6 +62,9 @@ class _GrpcStepStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+    def ended(self) -> bool:
+        return self._call.done()
 
 
 # HTTP/2 keepalive on the channel to the executor: an executor that stops answering (a frozen

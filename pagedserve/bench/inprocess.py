@@ -120,6 +120,9 @@ class _InProcessSteps:
         self._cancelled = True
         self._pending.clear()  # the runner forgets their requests on the next attach
 
+    def ended(self) -> bool:
+        return self._cancelled  # the runner lives in this process: it cannot go away alone
+
 
 async def _send_direct(engine: Engine, req: BenchRequest, options: SendOptions, tag: str) -> RequestRecord:
     """What `client._send` does over gRPC, minus gRPC: the same GenerateRequest goes through the
