@@ -28,7 +28,9 @@
 3. `--sweep` also times, from 20-call graphs, every decode shape with other decode configs (keys
    per tile, warps, pipeline stages) x split counts, and the prefill case with other tile configs,
    and ends with the best setting per shape next to the default's time (see `print_sweep_summary`).
-   The whole run stays within `--sweep-budget-s` seconds (settings left out are reported).
+   The whole run stays within `--sweep-budget-s` seconds (settings left out are reported). It also
+   times the default and the tall prefill tiles on a few batch compositions, next to the tile
+   `choose_prefill_config` picks for each (`PREFILL_TILE_CASES`).
 
 A line per case shows progress; a short table comes last; the JSON holds everything.
 """
@@ -77,6 +79,18 @@ DECODE_SWEEP = [
 ]
 SMALL_BATCH_SPLITS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 LARGE_BATCH_SPLITS = (1, 2, 3, 4)
+# --sweep: batch compositions (new tokens, context lengths) on which the default and the tall
+# prefill tiles are compared, next to the one `choose_prefill_config` picks for each.
+W1_CHUNK = [992, 522, 904, 558, 169, 393, 651, 625, 542, 930, 977, 438]  # 12 W1-like prompts
+PREFILL_TILE_CASES = {
+    "1 prompt of 512": ([512], [512]),
+    "1 prompt of 2048": ([2048], [2048]),
+    "1 prompt of 4096": ([4096], [4096]),
+    "4 chunks of 512 after 3072": ([512] * 4, [3584] * 4),
+    "12 prompts, 7701 tokens": (W1_CHUNK, W1_CHUNK),
+    "8 prompts of 2048": ([2048] * 8, [2048] * 8),
+    "256 decodes of 512 + a 2048 prompt": ([1] * 256 + [2048], [512] * 256 + [2048]),
+}
 PREFILL_SWEEP = [
     ta.PrefillConfig(64, 64, 4, 3),
     ta.PrefillConfig(64, 64, 4, 2),
@@ -581,7 +595,32 @@ def time_prefill(pool: Pool, results: dict, sweep: bool, deadline: float) -> boo
     )
     if sweep:
         row["sweep"] = sweep_prefill(inputs, out, sdpa_out.transpose(1, 2).reshape_as(out), flops, deadline)
+        row["tile_choice"] = sweep_prefill_tiles(pool, results["sm_count"])
     return passed
+
+
+def sweep_prefill_tiles(pool: Pool, sm_count: int) -> list[dict]:
+    """Default and tall prefill tiles on each of PREFILL_TILE_CASES (20-call graphs of the same
+    inputs, so the host's launch cost is out), and which of the two the shape-based choice takes."""
+    gen = torch.Generator().manual_seed(0)
+    default, tall = ta.default_prefill_config(HEAD_DIM, DTYPE), ta.big_prefill_config()
+    found = []
+    for name, (q_lens, ctx) in PREFILL_TILE_CASES.items():
+        inputs = mixed_inputs(pool, q_lens, ctx, gen)
+        out = torch.empty_like(inputs["q"])
+        times = {
+            label: per_call_us([functools.partial(ta.paged_attention, **inputs, out=out, prefill_config=c)])
+            for label, c in (("default", default), ("tall", tall))
+        }
+        chosen = ta.choose_prefill_config(
+            sum(q_lens), len(q_lens), NUM_KV_HEADS, NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM, DTYPE, sm_count
+        )
+        found.append({"case": name, **{f"{k}_us": v for k, v in times.items()}, "chosen": asdict(chosen)})
+        log(
+            f"   prefill tiles, {name:<36} default {times['default']:7.1f} us, tall {times['tall']:7.1f} us, "
+            f"chosen: {'tall' if chosen == tall else 'default'}"
+        )
+    return found
 
 
 def sweep_prefill(

@@ -10,7 +10,8 @@ Launch parameters never come from tensor *values* (no `.item()`, `.tolist()` or 
 the host), so a decode step can be captured in a CUDA graph. Which kernel runs and how big its grid
 is depend only on shapes: `num_tokens = q.shape[0]`, `num_seqs = seq_lens.shape[0]`,
 `max_blocks_per_seq = block_tables.shape[1]` and the head counts. The constants of a launch are
-worked out once per shape (`_decode_plan`, `_varlen_plan`, cached), which keeps an eager call cheap.
+worked out once per shape (`_decode_plan`, `choose_prefill_config`, `_varlen_meta`, cached), which
+keeps an eager call cheap.
 
 * `num_tokens == num_seqs` (every sequence has one new token in the usual case: a decode batch):
   the split-KV *decode* kernel. Its grid is (token, KV head, split). One program handles all query
@@ -160,8 +161,8 @@ def big_prefill_config() -> PrefillConfig:
     (bf16/fp16, head_dim <= 128): each key tile then serves four times as many query rows.
 
     On an H200 (GQA 4:1, head_dim 128, bf16; `python -m kernels.bench --sweep` and a sweep over
-    batch compositions): 8 x 2048 prompts 793 us instead of 913 (0.68x SDPA instead of 0.59x), a
-    W1-size chunk of 12 prompts (7,701 tokens) 221 instead of 237 us, 4 chunks of 512 after 3072
+    batch compositions): 8 x 2048 prompts 793-802 us instead of 913 (0.68-0.70x SDPA, was 0.59x),
+    a W1-size chunk of 12 prompts (7,701 tokens) 221 instead of 237 us, 4 chunks of 512 after 3072
     cached 316 instead of 350 us. With few programs the GPU under-fills and the default tile wins
     (one 2048-token prompt: 151 against 136 us), hence `_BIG_PREFILL_MIN_WAVES`.
     """
