@@ -160,11 +160,13 @@ def big_prefill_config() -> PrefillConfig:
     """Query tiles of 256 rows (16 warps, one program per SM) for batches with many new tokens
     (bf16/fp16, head_dim <= 128): each key tile then serves four times as many query rows.
 
-    On an H200 (GQA 4:1, head_dim 128, bf16; `python -m kernels.bench --sweep` and a sweep over
-    batch compositions): 8 x 2048 prompts 793-802 us instead of 913 (0.68-0.70x SDPA, was 0.59x),
-    a W1-size chunk of 12 prompts (7,701 tokens) 221 instead of 237 us, 4 chunks of 512 after 3072
-    cached 316 instead of 350 us. With few programs the GPU under-fills and the default tile wins
-    (one 2048-token prompt: 151 against 136 us), hence `_BIG_PREFILL_MIN_WAVES`.
+    On H200s (GQA 4:1, head_dim 128, bf16; `python -m kernels.bench --sweep`, which also times
+    both tiles on the batch compositions quoted here): 8 x 2048 prompts 796-802 us instead of
+    913-921 (0.64-0.70x SDPA, was 0.59-0.62x), a W1-size chunk of 12 prompts (7,701 tokens) 217
+    instead of 232 us. With few programs the GPU under-fills and the default tile wins (one
+    2048-token prompt: 151 against 136 us), hence `_BIG_PREFILL_MIN_WAVES`; it only counts
+    programs, so it misses long ones that would still win (4 chunks of 512 after 3072 cached
+    tokens: 310 against 344 us).
     """
     return PrefillConfig(block_m=256, block_n=64, num_warps=16, num_stages=2)
 
