@@ -140,7 +140,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return await self._encode(request.text)
         return list(request.token_ids.ids) if which == "token_ids" else []
 
-    def _prompt_ids(self, ids: list[int], info: ExecutorInfo) -> list[int]:
+    def _check_prompt(self, ids: list[int], info: ExecutorInfo) -> None:
         """Checks the prompt's token ids (from the text or the request) against the model."""
         if not ids:
             raise InvalidRequest("the prompt is empty")
@@ -153,16 +153,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequest(
                 f"the prompt has {len(ids)} tokens, more than max_model_len ({info.max_model_len})"
             )
-        return ids
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            ids = await self._request_ids(request)
+            prompt_ids = await self._request_ids(request)
             info = self._info()  # after tokenizing: the executor may have changed meanwhile
-            prompt_ids = self._prompt_ids(ids, info)
+            self._check_prompt(prompt_ids, info)
             active = self.engine.submit(
                 request_id,
                 prompt_ids,
