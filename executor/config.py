@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.flags import exit_bad_flags
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_PORT = 50061
@@ -109,14 +111,23 @@ class ExecutorConfig:
         return int(self.cpu_kv_cache_space * _GIB)
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace, **overrides: Any) -> ExecutorConfig:
+    def from_args(
+        cls, ns: argparse.Namespace, *, parser: argparse.ArgumentParser | None = None, **overrides: Any
+    ) -> ExecutorConfig:
         """Builds a config from parsed `add_cli_args` flags; flags absent from `ns` keep defaults.
 
         `overrides` win over `ns`, e.g. `from_args(ns, port=0)` when a parent CLI owns --port.
+        An invalid value is a bad flag, so it ends the program as argparse would (through
+        `parser.error`, else "pagedserve executor: error: ..."; exit 2), naming the flags, not
+        with a traceback; constructing ExecutorConfig directly still raises ValueError.
         """
         values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            flags = [name for name in values if name not in overrides]
+            exit_bad_flags(str(exc), flags, parser, "pagedserve executor")
 
 
 def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> argparse.ArgumentParser:

@@ -95,6 +95,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     ServiceConfig.add_cli_args(parser, shared_only=True)
 
 
+def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Builds both children's configs from `serve`'s flags, so a bad value is one argparse error
+    here, before any model is written or process started (not a traceback from a child)."""
+    from executor.config import ExecutorConfig
+    from scheduler.service_config import ServiceConfig
+
+    model = args.model or str(DEFAULT_MODEL_DIR)
+    executor_port = args.executor_port or args.port + 10
+    ExecutorConfig.from_args(args, parser=parser, model=model, host="127.0.0.1", port=executor_port)
+    ServiceConfig.from_args(args, parser=parser, model=model)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Runs executor + scheduler as child processes until a signal or until one of them exits."""
     model = Path(args.model) if args.model else ensure_default_model()
@@ -119,6 +131,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     while not stopping and all(child.poll() is None for child in children):
         time.sleep(0.2)
+    # The child that stopped first is why serve stops; the other one's code is our SIGTERM's.
+    first = next((child for child in children if child.poll() is not None), None)
     for child in reversed(children):  # scheduler first, so clients get a clean shutdown
         if child.poll() is None:
             child.terminate()
@@ -128,8 +142,10 @@ def serve(args: argparse.Namespace) -> int:
             child.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
-    codes = [child.returncode for child in children]
-    return 0 if stopping else next((c for c in codes if c), 1)
+    if stopping or first is None:
+        return 0
+    code = first.returncode
+    return 128 - code if code < 0 else code or 1  # killed by signal N: 128 + N, as a shell says
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -195,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    add_serve_args(sub.add_parser("serve", help="executor + scheduler on loopback (the embedded default)"))
+    serve_parser = sub.add_parser("serve", help="executor + scheduler on loopback (the embedded default)")
+    add_serve_args(serve_parser)
     sub.add_parser("scheduler", help="the scheduler service alone", add_help=False)
     sub.add_parser("executor", help="the executor service alone", add_help=False)
     sub.add_parser("bench", help="benchmark a server over gRPC (see `pagedserve bench -h`)", add_help=False)
@@ -240,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             executor_main(argv[1:])
         return 0
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        check_serve_args(serve_parser, args)
     return {"serve": serve, "generate": generate, "health": health}[args.command](args)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import struct
 import sys
 from collections.abc import Iterator
@@ -225,7 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where to draw the random numbers (cpu or cuda)")
     parser.add_argument("directory", type=Path)
+    parser.add_argument(
+        "--force", action="store_true", help="overwrite the model files of a directory that has weights"
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    # The files are written in place: refuse to clobber a checkpoint (or mix stale shards of one
+    # into the new model) unless asked; a directory without weights (an interrupted run) is fine.
+    if args.directory.exists() and not args.directory.is_dir():
+        parser.error(f"{args.directory} exists and is not a directory")
+    weights = sorted(p.name for p in args.directory.glob("*.safetensors")) if args.directory.is_dir() else []
+    if weights and not args.force:
+        parser.error(f"{args.directory} already holds weights ({', '.join(weights[:3])}); pass --force")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        parser.error(f"argument --device: expected cpu, cuda or cuda:N, got {args.device!r}")
     if args.shape == "tiny":
         from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from pagedserve.flags import exit_bad_flags
+
 
 @dataclass(frozen=True)
 class ServiceConfig:
@@ -73,8 +75,17 @@ class ServiceConfig:
         )  # fmt: skip
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, **overrides) -> ServiceConfig:
+    def from_args(
+        cls, args: argparse.Namespace, *, parser: argparse.ArgumentParser | None = None, **overrides
+    ) -> ServiceConfig:
+        """The config of parsed `add_cli_args` flags (`overrides` win). An invalid value is a bad
+        flag: it ends the program as argparse would (through `parser.error`, else "pagedserve
+        scheduler: error: ..."; exit 2), naming the flags, not with a traceback."""
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in vars(args).items() if k in names}
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            flags = [name for name in values if name not in overrides]
+            exit_bad_flags(str(exc), flags, parser, "pagedserve scheduler")

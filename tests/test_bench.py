@@ -19,6 +19,7 @@ from pagedserve import bench
 from pagedserve.bench import BenchRequest, LengthRange, PassResult, RequestRecord, Workload
 from pagedserve.model_shapes import SHAPES, ModelShape, write_shape_model
 from protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from tests.services import free_port
 
 # ---------------------------------------------------------------------------------------------
 # Workloads
@@ -28,8 +29,9 @@ def test_length_range_parses_fixed_and_uniform():
     assert LengthRange.parse("64") == LengthRange(64, 64)
     assert LengthRange.parse("128:1024") == LengthRange(128, 1024)
     assert str(LengthRange(8, 40)) == "8:40"
-    with pytest.raises(ValueError):
-        LengthRange.parse("9:3")
+    for bad in ("9:3", "1:", ":5", "1:2:3", "abc"):
+        with pytest.raises(ValueError):
+            LengthRange.parse(bad)
 
 
 def test_w1_is_drawn_as_workloads_md_says():
@@ -65,6 +67,49 @@ def test_w2_shares_one_prefix_and_w3_sends_w1s_prompts():
     assert bench.generate_requests(w3, 128256, 8192) == bench.generate_requests(w1, 128256, 8192)
     with pytest.raises(SystemExit):
         bench.resolve(bench.build_parser().parse_args(["--workload", "W3"]))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--input-len", "9:3"],
+        ["--input-len", "abc"],
+        ["--input-len", "1:"],
+        ["--output-len", "0"],
+        ["--output-len", "-1"],
+        ["--request-rate", "abc"],
+        ["--request-rate", "nan"],
+        ["--request-rate", "0"],
+        ["--request-rates", "2,abc"],
+        ["--request-rates", ","],
+        ["--max-concurrency", "0"],
+        ["--num-prompts", "0"],
+        ["--num-warmups", "-1"],
+        ["--temperature", "-1"],
+        ["--request-timeout", "0"],
+        ["--prefix-len", "-1"],
+        ["--baseline-num-prompts", "0"],
+        ["--baseline-batch-size", "0"],
+    ],
+)
+def test_a_bad_flag_value_is_an_argparse_error_naming_the_flag(argv, capsys):
+    """Not a ValueError traceback (or a hang, or a silent 'unlimited') once the run has begun."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main([*argv, "--port", "1", "--no-plot"])
+    assert exit_info.value.code == 2
+    assert f"argument {argv[0]}: expected" in capsys.readouterr().err
+
+
+def test_unusable_setups_fail_before_the_run_with_a_message(tmp_path):
+    """Empty prompts, a result file that is a directory, no server: one line each, no traceback."""
+    port = ["--port", str(free_port()), "--no-plot", "--result-file", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit, match="--input-len 0 makes empty prompts"):
+        bench.main(["--input-len", "0", *port])
+    with pytest.raises(SystemExit, match="--result-file .* is a directory"):
+        bench.main([*port, "--result-file", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no pagedserve server answers at 127.0.0.1:"):
+        bench.main(port)
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_explicit_flags_override_the_preset():
@@ -158,6 +203,25 @@ def test_server_peak_falls_back_to_sampled_when_the_lifetime_peak_did_not_move()
     assert bench.server_metrics(result)["peak_gpu_blocks_in_use"] == 7
     result.stats_after = None
     assert bench.summarize(result)["server"] is None
+
+
+def test_server_counters_are_left_out_when_the_executor_was_lost_during_the_pass():
+    """The core's counters restart with each executor attachment: deltas across a loss are not
+    this pass's work (they came out negative), so they are n/a, and the table says why."""
+    lost = synthetic_pass()
+    lost.stats_after = admin_pb2.SchedulerStats(steps=5, tokens_generated=9)  # detached: no core
+    replaced = synthetic_pass()
+    replaced.stats_after.prompt_tokens_computed = 10  # a new core since `before` counted 1000
+    for result in (lost, replaced):
+        server = bench.server_metrics(result)
+        assert server["counters_reset"] is True
+        assert server["prompt_tokens_computed"] is None and server["preemptions"] is None
+        assert server["prefix_cache_hit_rate"] is None
+        assert (server["num_gpu_blocks"], server["peak_source"]) == (100, "sampled")
+    table = bench.results_table([bench.summarize(lost)])
+    row = next(line for line in table.splitlines() if line.startswith("prompt tokens computed"))
+    assert row.split()[-1] == "n/a" and "counters restarted" in table
+    assert bench.server_metrics(synthetic_pass())["counters_reset"] is False
 
 
 def test_table_and_plot_are_written(tmp_path):
@@ -302,6 +366,27 @@ def test_llama_8b_shape_is_the_one_in_workloads_md():
         128256,
     )
     assert (config["rope_theta"], config["max_position_embeddings"]) == (500000.0, 8192)
+
+
+def test_make_model_refuses_to_overwrite_weights_or_a_file(tmp_path, capsys):
+    """A checkpoint's weights are never clobbered (or mixed with the new model's) without --force."""
+    from pagedserve.model_shapes import main as make_model
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "model-00001-of-00002.safetensors").write_bytes(b"real weights")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for argv, message in (
+        (["--shape", "tiny", str(existing)], "already holds weights"),
+        (["--shape", "tiny", str(a_file)], "is not a directory"),
+        (["--shape", "llama-8b-mini", "--device", "tpu", str(tmp_path / "new")], "argument --device"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            make_model(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert (existing / "model-00001-of-00002.safetensors").read_bytes() == b"real weights"
+    assert not (tmp_path / "new").exists()
 
 
 def test_scaled_down_shape_loads_in_transformers(tmp_path):

@@ -3,6 +3,7 @@ runs them: real processes, real ports."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -91,3 +92,53 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
     )
     assert (executor.step_trace, executor.max_num_seqs) == (trace, 64)
     assert (service.stream_interval, service.max_num_seqs) == (4, 64)
+
+
+def test_serve_checks_its_flags_before_starting_anything(tmp_path, monkeypatch, capsys):
+    """A bad value is one usage error from `serve` itself: no model written, no child started."""
+    from pagedserve import cli as pagedserve_cli
+
+    monkeypatch.setattr(pagedserve_cli, "DEFAULT_MODEL_DIR", tmp_path / "default-model")
+    monkeypatch.setattr(pagedserve_cli.subprocess, "Popen", None)  # starting a child would fail
+    for argv, flag in (
+        (["--block-size", "0"], "--block-size"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--swap-space", "-1"], "--swap-space"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--stream-interval", "0"], "--stream-interval"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            pagedserve_cli.main(["serve", "--device", "cpu", *argv])
+        assert exit_info.value.code == 2
+        assert "pagedserve serve: error:" in (err := capsys.readouterr().err) and flag in err, err
+    assert not (tmp_path / "default-model").exists()
+
+
+def test_serve_exits_with_the_code_of_the_child_that_stopped_first(monkeypatch):
+    """The scheduler failing (its port taken, say) is why serve stops; the executor's exit is
+    serve's own SIGTERM, so its -15 must not become serve's status (it came out as 241)."""
+    from pagedserve import cli as pagedserve_cli
+
+    class Child:
+        def __init__(self, cmd, **_kwargs):
+            self.returncode = 1 if "scheduler" in cmd else None
+
+        def poll(self):
+            return self.returncode
+
+        def terminate(self):
+            self.returncode = -signal.SIGTERM
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+        def kill(self):
+            self.returncode = -signal.SIGKILL
+
+    monkeypatch.setattr(pagedserve_cli.subprocess, "Popen", Child)
+    monkeypatch.setattr(pagedserve_cli.signal, "signal", lambda *_: None)
+    args = argparse.Namespace(
+        **{name: None for name in {*pagedserve_cli.EXECUTOR_FLAGS, *pagedserve_cli.SCHEDULER_FLAGS}}
+    )
+    args.model, args.host, args.port, args.executor_port = "m", "127.0.0.1", 50051, None
+    assert pagedserve_cli.serve(args) == 1

@@ -53,6 +53,34 @@ def test_invalid_config_lists_every_problem():
         assert word in message
 
 
+def test_bad_flag_values_exit_as_argparse_does_naming_the_flags(capsys):
+    """`pagedserve executor --block-size 24` (and the scheduler's flags): a usage error, exit 2,
+    in the words of the flags, not a ValueError traceback."""
+    from scheduler.service_config import ServiceConfig
+
+    parser = add_cli_args(argparse.ArgumentParser(prog="pagedserve executor"))
+    ns = parser.parse_args("--model m --block-size 24 --gpu-memory-utilization 1.5 --swap-space -1".split())
+    with pytest.raises(SystemExit) as exit_info:
+        ExecutorConfig.from_args(ns)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pagedserve executor: error:")
+    for flag in ("--block-size", "--gpu-memory-utilization", "--swap-space"):
+        assert flag in err
+
+    scheduler = argparse.ArgumentParser(prog="pagedserve scheduler")
+    ServiceConfig.add_cli_args(scheduler)
+    ns = scheduler.parse_args("--model m --max-num-seqs 64 --max-num-batched-tokens 32".split())
+    with pytest.raises(SystemExit) as exit_info:
+        ServiceConfig.from_args(ns, parser=scheduler)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        "usage: pagedserve scheduler" in err
+        and "--max-num-batched-tokens (32) must be >= --max-num-seqs" in err
+    )
+
+
 LAYOUT = KVCacheLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 

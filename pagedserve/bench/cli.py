@@ -8,12 +8,15 @@ import json
 import math
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 from pagedserve.bench.baselines import run_hf_cb, run_hf_static
 from pagedserve.bench.client import PassResult, SendOptions, get_model_info, run_pass, warmup_requests
-from pagedserve.bench.launch import launched_server
+from pagedserve.bench.launch import LaunchError, launched_server
 from pagedserve.bench.metrics import compare_outputs, summarize
 from pagedserve.bench.report import baseline_table, results_table, write_plot
 from pagedserve.bench.workloads import (
@@ -26,6 +29,61 @@ from pagedserve.bench.workloads import (
 )
 
 
+def _flag_type(expected: str, check: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse `type`: `check` returns the value or raises ValueError, which becomes argparse's
+    "argument --flag: expected ..." error (exit 2) now, not a traceback once the run has begun."""
+
+    def convert(text: str) -> Any:
+        try:
+            return check(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+    return convert
+
+
+def _positive(value: float) -> float:
+    if not value > 0:  # also refuses nan
+        raise ValueError(value)
+    return value
+
+
+def _non_negative(value: float) -> float:
+    if not value >= 0:
+        raise ValueError(value)
+    return value
+
+
+def _length_text(minimum: int) -> Callable[[str], str]:
+    """N or MIN:MAX, checked but kept as text, the way the presets write lengths."""
+
+    def check(text: str) -> str:
+        if LengthRange.parse(text).lo < minimum:
+            raise ValueError(text)
+        return text
+
+    return _flag_type(f"N or MIN:MAX with {minimum} <= MIN <= MAX", check)
+
+
+def _rate_text(text: str) -> str:
+    """A rate, checked but kept as text: the JSON config then says "inf", not Infinity (not JSON)."""
+    _positive(float(text))
+    return text
+
+
+def _rates_text(text: str) -> str:
+    for part in text.split(","):
+        _rate_text(part)
+    return text
+
+
+_RATE = "'inf' or a positive number of requests/s"
+_positive_int = _flag_type("a positive integer", lambda t: _positive(int(t)))
+_non_negative_int = _flag_type("an integer >= 0", lambda t: _non_negative(int(t)))
+_positive_float = _flag_type("a positive number", lambda t: _positive(float(t)))
+_non_negative_float = _flag_type("a number >= 0", lambda t: _non_negative(float(t)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedserve bench", description="benchmark a pagedserve server over gRPC (or in-process)"
@@ -36,20 +94,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload", choices=tuple(PRESETS), help="WORKLOADS.md preset; explicit flags override it"
     )
     p.add_argument("--dataset", choices=("random", "shared-prefix"))
-    p.add_argument("--num-prompts", type=int)
-    p.add_argument("--input-len", help="prompt tokens (suffix for shared-prefix): N or MIN:MAX")
-    p.add_argument("--output-len", help="output tokens: N or MIN:MAX")
-    p.add_argument("--prefix-len", type=int, help="shared-prefix: tokens of the common prefix")
-    p.add_argument("--request-rate", help="'inf' (all at t=0) or a Poisson rate in req/s")
-    p.add_argument("--request-rates", help="comma-separated rates: one pass per rate, tabled together")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-prompts", type=_positive_int)
+    p.add_argument(
+        "--input-len", type=_length_text(0), help="prompt tokens (suffix for shared-prefix): N or MIN:MAX"
+    )
+    p.add_argument("--output-len", type=_length_text(1), help="output tokens: N or MIN:MAX")
+    p.add_argument("--prefix-len", type=_non_negative_int, help="shared-prefix: tokens of the common prefix")
+    p.add_argument(
+        "--request-rate",
+        type=_flag_type(_RATE, _rate_text),
+        help="'inf' (all at t=0) or a Poisson rate in req/s",
+    )
+    p.add_argument(
+        "--request-rates",
+        type=_flag_type(f"comma-separated rates, each {_RATE}", _rates_text),
+        help="comma-separated rates: one pass per rate, tabled together",
+    )
+    p.add_argument("--max-concurrency", type=_positive_int, default=None)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument(
-        "--num-warmups", type=int, default=0, help="short unrelated requests sent before measuring"
+        "--num-warmups",
+        type=_non_negative_int,
+        default=0,
+        help="short unrelated requests sent before measuring",
     )
-    p.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    p.add_argument("--request-timeout", type=_positive_float, default=None, help="seconds per request")
     p.add_argument("--result-file", type=Path, default=Path("bench-results/bench.json"))
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: the result file with .png)")
     p.add_argument("--no-plot", action="store_true")
@@ -60,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--scheduler-args", default="", help="extra scheduler flags (one shell-quoted string)"
     )
-    launch.add_argument("--launch-timeout", type=float, default=900.0)
+    launch.add_argument("--launch-timeout", type=_positive_float, default=900.0)
     launch.add_argument("--log-dir", type=Path, default=None, help="default: next to the result file")
     launch.add_argument(
         "--compare-prefix-caching",
@@ -81,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     base = p.add_argument_group("Hugging Face baselines (run after the pagedserve pass)")
     base.add_argument("--baseline", action="append", choices=("hf-static", "hf-cb"), default=[])
     base.add_argument(
-        "--baseline-num-prompts", type=int, default=None, help="the first N requests (default all)"
+        "--baseline-num-prompts", type=_positive_int, default=None, help="the first N requests (default all)"
     )
-    base.add_argument("--baseline-batch-size", type=int, default=64, help="hf-static batch size")
+    base.add_argument("--baseline-batch-size", type=_positive_int, default=64, help="hf-static batch size")
     base.add_argument("--baseline-device", default="auto", help="auto, cpu or cuda[:N]")
     return p
 
@@ -100,6 +171,8 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
     prefix_len = pick("prefix_len") if dataset == "shared-prefix" else 0
     if dataset == "shared-prefix" and args.prefix_len is None and "prefix_len" not in preset:
         prefix_len = 256
+    if prefix_len == 0 and LengthRange.parse(pick("input_len")).lo == 0:  # the server refuses them
+        raise SystemExit("pagedserve bench: --input-len 0 makes empty prompts; give a MIN of 1 or more")
     workload = Workload(
         dataset=dataset,
         num_prompts=pick("num_prompts"),
@@ -132,7 +205,13 @@ def _measure(
 ) -> tuple[list[BenchRequest], list[PassResult]]:
     """Every pass against one server: model info, optional warmup, one pass per rate (see
     `plan_passes`). Returns the first pass's requests (the ones the baselines replay) and the passes."""
-    info = get_model_info(address)
+    try:
+        info = get_model_info(address)
+    except grpc.RpcError as exc:  # the usual first mistake: no server there (yet)
+        raise SystemExit(
+            f"pagedserve bench: no pagedserve server answers at {address} ({exc.code().name}: "
+            f"{exc.details()}); start one (pagedserve serve) or pass --launch --model DIR"
+        ) from None
     options = send_options(args)
     if args.num_warmups:
         warmup = warmup_requests(args.num_warmups, info.vocab_size, info.max_model_len)
@@ -184,8 +263,11 @@ def run_pagedserve(
         tag = "" if caching is None else f"prefix caching {'on' if caching else 'off'}"
         tag = "gRPC" if args.compare_in_process else tag
         sub_dir = log_dir if caching is None else log_dir / ("caching-on" if caching else "caching-off")
-        with launched_server(args.model, sub_dir, executor_args, sched, args.launch_timeout) as address:
-            requests, results = _measure(address, workload, rates, args, tag)
+        try:
+            with launched_server(args.model, sub_dir, executor_args, sched, args.launch_timeout) as address:
+                requests, results = _measure(address, workload, rates, args, tag)
+        except LaunchError as exc:  # its message carries the failing service's log
+            raise SystemExit(f"pagedserve bench: {exc}") from None
         for result in results:
             result.prefix_caching = caching
         passes += results
@@ -250,8 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pagedserve bench: --in-process needs --model DIR (and no --launch)")
     if args.compare_in_process and (not args.launch or args.compare_prefix_caching):
         raise SystemExit("pagedserve bench: --compare-in-process needs --launch (and no other comparison)")
-    if args.in_process or args.compare_in_process:  # bad flags fail now, not after the gRPC pass
+    if args.in_process or args.launch:  # bad service flags fail now, not in a launched process
         _in_process_configs(args)
+    # Written after the run: a path that cannot be a file fails now, not after minutes of load.
+    if args.result_file.is_dir():
+        raise SystemExit(f"pagedserve bench: --result-file {args.result_file} is a directory; name a file")
+    try:
+        args.result_file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"pagedserve bench: --result-file {args.result_file}: {exc}") from None
 
     requests, passes = run_pagedserve(args, workload, rates)
     runs = [summarize(p) for p in passes]
@@ -274,7 +363,6 @@ def main(argv: list[str] | None = None) -> int:
         "comparison": comparison,
         "baselines": [],
     }
-    args.result_file.parent.mkdir(parents=True, exist_ok=True)
     args.result_file.write_text(json.dumps(report, indent=2) + "\n")  # again below, with baselines
     if not args.no_plot:
         write_plot(args.plot or args.result_file.with_suffix(".png"), runs, passes)

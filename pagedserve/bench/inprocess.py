@@ -214,14 +214,16 @@ async def _measure(
 def executor_config(model: str, executor_args: str) -> ExecutorConfig:
     """--executor-args, read by the executor's own parser (so both passes get the same flags)."""
     parser = add_cli_args(argparse.ArgumentParser(prog="pagedserve bench --executor-args"))
-    return ExecutorConfig.from_args(parser.parse_args(["--model", model, *shlex.split(executor_args)]))
+    ns = parser.parse_args(["--model", model, *shlex.split(executor_args)])
+    return ExecutorConfig.from_args(ns, parser=parser)
 
 
 def service_config(model: str, scheduler_args: str) -> ServiceConfig:
     """--scheduler-args, read by the scheduler's own parser."""
     parser = argparse.ArgumentParser(prog="pagedserve bench --scheduler-args")
     ServiceConfig.add_cli_args(parser)
-    return ServiceConfig.from_args(parser.parse_args(["--model", model, *shlex.split(scheduler_args)]))
+    ns = parser.parse_args(["--model", model, *shlex.split(scheduler_args)])
+    return ServiceConfig.from_args(ns, parser=parser)
 
 
 def run_in_process(

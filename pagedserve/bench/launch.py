@@ -18,6 +18,10 @@ from pagedserve.bench.client import get_model_info
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
+class LaunchError(RuntimeError):
+    """A launched service exited or never answered; the message ends with its log."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,13 +60,13 @@ def launched_server(
             for name, proc in procs.items():
                 if proc.poll() is not None:
                     tail = (log_dir / f"{name}.log").read_text(errors="replace")[-4000:]
-                    raise RuntimeError(f"{name} exited with {proc.returncode}; its log ends:\n{tail}")
+                    raise LaunchError(f"{name} exited with {proc.returncode}; its log ends:\n{tail}")
             try:
                 get_model_info(address, timeout=2)
                 break
             except grpc.RpcError:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"services not ready after {timeout:.0f} s; see {log_dir}") from None
+                    raise LaunchError(f"services not ready after {timeout:.0f} s; see {log_dir}") from None
                 time.sleep(0.5)
         yield address
     finally:

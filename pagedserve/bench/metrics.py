@@ -9,6 +9,15 @@ from collections.abc import Sequence
 from pagedserve.bench.client import PassResult, RequestRecord
 
 PERCENTILES = (50, 90, 99)
+# SchedulerStats counters of the scheduling core (engine-level steps and tokens_generated survive
+# an executor's loss; these restart from 0 with the core that a re-attach creates).
+_CORE_COUNTERS = (
+    "num_preemptions",
+    "prompt_tokens_computed",
+    "prefix_cache_hit_tokens",
+    "prefix_cache_query_tokens",
+    "peak_gpu_blocks_in_use",
+)
 
 
 def distribution(values_s: Sequence[float]) -> dict[str, float | None]:
@@ -38,22 +47,30 @@ def server_metrics(result: PassResult) -> dict | None:
     before, after = result.stats_before, result.stats_after
     if before is None or after is None:
         return None
-    if after.peak_gpu_blocks_in_use > before.peak_gpu_blocks_in_use:  # the lifetime peak moved: it is ours
+    # The scheduling core's counters live as long as one executor attachment: when the executor
+    # was lost during the pass (no pool now) or replaced (a counter went back), their deltas are
+    # meaningless, even negative, so they are left out; the engine's steps and tokens go on.
+    reset = after.num_gpu_blocks == 0 or any(getattr(after, n) < getattr(before, n) for n in _CORE_COUNTERS)
+
+    def delta(name: str) -> int | None:
+        return None if reset else getattr(after, name) - getattr(before, name)
+
+    if not reset and after.peak_gpu_blocks_in_use > before.peak_gpu_blocks_in_use:  # it is ours
         peak, slot_util, source = after.peak_gpu_blocks_in_use, after.peak_slot_utilization, "server"
     else:
         peak, slot_util, source = result.sampled_peak_blocks, result.sampled_slot_utilization, "sampled"
-    hits = after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens
-    queries = after.prefix_cache_query_tokens - before.prefix_cache_query_tokens
+    hits, queries = delta("prefix_cache_hit_tokens"), delta("prefix_cache_query_tokens")
     return {
-        "preemptions": after.num_preemptions - before.num_preemptions,
-        "num_gpu_blocks": after.num_gpu_blocks,
+        "counters_reset": reset,
+        "preemptions": delta("num_preemptions"),
+        "num_gpu_blocks": after.num_gpu_blocks or before.num_gpu_blocks,
         "peak_gpu_blocks_in_use": peak,
         "peak_slot_utilization": slot_util,
         "peak_source": source,
-        "prompt_tokens_computed": after.prompt_tokens_computed - before.prompt_tokens_computed,
+        "prompt_tokens_computed": delta("prompt_tokens_computed"),
         "prefix_cache_hit_tokens": hits,
         "prefix_cache_query_tokens": queries,
-        "prefix_cache_hit_rate": hits / queries if queries else None,  # None: queries not reported
+        "prefix_cache_hit_rate": hits / queries if queries else None,  # None: not reported or reset
         "steps": after.steps - before.steps,
         "tokens_generated": after.tokens_generated - before.tokens_generated,
     }

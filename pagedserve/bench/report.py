@@ -69,6 +69,9 @@ def results_table(
     for r in runs:
         for example in r["error_examples"]:
             text += f"\nfailed ({r['label']}): {example[:200]}"
+        if (r["server"] or {}).get("counters_reset"):
+            text += f"\nnote ({r['label']}): the executor was lost or replaced during the pass; "
+            text += "the scheduler's counters restarted, so their deltas are n/a"
     if comparison:
         text += "\n\n" + render_table(
             comparison_title,

@@ -21,8 +21,9 @@ class LengthRange:
 
     @classmethod
     def parse(cls, text: str) -> LengthRange:
-        lo, _, hi = text.partition(":")
-        return cls(int(lo), int(hi or lo))
+        """N or MIN:MAX; anything else ("1:", "1:2:3", "abc") is a ValueError, not a guess."""
+        lo, sep, hi = text.partition(":")
+        return cls(int(lo), int(hi) if sep else int(lo))
 
     def sample(self, rng: random.Random) -> int:
         return self.lo if self.lo == self.hi else rng.randint(self.lo, self.hi)
