@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from executor.config import ExecutorConfig, add_cli_args
+from executor.loader import UnsupportedModelError
 from pagedserve.logs import configure_logging
 
 
@@ -19,7 +20,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from executor.service import serve  # after parsing: --help stays fast
 
-    serve(config)
+    try:
+        serve(config)
+    except (UnsupportedModelError, OSError) as exc:  # a model or port the flags named: one line
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from executor.config import ExecutorConfig
 from executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
 from executor.kv_cache import KVCache, KVCacheLayout, check_fits, cpu_device_num_blocks, gpu_num_blocks
-from executor.loader import ModelSpec, load_model_spec, load_weights
+from executor.loader import ModelSpec, UnsupportedModelError, load_model_spec, load_weights
 from executor.model import LlamaModel
 from executor.plan_check import PlanError, PlanLimits, validate_plan
 from executor.profiling import profile_cuda
@@ -94,7 +94,7 @@ def resolve_max_model_len(config: ExecutorConfig, spec: ModelSpec) -> int:
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"max_model_len={config.max_model_len} exceeds what {spec.name} supports ({limit}: "
             "max_position_embeddings, or the sliding window, which is not implemented)"
         )

@@ -240,15 +240,19 @@ class ExecutorServer:
                 # The scheduler pings every 10 s to notice a frozen executor (scheduler.transport);
                 # by default a server answers pings this frequent on an idle stream with GOAWAY.
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                # A port in use is an error, not a port shared with another executor (SO_REUSEPORT
+                # would split the schedulers' connections between the two).
+                ("grpc.so_reuseport", 0),
             ],
         )
         executor_pb2_grpc.add_ExecutorServicer_to_server(self.service, self._server)
         address = f"{config.host}:{config.port}"
         if ":" in config.host and not config.host.startswith("["):
             address = f"[{config.host}]:{config.port}"
-        self.port = self._server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"could not bind the executor to {address}")
+        try:
+            self.port = self._server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc's "Failed to bind": name the flag to change
+            raise OSError(f"cannot listen on {address} ({exc}); is --port in use?") from None
         self.address = address.rsplit(":", 1)[0] + f":{self.port}"
 
     def start(self) -> ExecutorServer:

@@ -14,7 +14,10 @@ def main(argv: list[str] | None = None) -> None:
     ServiceConfig.add_cli_args(parser)
     config = ServiceConfig.from_args(parser.parse_args(argv))
     configure_logging("scheduler")
-    serve(config)
+    try:
+        serve(config)
+    except OSError as exc:  # a port in use, a --model without a tokenizer: one line, no traceback
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 
 if __name__ == "__main__":

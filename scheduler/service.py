@@ -249,7 +249,10 @@ async def serve_async(config: ServiceConfig) -> None:
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(engine), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(engine), server)
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc's "Failed to bind": name the flag to change
+        raise OSError(f"cannot listen on {address} ({exc}); is --port in use?") from None
     await server.start()
     log.info("scheduler listening", address=address, executor=config.executor)
     engine_task = asyncio.create_task(engine.run())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -142,3 +143,27 @@ def test_serve_exits_with_the_code_of_the_child_that_stopped_first(monkeypatch):
     )
     args.model, args.host, args.port, args.executor_port = "m", "127.0.0.1", 50051, None
     assert pagedserve_cli.serve(args) == 1
+
+
+def test_services_report_startup_errors_in_one_line(tiny_model_dir):
+    """A port in use or a --max-model-len the model cannot take: exit 1 with one line that says
+    what to change, not a traceback (nor, for the executor, a port silently shared with another)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    executor = ("executor", f"--model={tiny_model_dir}", "--device=cpu")
+    scheduler = ("scheduler", f"--model={tiny_model_dir}", "--executor=127.0.0.1:1")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = f"--port={taken.getsockname()[1]}"
+        runs = {
+            "executor, port in use": cli(*executor, port, env=env),
+            "scheduler, port in use": cli(*scheduler, port, env=env),
+        }
+    too_long = "--max-model-len=99999"
+    runs["executor, max-model-len"] = cli(*executor, f"--port={free_port()}", too_long, env=env)
+    for name, run in runs.items():
+        assert run.returncode == 1, (name, run.stderr[-2000:])
+        assert "Traceback" not in run.stderr, (name, run.stderr[-2000:])
+    assert "is --port in use?" in runs["executor, port in use"].stderr
+    assert "is --port in use?" in runs["scheduler, port in use"].stderr
+    assert "max_model_len=99999 exceeds" in runs["executor, max-model-len"].stderr
