@@ -101,7 +101,8 @@ def test_a_bad_flag_value_is_an_argparse_error_naming_the_flag(argv, capsys):
 
 
 def test_unusable_setups_fail_before_the_run_with_a_message(tmp_path):
-    """Empty prompts, a result file that is a directory, no server: one line each, no traceback."""
+    """Empty prompts, a result file that is a directory, no server, two rate flags, a prefix length
+    without a shared prefix: one line each, no traceback."""
     port = ["--port", str(free_port()), "--no-plot", "--result-file", str(tmp_path / "r.json")]
     with pytest.raises(SystemExit, match="--input-len 0 makes empty prompts"):
         bench.main(["--input-len", "0", *port])
@@ -109,7 +110,13 @@ def test_unusable_setups_fail_before_the_run_with_a_message(tmp_path):
         bench.main([*port, "--result-file", str(tmp_path)])
     with pytest.raises(SystemExit, match="no pagedserve server answers at 127.0.0.1:"):
         bench.main(port)
+    with pytest.raises(SystemExit, match="not both"):
+        bench.main(["--request-rate", "2", "--request-rates", "4,8", *port])
+    with pytest.raises(SystemExit, match="--prefix-len needs --dataset shared-prefix"):
+        bench.main(["--workload", "W1", "--prefix-len", "64", *port])
     assert not (tmp_path / "r.json").exists()
+    args = bench.build_parser().parse_args(["--workload", "W2", "--prefix-len", "64"])
+    assert bench.resolve(args)[0].prefix_len == 64  # the preset's shared-prefix dataset takes it
 
 
 def test_explicit_flags_override_the_preset():

@@ -167,7 +167,11 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
         value = getattr(args, name)
         return value if value is not None else preset.get(name, DEFAULTS.get(name))
 
+    if args.request_rate is not None and args.request_rates:
+        raise SystemExit("pagedserve bench: give --request-rate R or --request-rates R1,R2,..., not both")
     dataset = pick("dataset")
+    if args.prefix_len is not None and dataset != "shared-prefix":
+        raise SystemExit("pagedserve bench: --prefix-len needs --dataset shared-prefix (or --workload W2)")
     prefix_len = pick("prefix_len") if dataset == "shared-prefix" else 0
     if dataset == "shared-prefix" and args.prefix_len is None and "prefix_len" not in preset:
         prefix_len = 256
