@@ -110,9 +110,9 @@ PREFILL_SWEEP = [
 ]
 
 
-# The gather floor's tile and programs: 64 keys x 4 warps, enough splits for 4 programs per SM.
-# Floor kernels: on an H200 a sweep of tile size, warps and programs per SM (1, 4096 and 8, 4096)
-# found nothing more than 3% faster than these.
+# The floor kernels' tile and programs: 64 keys x 4 warps (8 for the contiguous one), enough splits
+# for 4 programs per SM. On an H200 a sweep of tile size, warps and programs per SM (1, 4096 and
+# 8, 4096) found nothing more than 3% faster than these.
 FLOOR_BLOCK_N, FLOOR_WARPS, FLOOR_PROGRAMS_PER_SM = 64, 4, 4
 CONTIGUOUS_FLOOR_WARPS = 8
 
@@ -570,10 +570,7 @@ def time_prefill(pool: Pool, results: dict, sweep: bool, deadline: float) -> boo
     sdpa_out = F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=True)
     sdpa_err = max_error(sdpa_out.transpose(1, 2).reshape_as(out), out)
     anchor = bench(lambda: F.scaled_dot_product_attention(q4, k, v, is_causal=True, enable_gqa=True))
-    config = ta.choose_prefill_config(
-        PREFILL_SEQS * PREFILL_LEN, PREFILL_SEQS, NUM_KV_HEADS, NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM, DTYPE,
-        results["sm_count"],
-    )  # fmt: skip
+    config = chosen_prefill_config([PREFILL_LEN] * PREFILL_SEQS, results["sm_count"])
     row = {
         "seqs": PREFILL_SEQS,
         "length": PREFILL_LEN,
@@ -599,6 +596,13 @@ def time_prefill(pool: Pool, results: dict, sweep: bool, deadline: float) -> boo
     return passed
 
 
+def chosen_prefill_config(q_lens: list[int], sm_count: int) -> ta.PrefillConfig:
+    """The prefill tile `paged_attention` picks for a K1-shaped batch with these new tokens."""
+    return ta.choose_prefill_config(
+        sum(q_lens), len(q_lens), NUM_KV_HEADS, NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM, DTYPE, sm_count
+    )
+
+
 def sweep_prefill_tiles(pool: Pool, sm_count: int) -> list[dict]:
     """Default and tall prefill tiles on each of PREFILL_TILE_CASES (20-call graphs of the same
     inputs, so the host's launch cost is out), and which of the two the shape-based choice takes."""
@@ -612,9 +616,7 @@ def sweep_prefill_tiles(pool: Pool, sm_count: int) -> list[dict]:
             label: per_call_us([functools.partial(ta.paged_attention, **inputs, out=out, prefill_config=c)])
             for label, c in (("default", default), ("tall", tall))
         }
-        chosen = ta.choose_prefill_config(
-            sum(q_lens), len(q_lens), NUM_KV_HEADS, NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM, DTYPE, sm_count
-        )
+        chosen = chosen_prefill_config(q_lens, sm_count)
         found.append({"case": name, **{f"{k}_us": v for k, v in times.items()}, "chosen": asdict(chosen)})
         log(
             f"   prefill tiles, {name:<36} default {times['default']:7.1f} us, tall {times['tall']:7.1f} us, "
