@@ -42,7 +42,7 @@ import torch
 
 from executor.model import AttentionMetadata, LlamaModel
 from executor.step_inputs import HostBatch, RequestSlots
-from executor.transfer import pack_int64
+from executor.transfer import aligned_length, pack_int64
 
 log = structlog.get_logger(__name__)
 
@@ -103,9 +103,10 @@ class StepGraphs:
         if device.type == "cuda":  # graph memory counts from here
             torch.cuda.synchronize(device)
             self._free_at_start = torch.cuda.mem_get_info(device)[0]
-        # Even capacities: the fields start 16-byte aligned, as `pack_int64` lays them out.
-        self._token_capacity = _even(max(self.max_decode, self.mixed_sizes[-1] if self.mixed_sizes else 0))
-        self._seq_capacity = _even(self.num_seq_slots + 1)  # cu_seqlens has one entry more
+        # Aligned capacities: the fields start 16-byte aligned, as `pack_int64` lays them out.
+        tokens = max(self.max_decode, self.mixed_sizes[-1] if self.mixed_sizes else 0)
+        self._token_capacity = aligned_length(tokens)
+        self._seq_capacity = aligned_length(self.num_seq_slots + 1)  # cu_seqlens has one entry more
         self._offsets: dict[str, int] = {}
         offset = 0
         for names, length in ((_TOKEN_FIELDS, self._token_capacity), (_SEQ_FIELDS, self._seq_capacity)):
@@ -255,10 +256,6 @@ class StepGraphs:
     def _outputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         num_sampled = len(batch.logits_indices)
         return self._logits[:num_sampled], self._field("sample_rows", num_sampled)
-
-
-def _even(n: int) -> int:
-    return n + (n & 1)
 
 
 def _padded(head: np.ndarray, pad: np.ndarray, capacity: int) -> np.ndarray:

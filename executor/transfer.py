@@ -28,6 +28,12 @@ def pinned(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def aligned_length(n: int) -> int:
+    """n rounded up to even: int64 fields of that length keep the next one 16-byte aligned, which
+    Triton specialises kernels on (unaligned views would compile a second variant mid-serving)."""
+    return n + (n & 1)
+
+
 def pack_int64(
     arrays: Sequence[np.ndarray], device: torch.device, field_len: int | None = None
 ) -> tuple[torch.Tensor, list[int]]:
@@ -43,9 +49,7 @@ def pack_int64(
     """
     lengths = [len(a) for a in arrays]
     if field_len is None:
-        # Each array starts 16-byte aligned: Triton specialises a kernel on whether each pointer
-        # argument is, so unaligned views would compile a second variant in the middle of serving.
-        spans = [n + (n & 1) for n in lengths]
+        spans = [aligned_length(n) for n in lengths]
         offsets = np.concatenate(([0], np.cumsum(spans[:-1], dtype=np.int64))).tolist() if arrays else []
         total = sum(spans)
     else:
