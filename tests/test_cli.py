@@ -68,8 +68,6 @@ def test_serve_generate_health_and_shutdown(tmp_path):
 
 def test_serve_forwards_every_flag_it_accepts(tmp_path):
     """A flag `serve` accepts reaches the process it belongs to; none is dropped on the way."""
-    import argparse
-
     from executor.config import ExecutorConfig, add_cli_args
     from pagedserve.cli import EXECUTOR_FLAGS, SCHEDULER_FLAGS, _forward, add_serve_args
     from scheduler.service_config import ServiceConfig
