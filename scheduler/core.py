@@ -16,19 +16,20 @@ Order within a step:
 1. running requests, by (priority, arrival): decodes and ongoing prefill chunks; a request that
    needs a block when none is free pre-empts the lowest-priority, latest-arrived running request
    (possibly itself);
-2. if nothing was pre-empted: swapped-out requests resume, in queue order;
-3. if none is left swapped: waiting requests are admitted by (priority, arrival), with prefill
-   chunks that fill the remaining budget; a head that does not fit may pre-empt a running request
-   of strictly lower priority.
+2. if nothing was pre-empted: swapped-out and waiting requests start, in one (priority, arrival)
+   order, with prefill chunks that fill the remaining budget; a head that does not fit may pre-empt
+   running requests of strictly lower priority, if together they hold the blocks it lacks.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
+from scheduler.block_pool import Block
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
@@ -218,9 +219,7 @@ class Scheduler:
         self._schedule_running(step)
         # A step that had to pre-empt has no room to admit anyone (and must not re-admit a victim).
         if not step.preempted:
-            self._resume_swapped(step)
-            if not self._swapped:
-                self._admit_waiting(step)
+            self._start_queued(step)
         self.kv_cache.end_step()
         return self._finish_step(step)
 
@@ -263,55 +262,81 @@ class Scheduler:
                 return None
         return new_block_ids
 
-    def _resume_swapped(self, step: _Step) -> None:
-        """Swaps in swapped-out requests in queue order while blocks, budget and seq slots last."""
-        while self._swapped and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
-            request = self._swapped[0]
-            if request.num_pending_outputs:
-                break  # its last sampled token has not arrived: the executor forgot it
-            num_new = min(self._num_tokens_wanted(request), step.budget)
-            moves = self.kv_cache.swap_in(request, request.num_computed_tokens + num_new)
-            if moves is None:
-                break
-            self._swapped.pop(0)
-            step.plan.swap_in.extend(moves)
-            self._start_running(request, num_new, step)
+    def _start_queued(self, step: _Step) -> None:
+        """Starts swapped-out and waiting requests, in one (priority, arrival) order, while budget
+        and seq slots last: swapped ones swap their KV back in, waiting ones reuse cached prefix
+        blocks.
 
-    def _admit_waiting(self, step: _Step) -> None:
-        """Admits waiting requests by (priority, arrival), reusing cached prefix blocks.
-
-        Admission is strictly in order: a head that cannot be admitted blocks the ones behind it,
-        so a big request is not starved by a stream of small ones.
+        Strictly in order: a head that cannot start blocks the ones behind it, so a big request is
+        not starved by a stream of small ones. It may pre-empt running requests of strictly lower
+        priority, but only if together they hold enough blocks to make room for it.
         """
-        while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
-            request = self._waiting[0]
-            if request.num_pending_outputs or request.seq_id in step.preempted:
+        while step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._queued_head()
+            if request is None or request.num_pending_outputs or request.seq_id in step.preempted:
                 break  # a victim awaiting its last output, or pre-empted in this very step
-            cached_blocks, num_cached_tokens = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached_tokens, step.budget)
-            if self.kv_cache.allocate_slots(request, num_cached_tokens + num_new, cached_blocks) is None:
-                if self._preempt_lower_priority(request, step):
-                    continue
+            if request.status is RequestStatus.SWAPPED:
+                num_blocks_short, keep = self._swap_in(request, step), ()
+            else:
+                cached_blocks, num_cached_tokens = self.kv_cache.get_computed_blocks(request)
+                num_blocks_short = self._admit(request, cached_blocks, num_cached_tokens, step)
+                keep = cached_blocks
+            if num_blocks_short and not self._preempt_lower_priority(request, num_blocks_short, keep, step):
                 break
-            self._waiting.pop(0)
-            if self.config.enable_prefix_caching:
-                self._prefix_hit_tokens += num_cached_tokens
-                self._prefix_query_tokens += request.num_tokens
-            if request.num_preemptions == 0:  # first admission
-                request.num_cached_prompt_tokens = num_cached_tokens
-            request.num_computed_tokens = num_cached_tokens
-            self._start_running(request, num_new, step)
 
-    def _preempt_lower_priority(self, request: Request, step: _Step) -> bool:
+    def _queued_head(self) -> Request | None:
+        """The first of the swapped and waiting queues' heads in (priority, arrival) order."""
+        heads = [queue[0] for queue in (self._swapped, self._waiting) if queue]
+        return min(heads, key=_sort_key, default=None)
+
+    def _swap_in(self, request: Request, step: _Step) -> int:
+        """Swaps a swapped-out request back in; returns the blocks it lacks (0 once it runs)."""
+        num_new = min(self._num_tokens_wanted(request), step.budget)
+        num_tokens = request.num_computed_tokens + num_new
+        moves = self.kv_cache.swap_in(request, num_tokens)
+        if moves is None:
+            return self.kv_cache.num_blocks_short(request, num_tokens)
+        self._swapped.remove(request)
+        step.plan.swap_in.extend(moves)
+        self._start_running(request, num_new, step)
+        return 0
+
+    def _admit(
+        self, request: Request, cached_blocks: Sequence[Block], num_cached_tokens: int, step: _Step
+    ) -> int:
+        """Admits a waiting request on top of its cached prefix blocks; returns the blocks it lacks
+        (0 once it runs)."""
+        num_new = min(request.num_tokens - num_cached_tokens, step.budget)
+        num_tokens = num_cached_tokens + num_new
+        if self.kv_cache.allocate_slots(request, num_tokens, cached_blocks) is None:
+            return self.kv_cache.num_blocks_short(request, num_tokens, cached_blocks)
+        self._waiting.remove(request)
+        if self.config.enable_prefix_caching:
+            self._prefix_hit_tokens += num_cached_tokens
+            self._prefix_query_tokens += request.num_tokens
+        if request.num_preemptions == 0:  # first admission
+            request.num_cached_prompt_tokens = num_cached_tokens
+        request.num_computed_tokens = num_cached_tokens
+        self._start_running(request, num_new, step)
+        return 0
+
+    def _preempt_lower_priority(
+        self, request: Request, num_blocks_short: int, keep: Sequence[Block], step: _Step
+    ) -> bool:
         """Pre-empts the lowest-priority, latest-arrived running request if its priority is strictly
-        lower than ``request``'s (a larger number) and it was not admitted in this step."""
-        for victim in reversed(self._running):
-            if victim.priority <= request.priority:
-                return False
-            if victim.seq_id not in step.admitted:
-                self._preempt(victim, step)
-                return True
-        return False
+        lower than ``request``'s (a larger number) and it was not started in this step, provided
+        that all such requests together hold the ``num_blocks_short`` blocks ``request`` lacks
+        (less ``keep``, its prefix hits): a pre-emption that cannot make room only costs work."""
+        victims = [
+            victim
+            for victim in self._running
+            if victim.priority > request.priority and victim.seq_id not in step.admitted
+        ]
+        reclaimable = self.kv_cache.num_reclaimable_blocks([victim.seq_id for victim in victims], keep)
+        if not victims or reclaimable < num_blocks_short:
+            return False
+        self._preempt(victims[-1], step)
+        return True
 
     def _start_running(self, request: Request, num_new: int, step: _Step) -> None:
         """Moves an admitted or resumed request (its blocks allocated) into running and the plan."""

@@ -146,15 +146,12 @@ class KVCacheManager:
             (counting evictable cached ones) are too few; then nothing changed.
         """
         table = self._tables.get(request.seq_id)
-        num_held = len(table) if table else 0
-        if cached_blocks and num_held:
+        if cached_blocks and table:
             raise ValueError(f"seq {request.seq_id}: cached blocks can only start an empty table")
-        num_needed = max(0, _cdiv(num_tokens, self.block_size) - num_held - len(cached_blocks))
+        num_needed = self._num_new_blocks(request, num_tokens, cached_blocks)
         if num_needed == 0 and not cached_blocks:
             return []  # the common decode step: the last block still has room
-        # Hits sitting in the free queue stop being allocatable once we hold them.
-        num_free_hits = sum(1 for block in cached_blocks if block.ref_count == 0)
-        if num_needed > self.block_pool.num_free_blocks - num_free_hits:
+        if num_needed > self._num_allocatable_blocks(cached_blocks):
             return None
         self.block_pool.touch(cached_blocks)
         new_blocks = self.block_pool.allocate(num_needed)
@@ -165,6 +162,36 @@ class KVCacheManager:
             self._num_cached_blocks[request.seq_id] = len(cached_blocks)
         table.extend(new_blocks)
         return [block.block_id for block in new_blocks]
+
+    def num_blocks_short(self, request: Request, num_tokens: int, cached_blocks: Sequence[Block] = ()) -> int:
+        """How many more free blocks ``allocate_slots`` (or ``swap_in``, for a swapped-out request)
+        would need to grow the request to ``num_tokens`` tokens; 0 if it fits."""
+        num_needed = self._num_new_blocks(request, num_tokens, cached_blocks)
+        return max(0, num_needed - self._num_allocatable_blocks(cached_blocks))
+
+    def num_reclaimable_blocks(self, seq_ids: Sequence[SeqId], keep: Sequence[Block] = ()) -> int:
+        """Blocks that releasing all of ``seq_ids`` would make allocatable: those no other request
+        holds, except ``keep`` (prefix-cache hits the caller is about to take)."""
+        holders: dict[Block, int] = {}
+        for seq_id in seq_ids:
+            for block in self._tables.get(seq_id, ()):
+                holders[block] = holders.get(block, 0) + 1
+        kept = set(keep)
+        return sum(1 for block, count in holders.items() if count == block.ref_count and block not in kept)
+
+    def _num_new_blocks(self, request: Request, num_tokens: int, cached_blocks: Sequence[Block] = ()) -> int:
+        """Blocks to allocate for the request to hold ``num_tokens`` tokens: beyond its table and
+        ``cached_blocks`` or, swapped out, a whole new table at least as long as its CPU one."""
+        cpu_ids = self._cpu_tables.get(request.seq_id)
+        if cpu_ids is not None:
+            return max(_cdiv(num_tokens, self.block_size), len(cpu_ids))
+        num_held = len(self._tables.get(request.seq_id, ()))
+        return max(0, _cdiv(num_tokens, self.block_size) - num_held - len(cached_blocks))
+
+    def _num_allocatable_blocks(self, cached_blocks: Sequence[Block] = ()) -> int:
+        """Free blocks, less the prefix-cache hits sitting in the free queue: they stop being
+        allocatable once the request holds them."""
+        return self.block_pool.num_free_blocks - sum(1 for block in cached_blocks if block.ref_count == 0)
 
     def free(self, request: Request) -> None:
         """Releases the request's GPU blocks; its full, computed blocks stay in the prefix cache.
@@ -208,7 +235,7 @@ class KVCacheManager:
             when the free GPU blocks are too few.
         """
         cpu_ids = self._cpu_tables[request.seq_id]
-        num_needed = max(_cdiv(num_tokens, self.block_size), len(cpu_ids))
+        num_needed = self._num_new_blocks(request, num_tokens)
         if num_needed > self.block_pool.num_free_blocks:
             return None
         gpu_blocks = self.block_pool.allocate(num_needed)

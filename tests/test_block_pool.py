@@ -236,3 +236,26 @@ def test_swap_out_and_in_with_deferred_cpu_release() -> None:
     assert kv.num_free_cpu_blocks == 1
     kv.end_step()
     assert kv.num_free_cpu_blocks == 3
+
+
+def test_blocks_short_and_reclaimable_count_only_what_release_would_free() -> None:
+    kv = KVCacheManager(block_size=2, num_gpu_blocks=6, num_cpu_blocks=4)
+    a = make_request(1, [1, 2, 3, 4, 5])
+    kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_full_blocks(a)  # blocks 0, 1 cached
+    b = make_request(2, [1, 2, 3, 4, 9])
+    hits, num_cached = kv.get_computed_blocks(b)
+    assert ids(hits) == [0, 1]
+    kv.allocate_slots(b, 5, hits)  # shares 0, 1 with a and takes 3; blocks 4, 5 are free
+    assert kv.num_blocks_short(a, 9) == 0 and kv.num_blocks_short(a, 11) == 1
+    assert kv.num_reclaimable_blocks([a.seq_id]) == 1  # its block 2; 0 and 1 are shared with b
+    assert kv.num_reclaimable_blocks([a.seq_id, b.seq_id]) == 4
+    assert kv.num_reclaimable_blocks([a.seq_id, b.seq_id], keep=hits) == 2  # hits stay with their taker
+    c = make_request(3, [1, 2, 3, 4, 7, 7, 7, 7, 7])
+    c_hits, _ = kv.get_computed_blocks(c)
+    assert kv.num_blocks_short(c, 9, c_hits) == 1  # 3 new blocks beyond the 2 hits, 2 free
+    b.num_computed_tokens = 5
+    assert kv.swap_out(b) == [(0, 0), (1, 1), (3, 2)]
+    # Swapped out, b needs a whole new table: 4 blocks for 7 tokens, with 3, 4, 5 free.
+    assert kv.num_blocks_short(b, 5) == 0 and kv.num_blocks_short(b, 7) == 1

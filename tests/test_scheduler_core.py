@@ -282,6 +282,30 @@ def test_higher_priority_arrival_preempts_lower_priority_running() -> None:
     assert low.num_cached_prompt_tokens == 0  # set at first admission only
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_priority_preemption_only_when_it_makes_room(mode: str) -> None:
+    # high outranks low but not mid; pre-empting low alone (2 blocks) cannot fit high (3 blocks).
+    s = make_scheduler(
+        block_size=4, num_gpu_blocks=4, max_model_len=16, preemption_mode=mode, num_cpu_blocks=8
+    )
+    mid = add(s, 1, [1] * 4, max_tokens=5, priority=0)
+    low = add(s, 2, [2] * 4, max_tokens=9, priority=5)
+    step(s)
+    step(s)  # position 4: each takes its second block; the pool is full
+    high = add(s, 3, [3] * 9, max_tokens=2, priority=0)
+    while mid.status is not RequestStatus.FINISHED:
+        plan = step(s)
+        assert plan.removed_seq_ids == [] and plan.swap_out == [] and high.status is RequestStatus.WAITING
+    # mid's two blocks are free now: pre-empting low makes room, and high goes first.
+    plan = step(s)
+    assert plan.removed_seq_ids == [1, 2] and [p.seq_id for p in plan.new_requests] == [3]
+    while high.status is not RequestStatus.FINISHED:
+        assert 2 not in tokens_by_seq(step(s))
+    while s.has_unfinished_requests():
+        step(s)
+    assert low.num_preemptions == 1 and len(low.output_token_ids) == 9
+
+
 def test_equal_priority_arrival_does_not_preempt() -> None:
     s = make_scheduler(block_size=2, num_gpu_blocks=4, max_model_len=8)
     add(s, 1, [1, 2, 3, 4, 5, 6], max_tokens=2)
@@ -409,27 +433,29 @@ def test_preempted_request_waits_for_its_pending_output(mode: str) -> None:
         assert p4.new_requests == [NewRequestPlan(2, tokens, 4, 1, [3, 2, 1], SamplingOptions())]
 
 
-def test_cpu_blocks_read_by_swap_in_are_not_reused_by_swap_out_in_the_same_step() -> None:
-    # The executor runs swap_out before swap_in, so a swap_out into a CPU block that this step's
-    # swap_in reads would destroy the KV being swapped in.
+def test_swapped_and_waiting_requests_start_in_one_priority_order() -> None:
     s = make_scheduler(
         block_size=2, num_gpu_blocks=6, max_model_len=8, preemption_mode="swap", num_cpu_blocks=5
     )
-    v = add(s, 1, [1, 2, 3], max_tokens=5, priority=1)
+    add(s, 1, [1, 2, 3], max_tokens=5, priority=1)
     x = add(s, 2, [4, 5, 6], max_tokens=5, priority=1)
     swapped = add(s, 3, [7, 8, 9], max_tokens=5, priority=1)
     step(s)
     step(s)
-    p2 = step(s)  # v needs a third block: the latest arrival is swapped out
+    p2 = step(s)  # seq 1 needs a third block: the latest arrival is swapped out
     assert p2.swap_out == [(4, 0), (5, 1)] and swapped.status is RequestStatus.SWAPPED
-    s.abort_request(x.seq_id)
+    s.abort_request(x.seq_id)  # 3 blocks free: room for high (2) or for swapped (3), not both
     high = add(s, 4, [1, 1, 1], max_tokens=2, priority=0)
     p3 = step(s)
-    # swapped comes back first (CPU 0, 1); then high pre-empts v, whose KV goes to CPU 2, 3, 4.
-    assert [src for src, _ in p3.swap_in] == [0, 1]
-    assert [dst for _, dst in p3.swap_out] == [2, 3, 4]
-    assert v.status is RequestStatus.SWAPPED and high.status is RequestStatus.RUNNING
-    assert p3.removed_seq_ids == [2, 1] and [p.seq_id for p in p3.new_requests] == [3, 4]
+    assert [p.seq_id for p in p3.new_requests] == [4] and p3.swap_in == []
+    while high.status is not RequestStatus.FINISHED:
+        assert step(s).swap_in == []
+    while swapped.status is RequestStatus.SWAPPED:
+        plan = step(s)
+    assert [src for src, _ in plan.swap_in] == [0, 1]
+    while s.has_unfinished_requests():
+        step(s)
+    assert len(swapped.output_token_ids) == 5 and swapped.num_preemptions == 1
 
 
 def test_a_step_that_preempts_admits_nobody() -> None:
