@@ -33,6 +33,7 @@ from executor.config import ExecutorConfig
 from executor.runner import ModelRunner
 from executor.testing import AheadScheduler
 from pagedserve.model_shapes import SHAPES
+from pagedserve.tables import markdown_table
 
 PARTS = ("gemm", "steps", "overlap")
 LAYERS = 32
@@ -281,10 +282,12 @@ def green_context_table(device: torch.device) -> list[dict]:
 
 def print_table(title: str, rows: list[dict]) -> None:
     columns = list(dict.fromkeys(k for row in rows for k in row))
-    print(f"\n{title}\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
-    for row in rows:
-        cells = [row.get(c, 0.0) for c in columns]
-        print("| " + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+    cells = [[_cell(row.get(c, 0.0)) for c in columns] for row in rows]
+    print(f"\n{title}\n" + markdown_table(columns, cells))
+
+
+def _cell(value: object) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,7 @@ from executor.model import LlamaModel
 from executor.runner import ModelRunner
 from executor.testing import AheadScheduler
 from pagedserve.model_shapes import INIT_STD, SHAPES
+from pagedserve.tables import markdown_table
 from protos import executor_pb2, executor_pb2_grpc
 
 COPY_BYTES_PER_S = 4.28e12  # WORKLOADS.md: device-to-device copy on the H200
@@ -314,13 +315,13 @@ def main(argv: list[str] | None = None) -> None:
         return "n/a" if v is None else (f"{100 * v:.1f}%" if pct else f"{v:.2f}")
 
     print(f"\nllama-8b-shape, {args.layers} layers, bf16, context ~{args.context}, {args.steps} steps each")
-    print("| batch | mode | wall ms/step | GPU busy ms/step | GPU idle | idle between | floor ms | tok/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    header = ["batch", "mode", "wall ms/step", "GPU busy ms/step", "GPU idle", "idle between"]
+    header += ["floor ms", "tok/s"]
+    cells = []
     for batch, mode, r, floor_ms in rows:
-        print(
-            f"| {batch} | {mode} | {fmt(r['wall_ms'])} | {fmt(r['busy_ms'])} | {fmt(r['idle'], True)} | "
-            f"{fmt(r['between_idle'], True)} | {floor_ms:.2f} | {1000 * batch / r['wall_ms']:.0f} |"
-        )
+        times = [fmt(r["wall_ms"]), fmt(r["busy_ms"]), fmt(r["idle"], True), fmt(r["between_idle"], True)]
+        cells.append([batch, mode, *times, f"{floor_ms:.2f}", f"{1000 * batch / r['wall_ms']:.0f}"])
+    print(markdown_table(header, cells))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import TextIO
 import torch
 
 from executor.step_inputs import HostBatch
+from pagedserve.tables import markdown_table
 
 
 @dataclass(slots=True)
@@ -121,23 +122,20 @@ def summarize(records: list[dict]) -> str:
         groups: dict[str, list[dict]] = defaultdict(list)
         for r in records:
             groups[key(r)].append(r)
-        lines = [
-            f"\n{title}",
-            "| steps | n | tokens | decode tok | KV tok/seq | GPU s | gap s | launch s | GPU µs/token |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
+        header = "steps, n, tokens, decode tok, KV tok/seq, GPU s, gap s, launch s, GPU µs/token".split(", ")
+        rows = []
         for name in sorted(groups, key=lambda g: -sum(r["gpu_ms"] or 0 for r in groups[g])):
             rs = groups[name]
             tokens = sum(r["tokens"] for r in rs)
             gpu = sum(r["gpu_ms"] or 0 for r in rs) / 1000
             gap = sum(r["gap_ms"] or 0 for r in rs) / 1000
-            seqs = sum(r["seqs"] for r in rs)
-            lines.append(
-                f"| {name} | {len(rs)} | {tokens} | {sum(r['decodes'] for r in rs)} | "
-                f"{sum(r['kv_tokens'] for r in rs) / max(seqs, 1):.0f} | {gpu:.2f} | {gap:.2f} | "
-                f"{sum(r['launch_ms'] for r in rs) / 1000:.2f} | {1e6 * gpu / max(tokens, 1):.1f} |"
-            )
-        return lines
+            launch = sum(r["launch_ms"] for r in rs) / 1000
+            kv_per_seq = sum(r["kv_tokens"] for r in rs) / max(sum(r["seqs"] for r in rs), 1)
+            decodes = sum(r["decodes"] for r in rs)
+            times = [f"{seconds:.2f}" for seconds in (gpu, gap, launch)]
+            per_token = f"{1e6 * gpu / max(tokens, 1):.1f}"
+            rows.append([name, len(rs), tokens, decodes, f"{kv_per_seq:.0f}", *times, per_token])
+        return [f"\n{title}", markdown_table(header, rows)]
 
     lines = table("by kind", kind) + table("by kind, decode steps by batch size", bucket)
     gpu = sum(r["gpu_ms"] or 0 for r in records) / 1000

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagedserve.bench.client import PassResult
+from pagedserve.tables import render_table
 
 
 def _fmt(value, digits: int = 2) -> str:
@@ -20,18 +21,6 @@ def _fmt(value, digits: int = 2) -> str:
 
 def _pct(value: float | None) -> str | None:
     return None if value is None else f"{value:.1%}"
-
-
-def render_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table: the first column left-aligned, the others right-aligned."""
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        cells = [str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(row)]
-        return "  ".join(cells).rstrip()
-
-    rule = "-" * len(line(header))
-    return "\n".join([f"== {title} ==", line(header), rule, *(line(r) for r in rows)])
 
 
 def results_table(
