@@ -91,6 +91,18 @@ def test_invalid_requests_get_invalid_argument(services, kwargs, message):
     assert message in err.value.details()
 
 
+@pytest.mark.parametrize("method", ["Generate", "Tokenize", "GetModelInfo"])
+def test_malformed_request_bytes_get_invalid_argument(services, method):
+    with services.channel() as channel, pytest.raises(grpc.RpcError) as err:
+        call = channel.unary_stream if method == "Generate" else channel.unary_unary
+        response = call(f"/pagedserve.v1.Generation/{method}", request_serializer=bytes)(
+            b"\xff\xff", timeout=30
+        )
+        list(response) if method == "Generate" else response
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed request" in err.value.details()
+
+
 def test_cancelled_stream_frees_its_blocks(services):
     with services.channel() as channel:
         responses = stream(channel, make_request([7] * 40, max_tokens=900, ignore_eos=True, temperature=0))
