@@ -38,7 +38,13 @@ import structlog
 
 from protos import executor_pb2, generation_pb2, generation_pb2_grpc
 from scheduler.engine import Engine
-from scheduler.service import GenerationService, load_tokenizer, sampling_options, stop_conditions
+from scheduler.service import (
+    GenerationService,
+    load_tokenizer,
+    public_server,
+    sampling_options,
+    stop_conditions,
+)
 from scheduler.service_config import ServiceConfig
 from scheduler.transport import StepStream
 
@@ -221,8 +227,7 @@ async def drain_in_process(service: GenerationService, args, requests) -> Digest
 
 async def drain_over_grpc(service: GenerationService, args, requests) -> Digest:
     """The real public service on loopback; the clients run in a subprocess (not measured here)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    server = public_server(service)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     await service.engine.wait_until_attached()

@@ -274,6 +274,16 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
 
 
+def public_server(generation: GenerationService, admin: AdminService | None = None) -> grpc.aio.Server:
+    """The server of the public API (ports not yet added); the hot-path bench serves through it too."""
+    # so_reuseport off: a second scheduler on a port in use fails instead of sharing it.
+    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[("grpc.so_reuseport", 0)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+    if admin is not None:
+        admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+    return server
+
+
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
@@ -287,9 +297,7 @@ async def serve_async(config: ServiceConfig) -> None:
     # GC's sight, a full collection no longer scans ~300k objects and stalls a step (100+ ms).
     gc.collect()
     gc.freeze()
-    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[("grpc.so_reuseport", 0)])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(engine), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(engine), server)
+    server = public_server(GenerationService(engine), AdminService(engine))
     address = f"{config.host}:{config.port}"
     try:
         server.add_insecure_port(address)
