@@ -1,8 +1,10 @@
-"""The KV pool: paged K/V blocks on the device, a swap pool of the same layout in CPU memory.
+"""The KV pool: paged K/V blocks on the device, a swap pool of the same blocks in CPU memory.
 
-Both pools are one tensor each, [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads,
-head_dim], so a swap of any set of blocks across every layer is a single gather and a single
-scatter; `layer_caches()` hands the kernels each layer's contiguous K and V views.
+The device pool is one tensor, [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads,
+head_dim]; `layer_caches()` hands the kernels each layer's contiguous K and V views. The CPU pool is
+block-major, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], and pinned on CUDA, so
+each CPU block is one contiguous span: a swap is one gather or scatter on the device plus one
+asynchronous copy per run of consecutive CPU blocks, and never makes the host wait for the GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 
 import structlog
 import torch
+
+from executor.transfer import to_device
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +43,12 @@ class KVCacheLayout:
         return -(-num_tokens // self.block_size)
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The device pool's shape: per layer, K and V of all blocks."""
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def cpu_pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The CPU pool's shape: block-major, each block's layers, K and V in one span."""
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
 
 def cpu_device_num_blocks(
@@ -89,10 +98,10 @@ class KVCache:
         self.device_pool = torch.zeros(
             layout.pool_shape(num_device_blocks), dtype=layout.dtype, device=device
         )
-        # Pinned on CUDA so block copies run at full PCIe bandwidth; only swapped-out blocks are ever
-        # read back, so no need to initialise it.
+        # Pinned on CUDA so block copies are asynchronous and run at full PCIe bandwidth; only
+        # swapped-out blocks are ever read back, so no need to initialise it.
         self.cpu_pool = torch.empty(
-            layout.pool_shape(num_cpu_blocks), dtype=layout.dtype, pin_memory=device.type == "cuda"
+            layout.cpu_pool_shape(num_cpu_blocks), dtype=layout.dtype, pin_memory=device.type == "cuda"
         )
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -100,17 +109,40 @@ class KVCache:
         return [(self.device_pool[i, 0], self.device_pool[i, 1]) for i in range(self.layout.num_layers)]
 
     def swap_out(self, src_device_blocks: list[int], dst_cpu_blocks: list[int]) -> None:
-        """Copies device blocks to CPU blocks, all layers at once."""
+        """Copies device blocks to CPU blocks, all layers at once, queued behind the steps already
+        launched (which may still be writing them)."""
         if not src_device_blocks:
             return
-        src = torch.tensor(src_device_blocks, dtype=torch.int64, device=self.device)
-        dst = torch.tensor(dst_cpu_blocks, dtype=torch.int64)
-        self.cpu_pool.index_copy_(2, dst, self.device_pool.index_select(2, src).cpu())
+        src = to_device(src_device_blocks, torch.int64, self.device)
+        blocks = self.device_pool.movedim(2, 0)[src]  # gathered block-major, as the CPU pool holds them
+        for start, cpu_block, length in _runs(dst_cpu_blocks):
+            self.cpu_pool[cpu_block : cpu_block + length].copy_(
+                blocks[start : start + length], non_blocking=True
+            )
 
     def swap_in(self, src_cpu_blocks: list[int], dst_device_blocks: list[int]) -> None:
-        """Copies CPU blocks to device blocks, all layers at once."""
+        """Copies CPU blocks to device blocks, all layers at once, queued like any step's work."""
         if not src_cpu_blocks:
             return
-        src = torch.tensor(src_cpu_blocks, dtype=torch.int64)
-        dst = torch.tensor(dst_device_blocks, dtype=torch.int64, device=self.device)
-        self.device_pool.index_copy_(2, dst, self.cpu_pool.index_select(2, src).to(self.device))
+        blocks = torch.empty(
+            (len(src_cpu_blocks), *self.cpu_pool.shape[1:]), dtype=self.layout.dtype, device=self.device
+        )
+        for start, cpu_block, length in _runs(src_cpu_blocks):
+            blocks[start : start + length].copy_(
+                self.cpu_pool[cpu_block : cpu_block + length], non_blocking=True
+            )
+        dst = to_device(dst_device_blocks, torch.int64, self.device)
+        self.device_pool.index_copy_(2, dst, blocks.movedim(0, 2))
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Splits block ids into runs of consecutive ids: (index of the run's first id, that id, length).
+    The scheduler hands CPU blocks out in order, so a sequence's blocks are mostly one run."""
+    runs: list[tuple[int, int, int]] = []
+    for index, block_id in enumerate(block_ids):
+        if runs and block_id == runs[-1][1] + runs[-1][2]:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((index, block_id, 1))
+    return runs

@@ -104,9 +104,15 @@ def test_swap_moves_blocks_between_pools():
     cache = KVCache(LAYOUT, num_device_blocks=6, num_cpu_blocks=4, device=torch.device("cpu"))
     cache.device_pool.copy_(torch.randn_like(cache.device_pool))
     original = cache.device_pool.clone()
-    cache.swap_out([5, 1], [0, 3])
-    cache.swap_in([3, 0], [2, 4])
-    torch.testing.assert_close(cache.device_pool[:, :, 2], original[:, :, 1], rtol=0, atol=0)
-    torch.testing.assert_close(cache.device_pool[:, :, 4], original[:, :, 5], rtol=0, atol=0)
+    cache.swap_out([5, 1, 2], [0, 1, 3])  # CPU blocks 0-1 are one run, 3 another
+    assert cache.cpu_pool.shape == (4, *original[:, :, 0].shape)  # block-major
+    torch.testing.assert_close(cache.cpu_pool[1], original[:, :, 1], rtol=0, atol=0)
+    cache.swap_in([3, 0, 1], [2, 4, 0])
+    for device_block, original_block in ((2, 2), (4, 5), (0, 1)):
+        torch.testing.assert_close(
+            cache.device_pool[:, :, device_block], original[:, :, original_block], rtol=0, atol=0
+        )
+    untouched = [1, 3, 5]
+    torch.testing.assert_close(cache.device_pool[:, :, untouched], original[:, :, untouched], rtol=0, atol=0)
     k, v = cache.layer_caches()[1]
     assert k.shape == (6, 16, 2, 8) and k.is_contiguous() and v.is_contiguous()

@@ -1,5 +1,5 @@
 """The executor on CUDA (skipped without a GPU): CUDA graphs vs eager vs Hugging Face, padding rows,
-and no host synchronisation while a decode step is launched."""
+and no host synchronisation while a decode or swap step is launched."""
 
 from __future__ import annotations
 
@@ -129,3 +129,31 @@ def test_decode_launch_never_waits_for_the_device(model_dir, eager):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert (runner.stats.graph_steps > 0) != eager
+
+
+def test_swap_steps_never_wait_and_keep_greedy_exact(model_dir):
+    """Steps that swap a sequence's KV out and back in launch without a host sync (torch raises on
+    any), and the swapped sequence's greedy tokens still equal Hugging Face's."""
+    runner = _runner(model_dir, "float32", eager=False)
+    runner.reset()
+    sched = ToyScheduler(NUM_BLOCKS, runner.kv_cache.num_cpu_blocks, runner.block_size, seed=3)
+    for seq_id, prompt in PROMPTS.items():
+        sched.add(seq_id, prompt)
+    sched.observe(runner.execute(sched.plan({1: len(PROMPTS[1]), 2: len(PROMPTS[2])})))  # within budget 64
+    for _ in range(2):  # the other prompts with the first decodes, then decodes only
+        sched.observe(runner.execute(sched.plan()))
+    others = {seq_id: 1 for seq_id in PROMPTS if seq_id != 1}
+    for num_new, swap_out, swap_in in ((others, [1], []), (others, [], []), ({**others, 1: 1}, [], [1])):
+        plan = sched.plan(num_new, swap_out=swap_out, swap_in=swap_in)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = runner.launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        sched.observe(runner.finish(pending))
+    assert runner.stats.swap_out_blocks == runner.stats.swap_in_blocks == 2
+    while min(len(seq.generated) for seq in sched.seqs.values()) < MAX_NEW:
+        sched.observe(runner.execute(sched.plan()))
+    expected = _hf_greedy(model_dir, "cuda")
+    for seq_id in PROMPTS:
+        assert sched.seqs[seq_id].generated[:MAX_NEW] == expected[seq_id], seq_id
