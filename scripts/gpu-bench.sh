@@ -9,16 +9,17 @@
 #   w1-default W1 with default flags (gRPC), with a step trace
 #   w2         W2 with prefix caching on vs off
 #   w3         W3 at three Poisson rates
+#   pressure   W1 in a KV pool of 4,096 and 8,192 blocks (W1 peaks near 20,400): recompute vs swap
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
-#   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 9 minutes)
+#   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
 #   OUT=bench-results STAGES="w2 w3" bash scripts/gpu-bench.sh   # some stages
 #   MODEL=/tmp/tiny SHAPE=tiny QUICK=1 STAGES="w1 w2 w3" bash scripts/gpu-bench.sh   # CPU smoke run
 set -uo pipefail
 OUT=${OUT:-bench-results}
 MODEL=${MODEL:-/tmp/llama-8b-shape}
 SHAPE=${SHAPE:-llama-8b}
-STAGES=${STAGES:-kernels step breakdown w1 w1-default w2 w3}
+STAGES=${STAGES:-kernels step breakdown w1 w1-default w2 w3 pressure}
 # W1 is offline throughput: all 512 requests run at once, and a message per request every 4 tokens
 # (first and last at once) keeps the scheduler ahead of the GPU (see the README's W1 analysis).
 W1_EXECUTOR_FLAGS="--max-num-seqs 512"
@@ -73,6 +74,13 @@ else
   fi
   if wants w2; then bench w2 150 --workload W2 --num-warmups 8 --compare-prefix-caching; fi
   if wants w3; then bench w3 150 --workload W3 --num-warmups 8 --num-prompts 48 --request-rates 2,8,32; fi
+  if wants pressure; then
+    for blocks in 4096 8192; do for mode in recompute swap; do
+      bench "pressure-$blocks-$mode" 200 --workload W1 --num-warmups 8 \
+        --executor-args "$W1_EXECUTOR_FLAGS --num-gpu-blocks-override $blocks --swap-space 24" \
+        --scheduler-args "$W1_SCHEDULER_FLAGS --preemption-mode $mode"
+    done; done
+  fi
 fi
 for trace in "$OUT"/w1*trace*.jsonl; do  # where each W1 pass's GPU time went
   [ -f "$trace" ] && { echo "=== $trace"; python3 -m executor.step_trace "$trace" | sed -n 1,8p; python3 -m executor.step_trace "$trace" | tail -n 1; }
