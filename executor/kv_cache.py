@@ -124,9 +124,8 @@ class KVCache:
         """Copies CPU blocks to device blocks, all layers at once, queued like any step's work."""
         if not src_cpu_blocks:
             return
-        blocks = torch.empty(
-            (len(src_cpu_blocks), *self.cpu_pool.shape[1:]), dtype=self.layout.dtype, device=self.device
-        )
+        shape = self.layout.cpu_pool_shape(len(src_cpu_blocks))
+        blocks = torch.empty(shape, dtype=self.layout.dtype, device=self.device)  # block-major, as copied
         for start, cpu_block, length in _runs(src_cpu_blocks):
             blocks[start : start + length].copy_(
                 self.cpu_pool[cpu_block : cpu_block + length], non_blocking=True
