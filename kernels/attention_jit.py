@@ -1,5 +1,6 @@
-"""The Triton device code of the paged-attention kernels: decode (split-KV), the merge of its
-splits, varlen (prefill chunks, prompts and decodes in any mix) and the KV write.
+"""The Triton device code of the paged-attention kernels: decode (split-KV; also the decodes of a
+mixed batch), the merge of its splits, varlen (the prefill chunks and prompts of a mixed batch) and
+the KV write.
 
 `kernels.triton_attention` explains the design, chooses every launch parameter from shapes, and
 launches these; nothing here is meant to be called from elsewhere.
