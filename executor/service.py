@@ -27,6 +27,7 @@ import structlog
 
 from executor.config import ExecutorConfig
 from executor.runner import ModelRunner, PendingStep, PlanError
+from pagedserve.flags import listen
 from protos import executor_pb2, executor_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -249,10 +250,7 @@ class ExecutorServer:
         address = f"{config.host}:{config.port}"
         if ":" in config.host and not config.host.startswith("["):
             address = f"[{config.host}]:{config.port}"
-        try:
-            self.port = self._server.add_insecure_port(address)
-        except RuntimeError as exc:  # grpc's "Failed to bind": name the flag to change
-            raise OSError(f"cannot listen on {address} ({exc}); is --port in use?") from None
+        self.port = listen(self._server, address)
         self.address = address.rsplit(":", 1)[0] + f":{self.port}"
 
     def start(self) -> ExecutorServer:

@@ -1,4 +1,5 @@
-"""What the services' entry points share for bad flags (kept free of torch: the scheduler uses it)."""
+"""What the services' entry points share for bad flags and ports (kept free of torch and grpc
+imports: the scheduler and the CLI use it)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import argparse
 import re
 import sys
 from collections.abc import Iterable
-from typing import NoReturn
+from typing import NoReturn, Protocol
+
+
+class _Server(Protocol):
+    def add_insecure_port(self, address: str) -> int: ...
 
 
 def exit_bad_flags(
@@ -23,3 +28,12 @@ def exit_bad_flags(
         parser.error(message)
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def listen(server: _Server, address: str) -> int:
+    """`server.add_insecure_port(address)` (grpc or grpc.aio), with grpc's bare "Failed to bind"
+    turned into an OSError that names the flag to change; the entry points print it in one line."""
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address} ({exc}); is --port in use?") from None

@@ -21,6 +21,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
+from pagedserve.flags import listen
 from protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from scheduler.completion import Delta, StopConditions
 from scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
@@ -299,10 +300,7 @@ async def serve_async(config: ServiceConfig) -> None:
     gc.freeze()
     server = public_server(GenerationService(engine), AdminService(engine))
     address = f"{config.host}:{config.port}"
-    try:
-        server.add_insecure_port(address)
-    except RuntimeError as exc:  # grpc's "Failed to bind": name the flag to change
-        raise OSError(f"cannot listen on {address} ({exc}); is --port in use?") from None
+    listen(server, address)
     await server.start()
     log.info("scheduler listening", address=address, executor=config.executor)
     engine_task = asyncio.create_task(engine.run())
