@@ -20,7 +20,8 @@ serve: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m protos.generate --check
+	scripts/lint-imports.sh $(PY)
+	$(PY) -m pagedserve.protos.generate --check
 
 test: lint
 	$(PY) -m pytest

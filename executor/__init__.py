@@ -5,19 +5,19 @@ Entry points: `ExecutorConfig` / `add_cli_args` (configuration), `serve` (blocki
 without gRPC).
 """
 
-from executor.config import ExecutorConfig, add_cli_args
+from pagedserve.executor.config import ExecutorConfig, add_cli_args
 
 __all__ = ["ExecutorConfig", "add_cli_args", "serve", "ExecutorServer", "ModelRunner"]
 
 
 def __getattr__(name: str):
-    # Lazy so that `from executor import ExecutorConfig` (CLI parsing) does not import torch models / grpc.
+    # Lazy so that `from pagedserve.executor import ExecutorConfig` (CLI parsing) imports no model or grpc.
     if name in ("serve", "ExecutorServer"):
-        from executor import service
+        from pagedserve.executor import service
 
         return getattr(service, name)
     if name == "ModelRunner":
-        from executor.runner import ModelRunner
+        from pagedserve.executor.runner import ModelRunner
 
         return ModelRunner
     raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""`python -m executor --model DIR --port P`: the executor service alone (also `pagedserve executor`).
+"""`python -m pagedserve.executor --model DIR --port P`: the executor service alone (`pagedserve executor`).
 
 Logging follows the shared pagedserve setup: PAGEDSERVE_LOG_LEVEL, PAGEDSERVE_LOG_FORMAT=json.
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from executor.config import ExecutorConfig, add_cli_args
-from executor.loader import UnsupportedModelError
-from pagedserve.logs import configure_logging
+from pagedserve.common.logs import configure_logging
+from pagedserve.executor.config import ExecutorConfig, add_cli_args
+from pagedserve.executor.loader import UnsupportedModelError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     config = ExecutorConfig.from_args(parser.parse_args(argv))
     configure_logging("executor")
 
-    from executor.service import serve  # after parsing: --help stays fast
+    from pagedserve.executor.service import serve  # after parsing: --help stays fast
 
     try:
         serve(config)

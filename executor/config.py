@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.flags import exit_bad_flags
+from pagedserve.common.flags import exit_bad_flags
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -135,11 +135,12 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
 
     Args:
         parser: the parser (or argument group's parser) to extend.
-        endpoint: also add --host/--port; a CLI that starts several services may want its own.
+        endpoint: also add --model, --host and --port; a CLI that starts several services (`serve`)
+            adds its own and forwards the rest (`pagedserve.cli.forwarded_flags`).
     """
     group = parser.add_argument_group("executor")
-    group.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     if endpoint:
+        group.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
         group.add_argument("--host", default=ExecutorConfig.host, help="gRPC listen address")
         group.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC listen port (0 = any)")
     group.add_argument("--dtype", choices=DTYPES, default="auto")

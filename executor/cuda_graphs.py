@@ -40,9 +40,9 @@ import numpy as np
 import structlog
 import torch
 
-from executor.model import AttentionMetadata, LlamaModel
-from executor.step_inputs import HostBatch, RequestSlots
-from executor.transfer import aligned_length, pack_int64
+from pagedserve.executor.model import AttentionMetadata, LlamaModel
+from pagedserve.executor.step_inputs import HostBatch, RequestSlots
+from pagedserve.executor.transfer import aligned_length, pack_int64
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor.transfer import to_device
+from pagedserve.executor.transfer import to_device
 
 log = structlog.get_logger(__name__)
 

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from executor.loader import ModelSpec, RopeConfig
-from kernels import layers
+from pagedserve import kernels
+from pagedserve.executor.loader import ModelSpec, RopeConfig
+from pagedserve.kernels import layers
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from executor.sampler import SamplingParams
-from protos import executor_pb2
+from pagedserve.executor.sampler import SamplingParams
+from pagedserve.protos import executor_pb2
 
 
 class PlanError(ValueError):

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from executor.config import ExecutorConfig
-from executor.cuda_graphs import decode_graph_sizes, mixed_graph_sizes
-from executor.kv_cache import KVCache, KVCacheLayout
-from executor.model import LlamaModel
-from executor.sampler import SamplingParams, sample
-from executor.step_inputs import build_step_inputs
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.cuda_graphs import decode_graph_sizes, mixed_graph_sizes
+from pagedserve.executor.kv_cache import KVCache, KVCacheLayout
+from pagedserve.executor.model import LlamaModel
+from pagedserve.executor.sampler import SamplingParams, sample
+from pagedserve.executor.step_inputs import build_step_inputs
 
 log = structlog.get_logger(__name__)
 

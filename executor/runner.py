@@ -22,18 +22,30 @@ import numpy as np
 import structlog
 import torch
 
-from executor.config import ExecutorConfig
-from executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
-from executor.kv_cache import KVCache, KVCacheLayout, check_fits, cpu_device_num_blocks, gpu_num_blocks
-from executor.loader import ModelSpec, UnsupportedModelError, load_model_spec, load_weights
-from executor.model import LlamaModel
-from executor.plan_check import PlanError, PlanLimits, validate_plan
-from executor.profiling import profile_cuda
-from executor.sampler import SamplingParams, sample
-from executor.step_inputs import HostBatch, RequestSlots, build_host_batch, build_step_inputs, stage_batch
-from executor.step_trace import StepRecord, StepTracer
-from executor.transfer import to_host
-from protos import executor_pb2
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
+from pagedserve.executor.kv_cache import (
+    KVCache,
+    KVCacheLayout,
+    check_fits,
+    cpu_device_num_blocks,
+    gpu_num_blocks,
+)
+from pagedserve.executor.loader import ModelSpec, UnsupportedModelError, load_model_spec, load_weights
+from pagedserve.executor.model import LlamaModel
+from pagedserve.executor.plan_check import PlanError, PlanLimits, validate_plan
+from pagedserve.executor.profiling import profile_cuda
+from pagedserve.executor.sampler import SamplingParams, sample
+from pagedserve.executor.step_inputs import (
+    HostBatch,
+    RequestSlots,
+    build_host_batch,
+    build_step_inputs,
+    stage_batch,
+)
+from pagedserve.executor.step_trace import StepRecord, StepTracer
+from pagedserve.executor.transfer import to_host
+from pagedserve.protos import executor_pb2
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executor.transfer import to_device
+from pagedserve.executor.transfer import to_device
 
 _M64 = (1 << 64) - 1
 _GREEDY_EPS = 1e-5

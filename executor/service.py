@@ -25,18 +25,16 @@ from concurrent import futures
 import grpc
 import structlog
 
-from executor.config import ExecutorConfig
-from executor.runner import ModelRunner, PendingStep, PlanError
-from pagedserve.flags import listen
-from protos import executor_pb2, executor_pb2_grpc
+from pagedserve.common.flags import listen
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.runner import ModelRunner, PendingStep, PlanError
+from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
 
 log = structlog.get_logger(__name__)
 
-LEASE_EPOCH_KEY = "lease-epoch"
 THROUGHPUT_LOG_SECONDS = 10.0
 # While a step runs, how often the loop checks whether it finished (it wakes at once for a plan).
 POLL_SECONDS = 0.0002
-_MAX_MESSAGE_BYTES = 256 << 20
 _END = object()  # the plan stream ended (closed, cancelled or broken)
 _STEP_DONE = object()  # the pending step finished before another plan arrived
 
@@ -208,13 +206,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     def _stream_epoch(self, context: grpc.ServicerContext) -> int:
         metadata = dict(context.invocation_metadata())
-        raw = metadata.get(LEASE_EPOCH_KEY)
+        raw = metadata.get(wire.LEASE_EPOCH_KEY)
         try:
             return int(raw)
         except (TypeError, ValueError):
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"Step needs the '{LEASE_EPOCH_KEY}' metadata from Attach (got {raw!r})",
+                f"Step needs the '{wire.LEASE_EPOCH_KEY}' metadata from Attach (got {raw!r})",
             )
 
     def _check_lease(self, epoch: int, context: grpc.ServicerContext) -> None:
@@ -235,16 +233,7 @@ class ExecutorServer:
         self.service = ExecutorService(self.runner, config.model)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="executor-rpc"),
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                # The scheduler pings every 10 s to notice a frozen executor (scheduler.transport);
-                # by default a server answers pings this frequent on an idle stream with GOAWAY.
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-                # A port in use is an error, not a port shared with another executor (SO_REUSEPORT
-                # would split the schedulers' connections between the two).
-                ("grpc.so_reuseport", 0),
-            ],
+            options=wire.SERVER_OPTIONS,
         )
         executor_pb2_grpc.add_ExecutorServicer_to_server(self.service, self._server)
         address = f"{config.host}:{config.port}"

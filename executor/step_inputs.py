@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.model import AttentionMetadata
-from executor.transfer import int64_to_device
+from pagedserve.executor.model import AttentionMetadata
+from pagedserve.executor.transfer import int64_to_device
 
 
 class RequestSlots:

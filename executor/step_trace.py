@@ -8,7 +8,7 @@ recorded in stream order around it, the GPU time from its first kernel to its sa
 (`gpu_ms`) and how long the GPU sat idle before it (`gap_ms`), waiting for the plan or for the
 host to prepare the step's inputs.
 
-    python -m executor.step_trace FILE      # totals by kind of step and by decode batch size
+    python -m pagedserve.executor.step_trace FILE      # totals by kind of step and by decode batch size
 
 Off by default: an event pair and a line of JSON per step cost a few microseconds.
 """
@@ -25,8 +25,8 @@ from typing import TextIO
 
 import torch
 
-from executor.step_inputs import HostBatch
-from pagedserve.tables import markdown_table
+from pagedserve.common.tables import markdown_table
+from pagedserve.executor.step_inputs import HostBatch
 
 
 @dataclass(slots=True)

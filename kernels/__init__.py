@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from kernels import reference
+from pagedserve.kernels import reference
 
 __all__ = ["paged_attention", "write_kv", "reference"]
 
@@ -26,7 +26,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=None):
     """See `kernels.reference.paged_attention` for the contract."""
     if _use_triton(q):
-        from kernels import triton_attention
+        from pagedserve.kernels import triton_attention
 
         return triton_attention.paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out
@@ -37,7 +37,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """See `kernels.reference.write_kv` for the contract."""
     if _use_triton(key):
-        from kernels import triton_attention
+        from pagedserve.kernels import triton_attention
 
         triton_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)
     else:

@@ -16,7 +16,7 @@ from typing import overload
 import torch
 import torch.nn.functional as F
 
-from kernels import _use_triton
+from pagedserve.kernels import _use_triton
 
 __all__ = ["rms_norm", "rotary_embedding", "silu_and_mul"]
 
@@ -49,7 +49,7 @@ def rms_norm(
         inputs are not modified.
     """
     if _use_triton(x):
-        from kernels import triton_layers
+        from pagedserve.kernels import triton_layers
 
         return triton_layers.rms_norm(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)
@@ -69,7 +69,7 @@ def rotary_embedding(
     The rotation is computed in float32 and rounded back to q/k's dtype.
     """
     if _use_triton(q):
-        from kernels import triton_layers
+        from pagedserve.kernels import triton_layers
 
         triton_layers.rotary_embedding(positions, q, k, cos, sin)
     else:
@@ -82,7 +82,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     As `F.silu(gate) * up`: silu in float32 rounded to x's dtype, then the multiply rounded again.
     """
     if _use_triton(x):
-        from kernels import triton_layers
+        from pagedserve.kernels import triton_layers
 
         return triton_layers.silu_and_mul(x)
     return silu_and_mul_reference(x)

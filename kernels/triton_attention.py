@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from kernels.attention_jit import decode_kernel, merge_kernel, varlen_kernel, write_kv_kernel
+from pagedserve.kernels.attention_jit import decode_kernel, merge_kernel, varlen_kernel, write_kv_kernel
 
 __all__ = ["paged_attention", "write_kv", "DecodeConfig", "PrefillConfig"]
 
@@ -129,7 +129,7 @@ def default_decode_config(head_dim_pad: int, dtype: torch.dtype) -> DecodeConfig
     """Decode reads keys and values once: enough loads in flight matters more than tile size.
 
     fp32 and head_dim 256 take smaller tiles so registers and shared memory suffice (checked with
-    ptxas for sm_90: no spills). For bf16/fp16 `python -m kernels.bench --sweep` on an H200 picked
+    ptxas for sm_90: no spills). For bf16/fp16 `python -m pagedserve.bench.kernels --sweep` on an H200 picked
     (64 keys, 4 warps, 2 stages) at every K1 shape from (8, 4096) to (32, 16384): 3 stages ran
     4-32% slower (e.g. (64, 4096): 251 vs 331 us).
     """
@@ -160,7 +160,7 @@ def big_prefill_config() -> PrefillConfig:
     """Query tiles of 256 rows (16 warps, one program per SM) for batches with many new tokens
     (bf16/fp16, head_dim <= 128): each key tile then serves four times as many query rows.
 
-    On H200s (GQA 4:1, head_dim 128, bf16; `python -m kernels.bench --sweep`, which also times
+    On H200s (GQA 4:1, head_dim 128, bf16; `python -m pagedserve.bench.kernels --sweep`, which also times
     both tiles on the batch compositions quoted here): 8 x 2048 prompts 796-802 us instead of
     913-921 (0.64-0.70x SDPA, was 0.59-0.62x), a W1-size chunk of 12 prompts (7,701 tokens) 217
     instead of 232 us. With few programs the GPU under-fills and the default tile wins (one

@@ -2,9 +2,9 @@
 
 The stubs are committed (made with grpcio-tools 1.84.x, so they import under grpcio >= 1.84) and
 flattened into this package: protoc's `from pagedserve.v1 import x_pb2` becomes
-`from protos import x_pb2`. `tests/test_protos.py` fails when they are out of date.
+`from pagedserve.protos import x_pb2`. `tests/test_protos.py` fails when they are out of date.
 
-Usage: python -m protos.generate [--check]
+Usage: python -m pagedserve.protos.generate [--check]
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def generate() -> dict[str, str]:
             raise RuntimeError("protoc failed")
         stubs = {}
         for path in sorted(Path(out, "pagedserve", "v1").glob("*.py")):
-            text = re.sub(r"^from pagedserve\.v1 import", "from protos import", path.read_text(), flags=re.M)
+            text = re.sub(
+                r"^from pagedserve\.v1 import", "from pagedserve.protos import", path.read_text(), flags=re.M
+            )
             stubs[path.name] = text
         return stubs
 
@@ -51,7 +53,7 @@ def main() -> int:
         else:
             target.write_text(text)
     if stale:
-        print(f"stale stubs: {', '.join(stale)}; run python -m protos.generate", file=sys.stderr)
+        print(f"stale stubs: {', '.join(stale)}; run python -m pagedserve.protos.generate", file=sys.stderr)
         return 1
     return 0
 

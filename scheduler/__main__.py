@@ -1,12 +1,12 @@
-"""`python -m scheduler --model DIR --executor HOST:PORT --port P`: the scheduler service alone."""
+"""`python -m pagedserve.scheduler --model DIR --executor HOST:PORT --port P`: the scheduler service alone."""
 
 from __future__ import annotations
 
 import argparse
 
-from pagedserve.logs import configure_logging
-from scheduler.service import serve
-from scheduler.service_config import ServiceConfig
+from pagedserve.common.logs import configure_logging
+from pagedserve.scheduler.service import serve
+from pagedserve.scheduler.service_config import ServiceConfig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
+from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class FinishReason(enum.IntEnum):

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from scheduler.block_pool import Block
-from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
+from pagedserve.scheduler.block_pool import Block
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 
 log = structlog.get_logger()
 
@@ -134,7 +134,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv_cache = KVCacheManager(
+        self.kv_cache_manager = KVCacheManager(
             config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching
         )
         self._requests: dict[SeqId, Request] = {}  # every unfinished request
@@ -187,14 +187,14 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self._remove_running(request)
-            self.kv_cache.free(request)
+            self.kv_cache_manager.free(request)
             self._removed.append(request.seq_id)
         elif request.status is RequestStatus.SWAPPED:
             self._swapped.remove(request)
-            self.kv_cache.free_swapped(request)
+            self.kv_cache_manager.free_swapped(request)
         else:
             self._waiting.remove(request)
-        self.kv_cache.forget(seq_id)
+        self.kv_cache_manager.forget(seq_id)
         request.status = RequestStatus.FINISHED
 
     def get_request(self, seq_id: SeqId) -> Request | None:
@@ -215,12 +215,12 @@ class Scheduler:
         self._removed = []
         # Everything computed so far was computed by plans already handed out: safe to share.
         for request in self._running:
-            self.kv_cache.cache_full_blocks(request)
+            self.kv_cache_manager.cache_full_blocks(request)
         self._schedule_running(step)
         # A step that had to pre-empt has no room to admit anyone (and must not re-admit a victim).
         if not step.preempted:
             self._start_queued(step)
-        self.kv_cache.end_step()
+        self.kv_cache_manager.end_step()
         return self._finish_step(step)
 
     def _schedule_running(self, step: _Step) -> None:
@@ -253,7 +253,7 @@ class Scheduler:
         The running list is in (priority, arrival) order and served front to back, so the victim
         (its tail) has not been served in this step yet, or is the request itself.
         """
-        while (new_block_ids := self.kv_cache.allocate_slots(request, num_tokens)) is None:
+        while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_tokens)) is None:
             victim = self._running[-1]
             if victim is not request and self._num_tokens_wanted(victim):
                 step.unserved -= 1
@@ -278,7 +278,7 @@ class Scheduler:
             if request.status is RequestStatus.SWAPPED:
                 num_blocks_short, keep = self._swap_in(request, step), ()
             else:
-                cached_blocks, num_cached_tokens = self.kv_cache.get_computed_blocks(request)
+                cached_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 num_blocks_short = self._admit(request, cached_blocks, num_cached_tokens, step)
                 keep = cached_blocks
             if num_blocks_short and not self._preempt_lower_priority(request, num_blocks_short, keep, step):
@@ -293,9 +293,9 @@ class Scheduler:
         """Swaps a swapped-out request back in; returns the blocks it lacks (0 once it runs)."""
         num_new = min(self._num_tokens_wanted(request), step.budget)
         num_tokens = request.num_computed_tokens + num_new
-        moves = self.kv_cache.swap_in(request, num_tokens)
+        moves = self.kv_cache_manager.swap_in(request, num_tokens)
         if moves is None:
-            return self.kv_cache.num_blocks_short(request, num_tokens)
+            return self.kv_cache_manager.num_blocks_short(request, num_tokens)
         self._swapped.remove(request)
         step.plan.swap_in.extend(moves)
         self._start_running(request, num_new, step)
@@ -308,8 +308,8 @@ class Scheduler:
         (0 once it runs)."""
         num_new = min(request.num_tokens - num_cached_tokens, step.budget)
         num_tokens = num_cached_tokens + num_new
-        if self.kv_cache.allocate_slots(request, num_tokens, cached_blocks) is None:
-            return self.kv_cache.num_blocks_short(request, num_tokens, cached_blocks)
+        if self.kv_cache_manager.allocate_slots(request, num_tokens, cached_blocks) is None:
+            return self.kv_cache_manager.num_blocks_short(request, num_tokens, cached_blocks)
         self._waiting.remove(request)
         if self.config.enable_prefix_caching:
             self._prefix_hit_tokens += num_cached_tokens
@@ -332,7 +332,9 @@ class Scheduler:
             for victim in self._running
             if victim.priority > request.priority and victim.seq_id not in step.admitted
         ]
-        reclaimable = self.kv_cache.num_reclaimable_blocks([victim.seq_id for victim in victims], keep)
+        reclaimable = self.kv_cache_manager.num_reclaimable_blocks(
+            [victim.seq_id for victim in victims], keep
+        )
         if not victims or reclaimable < num_blocks_short:
             return False
         self._preempt(victims[-1], step)
@@ -349,7 +351,7 @@ class Scheduler:
                 token_ids=request.all_token_ids,
                 num_computed_tokens=request.num_computed_tokens,
                 num_new_tokens=num_new,
-                block_ids=self.kv_cache.block_ids(request.seq_id),
+                block_ids=self.kv_cache_manager.block_ids(request.seq_id),
                 sampling=request.sampling,
             )
         )
@@ -379,7 +381,7 @@ class Scheduler:
         self._remove_running(request)
         if request.seq_id in step.running_plans:
             self._unschedule(request, step)
-        moves = self.kv_cache.swap_out(request) if self.config.preemption_mode == "swap" else None
+        moves = self.kv_cache_manager.swap_out(request) if self.config.preemption_mode == "swap" else None
         if moves is not None:
             mode = "swap"
             step.plan.swap_out.extend(moves)
@@ -387,7 +389,7 @@ class Scheduler:
             bisect.insort(self._swapped, request, key=_sort_key)
         else:
             mode = "recompute"
-            self.kv_cache.free(request)
+            self.kv_cache_manager.free(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             bisect.insort(self._waiting, request, key=_sort_key)
@@ -412,7 +414,7 @@ class Scheduler:
             self._prompt_tokens_computed += max(
                 0, min(request.num_prompt_tokens - start, scheduled.num_new_tokens)
             )
-        in_use = self.kv_cache.block_pool.num_blocks_in_use
+        in_use = self.kv_cache_manager.block_pool.num_blocks_in_use
         if in_use > self._peak_blocks_in_use:
             self._peak_blocks_in_use = in_use
             self._peak_slot_utilization = self._slot_utilization()
@@ -466,16 +468,18 @@ class Scheduler:
     def _slot_utilization(self) -> float:
         """Only a request's last block can be partly filled, and shared blocks are full, so the
         empty slots are the per-request tails."""
-        in_use = self.kv_cache.block_pool.num_blocks_in_use
+        in_use = self.kv_cache_manager.block_pool.num_blocks_in_use
         if in_use == 0:
             return 0.0
         size = self.config.block_size
-        empty = sum(self.kv_cache.num_blocks(r.seq_id) * size - r.num_computed_tokens for r in self._running)
+        empty = sum(
+            self.kv_cache_manager.num_blocks(r.seq_id) * size - r.num_computed_tokens for r in self._running
+        )
         return 1.0 - empty / (in_use * size)
 
     @property
     def stats(self) -> SchedulerStats:
-        pool = self.kv_cache.block_pool
+        pool = self.kv_cache_manager.block_pool
         return SchedulerStats(
             num_waiting=len(self._waiting),
             num_running=len(self._running),

@@ -22,13 +22,13 @@ import grpc
 import structlog
 from asyncio_throttle import Throttler
 
-from protos import executor_pb2
-from scheduler.completion import Completion, Delta, StopConditions
-from scheduler.config import SchedulerConfig
-from scheduler.core import Scheduler, StepPlan
-from scheduler.request import Request, SamplingOptions, SeqId
-from scheduler.service_config import ServiceConfig
-from scheduler.transport import ExecutorTransport, GrpcTransport
+from pagedserve.protos import executor_pb2
+from pagedserve.scheduler.completion import Completion, Delta, StopConditions
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.core import Scheduler, StepPlan
+from pagedserve.scheduler.request import Request, SamplingOptions, SeqId
+from pagedserve.scheduler.service_config import ServiceConfig
+from pagedserve.scheduler.transport import ExecutorTransport, GrpcTransport
 
 log = structlog.get_logger()
 

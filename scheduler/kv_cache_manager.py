@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduler.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
-from scheduler.request import Request, SeqId
+from pagedserve.scheduler.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from pagedserve.scheduler.request import Request, SeqId
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -21,12 +21,12 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from pagedserve.flags import listen
-from protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
-from scheduler.completion import Delta, StopConditions
-from scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
-from scheduler.request import SamplingOptions
-from scheduler.service_config import ServiceConfig
+from pagedserve.common.flags import listen
+from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from pagedserve.scheduler.completion import Delta, StopConditions
+from pagedserve.scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
+from pagedserve.scheduler.request import SamplingOptions
+from pagedserve.scheduler.service_config import ServiceConfig
 
 log = structlog.get_logger()
 

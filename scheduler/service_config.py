@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from pagedserve.flags import exit_bad_flags
+from pagedserve.common.flags import exit_bad_flags
 
 
 @dataclass(frozen=True)
@@ -54,22 +54,24 @@ class ServiceConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, shared_only: bool = False) -> None:
-        """Adds the scheduler's flags. With shared_only, only those `pagedserve serve` adds here
-        (model, host, port and the batch limits are added by serve itself)."""
+        """Adds the scheduler's flags. With shared_only, only those of the scheduler alone: `pagedserve
+        serve` adds model, host and port itself and takes the batch limits from the executor's flags
+        (the same names and defaults), forwarding them to both."""
+        group = parser.add_argument_group("scheduler")
         if not shared_only:
-            parser.add_argument("--model", required=True, help="model directory (tokenizer files)")
-            parser.add_argument("--host", default="127.0.0.1")
-            parser.add_argument("--port", type=int, default=50051, help="public gRPC port")
-            parser.add_argument("--max-model-len", type=int, default=None)
-            parser.add_argument("--max-num-seqs", type=int, default=256)
-            parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-            parser.add_argument("--executor", default="127.0.0.1:50061", help="executor host:port")
-            parser.add_argument("--attach-timeout", type=float, default=600.0)
-        parser.add_argument("--served-model-name", default=None)
-        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-        parser.add_argument("--max-queue-len", type=int, default=4096)
-        parser.add_argument(
+            group.add_argument("--model", required=True, help="model directory (tokenizer files)")
+            group.add_argument("--host", default="127.0.0.1")
+            group.add_argument("--port", type=int, default=50051, help="public gRPC port")
+            group.add_argument("--max-model-len", type=int, default=None)
+            group.add_argument("--max-num-seqs", type=int, default=256)
+            group.add_argument("--max-num-batched-tokens", type=int, default=8192)
+            group.add_argument("--executor", default="127.0.0.1:50061", help="executor host:port")
+            group.add_argument("--attach-timeout", type=float, default=600.0)
+        group.add_argument("--served-model-name", default=None)
+        group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        group.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+        group.add_argument("--max-queue-len", type=int, default=4096)
+        group.add_argument(
             "--stream-interval", type=int, default=1,
             help="tokens per streamed message (first and last token are sent at once)",
         )  # fmt: skip

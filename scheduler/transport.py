@@ -12,7 +12,7 @@ from typing import Protocol
 
 import grpc
 
-from protos import executor_pb2, executor_pb2_grpc
+from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
 
 
 class StepStream(Protocol):
@@ -67,16 +67,6 @@ class _GrpcStepStream:
         return self._call.done()
 
 
-# HTTP/2 keepalive on the channel to the executor: an executor that stops answering (a frozen
-# process, a host gone without closing its connections) fails the Step stream with UNAVAILABLE
-# ("ping timeout") about 10 s after its last reply, as a crash does at once, instead of leaving
-# every client stream hanging. (grpc 1.84 waits `grpc.http2.ping_timeout_ms` for the ack, not
-# `grpc.keepalive_timeout_ms`.) The executor's server accepts pings this often (executor.service).
-# A busy executor still acks: grpc's own threads answer pings, not the Python ones.
-KEEPALIVE_TIME_MS = 10_000
-PING_TIMEOUT_MS = 10_000
-
-
 class GrpcTransport:
     """The executor service at `address`, over one channel opened on first attach (inside the
     event loop that will use it)."""
@@ -90,15 +80,7 @@ class GrpcTransport:
 
     def _stub(self) -> executor_pb2_grpc.ExecutorStub:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(
-                self.address,
-                options=[
-                    ("grpc.max_receive_message_length", 64 << 20),
-                    ("grpc.max_send_message_length", 64 << 20),
-                    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-                    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
-                ],
-            )
+            self._channel = grpc.aio.insecure_channel(self.address, options=wire.CHANNEL_OPTIONS)
         return executor_pb2_grpc.ExecutorStub(self._channel)
 
     async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
@@ -107,4 +89,4 @@ class GrpcTransport:
         )
 
     def open_steps(self, lease_epoch: int) -> StepStream:
-        return _GrpcStepStream(self._stub().Step(metadata=(("lease-epoch", str(lease_epoch)),)))
+        return _GrpcStepStream(self._stub().Step(metadata=wire.lease_metadata(lease_epoch)))

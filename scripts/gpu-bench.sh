@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every number of the README's performance section, on one GPU machine: writes the llama-8b-shape
 # model, then runs the selected stages (default: all):
-#   kernels    python -m kernels.bench (K1 decode shapes and the prefill case vs SDPA)
-#   step       python -m executor.bench_step (decode and mixed steps, graphs vs eager, GPU idle)
-#   breakdown  python -m executor.bench_breakdown (matmul TFLOP/s by M, kernel time by kind, overlap)
+#   kernels    python -m pagedserve.bench.kernels (K1 decode shapes and the prefill case vs SDPA)
+#   step       python -m pagedserve.bench.step (decode and mixed steps, graphs vs eager, GPU idle)
+#   breakdown  python -m pagedserve.bench.breakdown (matmul TFLOP/s by M, kernel time by kind, overlap)
 #   w1         W1 with the throughput flags (W1_FLAGS) through three processes vs the same engine
 #              in-process, + the HF static baseline; step traces of both passes
 #   w1-default W1 with default flags (gRPC), with a step trace
@@ -45,10 +45,10 @@ bench() {  # bench NAME TIMEOUT ARGS...: pagedserve bench against launched servi
 }
 wants() { [[ " $STAGES " == *" $1 "* ]]; }
 
-if wants kernels; then run kernels 150 python3 -m kernels.bench --result-file "$OUT/kernels.json"; fi
-if wants breakdown; then run breakdown 200 python3 -m executor.bench_breakdown --result-file "$OUT/breakdown.json"; fi
+if wants kernels; then run kernels 150 python3 -m pagedserve.bench.kernels --result-file "$OUT/kernels.json"; fi
+if wants breakdown; then run breakdown 200 python3 -m pagedserve.bench.breakdown --result-file "$OUT/breakdown.json"; fi
 if wants step; then
-  run step 150 python3 -m executor.bench_step --layers 32 --init-on-device --batches 256 --steps 20 \
+  run step 150 python3 -m pagedserve.bench.step --layers 32 --init-on-device --batches 256 --steps 20 \
     --mixed-prompt 512 --service
 fi
 if wants w1 || wants w1-default || wants w2 || wants w3; then
@@ -83,5 +83,5 @@ else
   fi
 fi
 for trace in "$OUT"/w1*trace*.jsonl; do  # where each W1 pass's GPU time went
-  [ -f "$trace" ] && { echo "=== $trace"; python3 -m executor.step_trace "$trace" | sed -n 1,8p; python3 -m executor.step_trace "$trace" | tail -n 1; }
+  [ -f "$trace" ] && { echo "=== $trace"; python3 -m pagedserve.executor.step_trace "$trace" | sed -n 1,8p; python3 -m pagedserve.executor.step_trace "$trace" | tail -n 1; }
 done

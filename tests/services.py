@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import yaml
 
-from protos import (
+from pagedserve.protos import (
     admin_pb2,
     admin_pb2_grpc,
     executor_pb2,

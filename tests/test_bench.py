@@ -18,7 +18,7 @@ import pytest
 from pagedserve import bench
 from pagedserve.bench import BenchRequest, LengthRange, PassResult, RequestRecord, Workload
 from pagedserve.model_shapes import SHAPES, ModelShape, write_shape_model
-from protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.services import free_port
 
 # ---------------------------------------------------------------------------------------------

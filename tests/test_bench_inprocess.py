@@ -11,15 +11,15 @@ import json
 
 import pytest
 
-from executor.config import ExecutorConfig
-from executor.runner import ModelRunner
 from pagedserve import bench
 from pagedserve.bench.inprocess import InProcessTransport
-from scheduler.completion import Delta, StopConditions
-from scheduler.engine import Engine, EngineUnavailable
-from scheduler.request import SamplingOptions
-from scheduler.service import load_tokenizer
-from scheduler.service_config import ServiceConfig
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.runner import ModelRunner
+from pagedserve.scheduler.completion import Delta, StopConditions
+from pagedserve.scheduler.engine import Engine, EngineUnavailable
+from pagedserve.scheduler.request import SamplingOptions
+from pagedserve.scheduler.service import load_tokenizer
+from pagedserve.scheduler.service_config import ServiceConfig
 from tests.services import hf_greedy
 
 CPU = ["--executor-args", "--device cpu --dtype float32"]

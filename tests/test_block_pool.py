@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.block_pool import BlockPool, FreeBlockQueue, hash_block_tokens
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request, SeqId
+from pagedserve.scheduler.block_pool import BlockPool, FreeBlockQueue, hash_block_tokens
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.request import Request, SeqId
 
 
 def ids(blocks) -> list[int]:

@@ -67,30 +67,50 @@ def test_serve_generate_health_and_shutdown(tmp_path):
 
 
 def test_serve_forwards_every_flag_it_accepts(tmp_path):
-    """A flag `serve` accepts reaches the process it belongs to; none is dropped on the way."""
-    from executor.config import ExecutorConfig, add_cli_args
-    from pagedserve.cli import EXECUTOR_FLAGS, SCHEDULER_FLAGS, _forward, add_serve_args
-    from scheduler.service_config import ServiceConfig
+    """A flag `serve` accepts reaches the process it belongs to; none is dropped on the way, and
+    `serve` defines none of the children's flags again (it takes their own definitions)."""
+    from pagedserve.cli import (
+        SHARED_FLAGS,
+        add_serve_args,
+        executor_parser,
+        forwarded_flags,
+        scheduler_parser,
+    )
+    from pagedserve.executor.config import ExecutorConfig, add_cli_args
+    from pagedserve.scheduler.service_config import ServiceConfig
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     own = {"help", "model", "host", "port", "executor_port"}
     accepted = {action.dest for action in parser._actions} - own
-    assert accepted == set(EXECUTOR_FLAGS) | set(SCHEDULER_FLAGS)
+    children = {a.dest for child in (executor_parser(), scheduler_parser()) for a in child._actions}
+    assert accepted == children
 
     trace = str(tmp_path / "trace.jsonl")
-    args = parser.parse_args(["--step-trace", trace, "--stream-interval", "4", "--max-num-seqs", "64"])
-    executor_parser = add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(
+        [
+            "--step-trace",
+            trace,
+            "--stream-interval",
+            "4",
+            "--max-num-seqs",
+            "64",
+            "--no-enable-prefix-caching",
+        ]
+    )
+    full_executor_parser = add_cli_args(argparse.ArgumentParser())
     executor = ExecutorConfig.from_args(
-        executor_parser.parse_args(["--model", "m", *_forward(args, EXECUTOR_FLAGS)])
+        full_executor_parser.parse_args(["--model", "m", *forwarded_flags(args, executor_parser())])
     )
-    scheduler_parser = argparse.ArgumentParser()
-    ServiceConfig.add_cli_args(scheduler_parser)
-    service = ServiceConfig.from_args(
-        scheduler_parser.parse_args(["--model", "m", *_forward(args, SCHEDULER_FLAGS)])
-    )
+    full_scheduler_parser = argparse.ArgumentParser()
+    ServiceConfig.add_cli_args(full_scheduler_parser)
+    scheduler_argv = [
+        *forwarded_flags(args, scheduler_parser()),
+        *forwarded_flags(args, executor_parser(), only=SHARED_FLAGS),
+    ]
+    service = ServiceConfig.from_args(full_scheduler_parser.parse_args(["--model", "m", *scheduler_argv]))
     assert (executor.step_trace, executor.max_num_seqs) == (trace, 64)
-    assert (service.stream_interval, service.max_num_seqs) == (4, 64)
+    assert (service.stream_interval, service.max_num_seqs, service.enable_prefix_caching) == (4, 64, False)
 
 
 def test_serve_checks_its_flags_before_starting_anything(tmp_path, monkeypatch, capsys):
@@ -136,10 +156,9 @@ def test_serve_exits_with_the_code_of_the_child_that_stopped_first(monkeypatch):
 
     monkeypatch.setattr(pagedserve_cli.subprocess, "Popen", Child)
     monkeypatch.setattr(pagedserve_cli.signal, "signal", lambda *_: None)
-    args = argparse.Namespace(
-        **{name: None for name in {*pagedserve_cli.EXECUTOR_FLAGS, *pagedserve_cli.SCHEDULER_FLAGS}}
-    )
-    args.model, args.host, args.port, args.executor_port = "m", "127.0.0.1", 50051, None
+    parser = argparse.ArgumentParser()
+    pagedserve_cli.add_serve_args(parser)
+    args = parser.parse_args(["--model", "m"])
     assert pagedserve_cli.serve(args) == 1
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.completion import Completion, FinishReason, StopConditions
-from scheduler.detokenizer import IncrementalDetokenizer
+from pagedserve.scheduler.completion import Completion, FinishReason, StopConditions
+from pagedserve.scheduler.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +64,12 @@ def test_stop_token_length_and_min_tokens(tokenizer):
 
 @pytest.mark.parametrize("grpc_flag", [[], ["--grpc"]])
 def test_hotpath_bench_runs(tiny_model_dir, grpc_flag):
-    """`python -m scheduler.bench_hotpath` stays runnable (a benchmark: nothing about speed here)."""
+    """`python -m pagedserve.bench.hotpath` stays runnable (a benchmark: nothing about speed here)."""
     import subprocess
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "scheduler.bench_hotpath", f"--model={tiny_model_dir}", "--num-requests=8",
+        [sys.executable, "-m", "pagedserve.bench.hotpath", f"--model={tiny_model_dir}", "--num-requests=8",
          "--input-len=16:32", "--output-len=8", *grpc_flag],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from pagedserve.client import generate, make_request, stream
-from protos import generation_pb2, generation_pb2_grpc
+from pagedserve.protos import generation_pb2, generation_pb2_grpc
 from tests.services import free_port, hf_greedy, running_services, scheduler_stats, wait_for_idle
 
 pytestmark = pytest.mark.slow
@@ -152,7 +152,7 @@ def test_unavailable_without_executor(tiny_model_dir, tmp_path):
 
     port = free_port()
     cmd = [
-        sys.executable, "-m", "scheduler", f"--model={tiny_model_dir}", f"--port={port}",
+        sys.executable, "-m", "pagedserve.scheduler", f"--model={tiny_model_dir}", f"--port={port}",
         f"--executor=127.0.0.1:{free_port()}",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

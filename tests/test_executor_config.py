@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from executor.config import ExecutorConfig, add_cli_args
-from executor.kv_cache import (
+from pagedserve.executor.config import ExecutorConfig, add_cli_args
+from pagedserve.executor.kv_cache import (
     KVCache,
     KVCacheLayout,
     KVCacheTooSmallError,
@@ -56,7 +56,7 @@ def test_invalid_config_lists_every_problem():
 def test_bad_flag_values_exit_as_argparse_does_naming_the_flags(capsys):
     """`pagedserve executor --block-size 24` (and the scheduler's flags): a usage error, exit 2,
     in the words of the flags, not a ValueError traceback."""
-    from scheduler.service_config import ServiceConfig
+    from pagedserve.scheduler.service_config import ServiceConfig
 
     parser = add_cli_args(argparse.ArgumentParser(prog="pagedserve executor"))
     ns = parser.parse_args("--model m --block-size 24 --gpu-memory-utilization 1.5 --swap-space -1".split())

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.config import ExecutorConfig
-from executor.runner import ModelRunner
-from executor.testing import AheadScheduler, ToyScheduler, drive_ahead
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.runner import ModelRunner
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
+from tests.toy_scheduler import AheadScheduler, ToyScheduler, drive_ahead
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 transformers = pytest.importorskip("transformers")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.config import ExecutorConfig
-from executor.loader import UnsupportedModelError, load_model_spec
-from executor.runner import ModelRunner, PlanError, build_step_inputs
-from executor.testing import ToyScheduler
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.loader import UnsupportedModelError, load_model_spec
+from pagedserve.executor.runner import ModelRunner, PlanError, build_step_inputs
+from pagedserve.protos import executor_pb2
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
-from protos import executor_pb2
+from tests.toy_scheduler import ToyScheduler
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from executor.config import ExecutorConfig
-from executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
-from executor.runner import ModelRunner, PendingStep, RunnerStats
-from executor.service import ExecutorService
-from executor.testing import AheadScheduler, ToyScheduler, drive_ahead
-from executor.transfer import pack_int64
-from protos import executor_pb2
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
+from pagedserve.executor.runner import ModelRunner, PendingStep, RunnerStats
+from pagedserve.executor.service import ExecutorService
+from pagedserve.executor.transfer import pack_int64
+from pagedserve.protos import executor_pb2, wire
+from tests.toy_scheduler import AheadScheduler, ToyScheduler, drive_ahead
 
 NUM_BLOCKS = 64
 
@@ -97,7 +97,7 @@ def test_block_table_stays_right_across_removal_readd_and_swap(runner, hf_model)
 
 
 def test_slots_are_limited_to_max_num_seqs(runner):
-    from executor.runner import PlanError
+    from pagedserve.executor.runner import PlanError
 
     runner.reset()
     new = [
@@ -146,7 +146,7 @@ def test_padded_decode_batch_equals_eager(runner):
     sched.observe(runner.execute(sched.plan()))  # prefill; next step is decode-only
     graphs = _graphs(runner, [1, 2, 4], [])
     states = [runner._requests[s] for s in (1, 2, 3)]
-    from executor.runner import _Scheduled
+    from pagedserve.executor.runner import _Scheduled
 
     scheduled = [_Scheduled(st, 1) for st in states]
     batch = runner._host_batch(scheduled)
@@ -161,7 +161,7 @@ def test_padded_decode_batch_equals_eager(runner):
     assert 0 not in expected  # so a stray write of the padding row (to block 0) would show
     assert _written_blocks(runner, pool_before) == expected
     runner.kv_cache.device_pool.copy_(pool_before)
-    from executor.step_inputs import stage_batch
+    from pagedserve.executor.step_inputs import stage_batch
 
     inputs = stage_batch(batch, runner.slots)
     eager = runner.model(inputs.input_ids, inputs.meta, runner.kv_cache.layer_caches(), None)
@@ -244,7 +244,7 @@ class _FakeRunner:
 
 class _Context:
     def invocation_metadata(self):
-        return (("lease-epoch", "1"),)
+        return wire.lease_metadata(1)
 
     def abort(self, code, details):
         raise grpc.RpcError(code, details)
@@ -306,7 +306,7 @@ def test_service_sends_pending_output_before_a_bad_plan_aborts():
     class Failing(_FakeRunner):
         def launch(self, plan):
             if plan.step_id == 2:
-                from executor.runner import PlanError
+                from pagedserve.executor.runner import PlanError
 
                 raise PlanError("bad")
             return super().launch(plan)
@@ -335,7 +335,7 @@ def test_packed_inputs_start_16_byte_aligned():
 
 def test_step_trace_records_each_step_and_sums_up(tiny_model_dir, tmp_path):
     """--step-trace writes one line per step with its shape; the summary groups them by kind."""
-    from executor.step_trace import load, summarize
+    from pagedserve.executor.step_trace import load, summarize
 
     path = tmp_path / "trace.jsonl"
     config = ExecutorConfig(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.sampler import SamplingParams, mix_seed, sample
+from pagedserve.executor.sampler import SamplingParams, mix_seed, sample
 
 VOCAB = 97
 

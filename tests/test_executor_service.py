@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from executor.config import ExecutorConfig
-from executor.service import ExecutorServer
-from executor.testing import ToyScheduler
-from protos import executor_pb2, executor_pb2_grpc
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.service import ExecutorServer
+from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
+from tests.toy_scheduler import ToyScheduler
 
 NUM_BLOCKS = 48
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ class StepStream:
 
     def __init__(self, stub: executor_pb2_grpc.ExecutorStub, epoch: int | None) -> None:
         self._plans: queue.Queue = queue.Queue()
-        metadata = () if epoch is None else (("lease-epoch", str(epoch)),)
+        metadata = () if epoch is None else wire.lease_metadata(epoch)
         self._outputs = stub.Step(iter(self._plans.get, None), metadata=metadata, timeout=60)
 
     def step(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepOutput:
@@ -169,7 +169,7 @@ def test_python_m_executor_serves_and_stops_on_sigterm(tiny_model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "executor", "--model", str(tiny_model_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "pagedserve.executor", "--model", str(tiny_model_dir), "--port", str(port)]
     cmd += "--device cpu --num-gpu-blocks-override 64 --swap-space 0.01".split()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_LOG_FORMAT": "json"}
     proc = subprocess.Popen(

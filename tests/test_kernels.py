@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import reference
-from kernels import triton_attention as ta
+from pagedserve import kernels
+from pagedserve.kernels import reference
+from pagedserve.kernels import triton_attention as ta
 from tests.triton_marks import DEVICE, INTERPRETED, needs_cuda, needs_triton
 
 TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -289,9 +289,9 @@ def test_split_scratch_grows_and_keeps_outgrown_buffers(monkeypatch: pytest.Monk
 
 @needs_triton
 def test_bench_floors_read_every_kv_byte_once() -> None:
-    """kernels.bench's floor kernels sum exactly the K and V of the case: the gather floor through
+    """pagedserve.bench.kernels's floor kernels sum exactly the K and V of the case: the gather floor through
     its block tables, the contiguous floor from the anchor's copies."""
-    from kernels import bench
+    from pagedserve.bench import kernels as bench
 
     pool = bench.Pool(64, torch.device(DEVICE))
     inputs = bench.decode_inputs(pool, 2, 128)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor.loader import load_model_spec, load_weights
-from executor.model import AttentionMetadata, LlamaModel
-from kernels import layers
-from kernels import triton_layers as tlay
+from pagedserve.executor.loader import load_model_spec, load_weights
+from pagedserve.executor.model import AttentionMetadata, LlamaModel
+from pagedserve.kernels import layers
+from pagedserve.kernels import triton_layers as tlay
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
 from tests.triton_marks import DEVICE, HAS_CUDA, INTERPRETED, needs_cuda, needs_triton
 

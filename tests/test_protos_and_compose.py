@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from protos.generate import PROTO_ROOT, generate
+from pagedserve.protos.generate import PROTO_ROOT, generate
 from tests.services import REPO, compose_commands
 
 
 def test_committed_stubs_match_the_proto_files():
     for name, text in generate().items():
-        assert (PROTO_ROOT / name).read_text() == text, f"{name} is stale: run python -m protos.generate"
+        assert (PROTO_ROOT / name).read_text() == text, (
+            f"{name} is stale: run python -m pagedserve.protos.generate"
+        )
 
 
 def compose_binary() -> Path | None:
@@ -60,8 +62,8 @@ def test_admin_stats_cover_the_scheduler_core_stats():
     """AdminService copies the core's stats by field name: a renamed field must not vanish silently."""
     import dataclasses
 
-    from protos import admin_pb2
-    from scheduler.core import SchedulerStats
+    from pagedserve.protos import admin_pb2
+    from pagedserve.scheduler.core import SchedulerStats
 
     proto_fields = set(admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name)
     engine_fields = {"steps", "tokens_generated", "num_active_requests"}

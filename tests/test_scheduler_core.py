@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from scheduler.config import SchedulerConfig
-from scheduler.core import NewRequestPlan, RunningPlan, Scheduler, StepPlan
-from scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.core import NewRequestPlan, RunningPlan, Scheduler, StepPlan
+from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 
 
 def make_scheduler(**overrides) -> Scheduler:
@@ -107,7 +107,7 @@ def test_prefill_then_decode_one_step_ahead_and_max_tokens() -> None:
     assert r.output_token_ids == [50, 51, 52] and r.status is RequestStatus.FINISHED
     assert not s.has_unfinished_requests() and s.get_request(SeqId(1)) is None
     assert s.schedule().removed_seq_ids == [1]
-    assert s.kv_cache.block_pool.num_blocks_in_use == 0
+    assert s.kv_cache_manager.block_pool.num_blocks_in_use == 0
     assert s.stats.prompt_tokens_computed == 6
 
 
@@ -144,7 +144,7 @@ def test_prefix_hit_reuses_blocks_of_a_running_request() -> None:
     # a's full blocks were registered first (running order), so c shares a's 0 and 1.
     assert new_c == NewRequestPlan(3, [1, 2, 3, 4, 9, 9], 4, 2, [0, 1, 6], SamplingOptions())
     assert c.num_cached_prompt_tokens == 4
-    blocks = s.kv_cache.block_pool.blocks
+    blocks = s.kv_cache_manager.block_pool.blocks
     assert [blocks[i].ref_count for i in range(7)] == [2, 2, 1, 1, 1, 1, 1]
     assert s.stats.prefix_cache_hit_tokens == 4 and s.stats.prefix_cache_query_tokens == 16
     assert s.stats.prompt_tokens_computed == 5 + 5 + 2
@@ -155,7 +155,7 @@ def test_finished_blocks_stay_cached_and_whole_prompt_hit_recomputes_last_block(
     add(s, 1, [1, 2, 3, 4], max_tokens=1)
     step(s)  # finishes by length on its output
     assert not s.has_unfinished_requests()
-    pool = s.kv_cache.block_pool
+    pool = s.kv_cache_manager.block_pool
     assert pool.num_blocks_in_use == 0 and pool.num_cached_free_blocks == 2
     r = add(s, 2, [1, 2, 3, 4], max_tokens=2)
     p = s.schedule()
@@ -173,7 +173,7 @@ def test_lru_eviction_of_cached_free_blocks() -> None:
     step(s)
     add(s, 2, [3, 4], max_tokens=1)
     step(s)
-    pool = s.kv_cache.block_pool
+    pool = s.kv_cache_manager.block_pool
     # 1's block 0 was freed before 2's block: it is the least recently used.
     assert [b.block_id for b in pool.free_queue()] == [2, 3, 0, 1]
     assert pool.num_cached_free_blocks == 2
@@ -195,7 +195,7 @@ def test_prefix_caching_off() -> None:
     c = add(s, 2, [1, 2, 3, 4, 5])
     p = step(s)
     assert p.new_requests[0].num_computed_tokens == 0 and c.num_cached_prompt_tokens == 0
-    assert s.kv_cache.block_pool.num_cached_blocks == 0
+    assert s.kv_cache_manager.block_pool.num_cached_blocks == 0
     assert s.stats.prefix_cache_query_tokens == 0
 
 
@@ -364,7 +364,7 @@ def test_swap_preemption_and_resume() -> None:
     assert p2.running == [RunningPlan(1, 1, [3])]
     assert [(e["seq_id"], e["mode"]) for e in logs] == [(2, "swap")]
     assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 4
-    assert s.kv_cache.cpu_block_ids(b.seq_id) == [0, 1]
+    assert s.kv_cache_manager.cpu_block_ids(b.seq_id) == [0, 1]
     while a.status is not RequestStatus.FINISHED:
         plan = step(s)
         assert plan.swap_in == [] and 2 not in tokens_by_seq(plan)
@@ -375,7 +375,7 @@ def test_swap_preemption_and_resume() -> None:
     assert plan.new_requests == [
         NewRequestPlan(2, [4, 5, 6, token_for(2, 0), token_for(2, 1)], 4, 1, [2, 3, 1], SamplingOptions())
     ]
-    assert b.status is RequestStatus.RUNNING and s.kv_cache.num_free_cpu_blocks == 4
+    assert b.status is RequestStatus.RUNNING and s.kv_cache_manager.num_free_cpu_blocks == 4
     while s.has_unfinished_requests():
         step(s)
     assert len(b.output_token_ids) == 5
@@ -463,7 +463,7 @@ def test_a_step_that_preempts_admits_nobody() -> None:
     c = add(s, 3, [7], max_tokens=1, priority=-1)  # one block would do, and one is free after b goes
     p2 = step(s)
     assert p2.removed_seq_ids == [2] and p2.new_requests == []
-    assert s.kv_cache.block_pool.num_free_blocks == 1
+    assert s.kv_cache_manager.block_pool.num_free_blocks == 1
     p3 = step(s)
     assert [p.seq_id for p in p3.new_requests] == [3] and c.status is RequestStatus.FINISHED
 
@@ -492,7 +492,7 @@ def test_abort_frees_everything_and_late_outputs_are_ignored() -> None:
     s.abort_request(SeqId(2))
     assert s.schedule().removed_seq_ids == [2]
     assert not s.has_unfinished_requests()
-    pool = s.kv_cache.block_pool
+    pool = s.kv_cache_manager.block_pool
     assert pool.num_blocks_in_use == 0 and all(b.ref_count == 0 for b in pool.blocks)
     assert s.stats.num_running == s.stats.num_waiting == s.stats.num_swapped == 0
 
@@ -500,9 +500,9 @@ def test_abort_frees_everything_and_late_outputs_are_ignored() -> None:
 def test_abort_a_swapped_request_releases_its_cpu_blocks() -> None:
     s, a, b = _two_growing_requests(preemption_mode="swap", num_cpu_blocks=4)
     step(s)
-    assert b.status is RequestStatus.SWAPPED and s.kv_cache.num_free_cpu_blocks == 2
+    assert b.status is RequestStatus.SWAPPED and s.kv_cache_manager.num_free_cpu_blocks == 2
     s.abort_request(b.seq_id)
-    assert s.kv_cache.num_free_cpu_blocks == 4 and b.status is RequestStatus.FINISHED
+    assert s.kv_cache_manager.num_free_cpu_blocks == 4 and b.status is RequestStatus.FINISHED
     assert 2 not in s.schedule().removed_seq_ids  # the executor already forgot it when swapped
 
 

@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler.block_pool import BlockHash, hash_block_tokens
-from scheduler.config import SchedulerConfig
-from scheduler.core import Scheduler, StepPlan
-from scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
+from pagedserve.scheduler.block_pool import BlockHash, hash_block_tokens
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.core import Scheduler, StepPlan
+from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 
 # Prompts start with a prefix of one of these, so prefixes (and cached blocks) repeat.
 TEMPLATES = (
@@ -248,7 +248,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def block_bookkeeping(self) -> None:
-        s, kv = self.scheduler, self.scheduler.kv_cache
+        s, kv = self.scheduler, self.scheduler.kv_cache_manager
         pool, size = kv.block_pool, self.config.block_size
         free = pool.free_queue()
         free_ids = {b.block_id for b in free}
@@ -330,10 +330,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.step(late=False)  # flushes the last removed ids
         self.block_bookkeeping()
         assert not self.executor.seqs
-        pool = self.scheduler.kv_cache.block_pool
+        pool = self.scheduler.kv_cache_manager.block_pool
         assert pool.num_blocks_in_use == 0 and all(b.ref_count == 0 for b in pool.blocks)
         assert pool.num_free_blocks == pool.num_blocks
-        assert self.scheduler.kv_cache.num_free_cpu_blocks == self.config.num_cpu_blocks
+        assert self.scheduler.kv_cache_manager.num_free_cpu_blocks == self.config.num_cpu_blocks
         for request in self.requests.values():
             assert request.status is RequestStatus.FINISHED
         stats = self.scheduler.stats

@@ -1,0 +1,370 @@
+"""CPU benchmark of the scheduler's per-step hot path, with an executor that answers instantly.
+
+A fake `ExecutorTransport` answers every plan at once with one token per sampling request (tokens
+of real text, never EOS), so the step rate is bounded only by this process: scheduling, the plan's
+and output's (de)serialization, `process_output`, each request's `Completion.add_token`
+(detokenization, stop checks) and the streaming of each delta to its client.
+
+    python -m pagedserve.bench.hotpath                 # deltas drained through GenerationService._stream
+    python -m pagedserve.bench.hotpath --grpc          # real public gRPC service, clients in a subprocess
+    python -m pagedserve.bench.hotpath --profile       # cProfile of the scheduler process
+
+"CPU/step" is this process's CPU time per step (all threads, gRPC's included), less the fake
+executor's own time; at the executor's 16 ms per decode step of batch 256 on an H200, anything near
+that makes the scheduler the bottleneck. The digest covers every token and every byte of text the
+clients received, so runs before and after a change can be checked for identical output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import gc
+import hashlib
+import io
+import logging
+import pstats
+import random
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+import grpc
+import structlog
+
+from pagedserve.protos import executor_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.scheduler.engine import Engine
+from pagedserve.scheduler.service import (
+    GenerationService,
+    load_tokenizer,
+    public_server,
+    sampling_options,
+    stop_conditions,
+)
+from pagedserve.scheduler.service_config import ServiceConfig
+from pagedserve.scheduler.transport import StepStream
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 4096
+
+
+class FakeExecutor:
+    """Tracks each sequence's token count as the executor does and samples when a plan computes its
+    last known token; the sampled ids walk through `text_ids` from a per-sequence offset."""
+
+    def __init__(
+        self, text_ids: list[int], vocab_size: int, eos_token_ids: list[int], step_seconds: float = 0.0
+    ) -> None:
+        self.text_ids = text_ids
+        self.step_seconds = step_seconds  # simulated device time per step, steps run one after another
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.seconds = 0.0  # time spent here (not the scheduler's), subtracted from the CPU figures
+
+    def __str__(self) -> str:
+        return "fake executor"
+
+    async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
+        return executor_pb2.AttachResponse(
+            lease_epoch=1,
+            model="bench",
+            max_model_len=MAX_MODEL_LEN,
+            vocab_size=self.vocab_size,
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=1 << 16,
+            num_cpu_blocks=0,
+            eos_token_ids=self.eos_token_ids,
+            device="none",
+        )
+
+    def open_steps(self, lease_epoch: int) -> StepStream:
+        return _FakeSteps(self)
+
+
+class _FakeSteps:
+    def __init__(self, executor: FakeExecutor) -> None:
+        self._executor = executor
+        self._seqs: dict[int, list[int]] = {}
+        self._outputs: deque[tuple[float, bytes]] = deque()  # (ready at, serialized output)
+        self._device_free_at = 0.0
+
+    async def write(self, plan: executor_pb2.StepPlan) -> None:
+        data = plan.SerializeToString()  # what grpc does with it in this process
+        start = time.perf_counter()
+        plan = executor_pb2.StepPlan.FromString(data)  # the executor's side
+        text_ids, n = self._executor.text_ids, len(self._executor.text_ids)
+        seqs = self._seqs
+        for seq_id in plan.removed_seq_ids:
+            seqs.pop(seq_id, None)
+        seq_ids, token_ids = [], []
+
+        def step(seq_id: int, state: list[int], num_new: int) -> None:
+            # state: tokens known, tokens computed, tokens sampled, offset into text_ids
+            state[1] += num_new
+            if state[1] == state[0]:
+                seq_ids.append(seq_id)
+                token_ids.append(text_ids[(state[3] + state[2]) % n])
+                state[0] += 1
+                state[2] += 1
+
+        for r in plan.new_requests:
+            # The sampled ids depend on the prompt, not on the seq id (arrival order varies).
+            state = [len(r.token_ids), r.num_computed_tokens, len(r.token_ids) - r.num_prompt_tokens]
+            state.append(r.token_ids[0] * 997 + r.num_prompt_tokens * 31)
+            seqs[r.seq_id] = state
+            step(r.seq_id, state, r.num_new_tokens)
+        for r in plan.running:
+            step(r.seq_id, seqs[r.seq_id], r.num_new_tokens)
+        output = executor_pb2.StepOutput(
+            step_id=plan.step_id, seq_ids=seq_ids, token_ids=token_ids, logprobs=[0.0] * len(seq_ids)
+        )
+        self._device_free_at = max(start, self._device_free_at) + self._executor.step_seconds
+        self._outputs.append((self._device_free_at, output.SerializeToString()))
+        self._executor.seconds += time.perf_counter() - start
+
+    async def read(self) -> executor_pb2.StepOutput | None:
+        if not self._outputs:
+            return None
+        ready_at, data = self._outputs.popleft()
+        # A gRPC read yields to the clients' tasks at least once, and for as long as the device works.
+        await asyncio.sleep(max(0.0, ready_at - time.perf_counter()))
+        return executor_pb2.StepOutput.FromString(data)  # grpc parses it here
+
+    def cancel(self) -> None:
+        self._outputs.clear()
+
+    def ended(self) -> bool:
+        return False
+
+
+class TimedEngine(Engine):
+    """Starts stepping once every request is queued (clients over gRPC arrive one by one), and
+    records wall and CPU time from then to the last token."""
+
+    expected_requests = expected_tokens = 0
+    start_wall = start_cpu = end_wall = end_cpu = 0.0
+
+    async def run(self) -> None:
+        self._all_submitted = asyncio.Event()
+        await self.attach()
+        gc.collect()  # as the scheduler service does at startup (scheduler/service.py)
+        gc.freeze()
+        self._attached.set()
+        await self._all_submitted.wait()
+        self.start_wall, self.start_cpu = time.perf_counter(), time.process_time()
+        await super().run()
+
+    def submit(self, *args, **kwargs):
+        active = super().submit(*args, **kwargs)
+        if self.num_active_requests == self.expected_requests:
+            self._all_submitted.set()
+        return active
+
+    def _on_output(self, plan, output) -> None:
+        super()._on_output(plan, output)
+        if not self.end_wall and self.tokens_generated >= self.expected_tokens:
+            self.end_wall, self.end_cpu = time.perf_counter(), time.process_time()
+
+
+def prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    lo, hi = (int(x) for x in args.input_len.split(":"))
+    return [
+        [rng.randrange(3, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(args.num_requests)
+    ]
+
+
+def generate_request(i: int, prompt: list[int], output_len: int) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        request_id=f"bench-{i}",
+        token_ids=generation_pb2.TokenIds(ids=prompt),
+        stopping=generation_pb2.StoppingCriteria(max_tokens=output_len, ignore_eos=True),
+    )
+
+
+class Digest:
+    """Hash of everything each client received, in request order."""
+
+    def __init__(self, n: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.messages = 0
+
+    def add(self, i: int, token_ids, text: str) -> None:
+        self.messages += 1
+        self.tokens[i].extend(token_ids)
+        self.texts[i].append(text)
+
+    def hexdigest(self) -> str:
+        h = hashlib.sha256()
+        for tokens, texts in zip(self.tokens, self.texts, strict=True):
+            h.update(repr(tokens).encode())
+            h.update("".join(texts).encode())
+        return h.hexdigest()[:12]
+
+
+async def drain_in_process(service: GenerationService, args, requests) -> Digest:
+    """Each client as the service serves it (merge, GenerateResponse), minus the gRPC send."""
+    engine = service.engine
+    info = await engine.wait_until_attached()
+    digest = Digest(len(requests))
+
+    async def client(i: int, request: generation_pb2.GenerateRequest) -> None:
+        prompt = list(request.token_ids.ids)
+        active = engine.submit(
+            request.request_id, prompt, sampling_options(request), stop_conditions(request, len(prompt), info)
+        )
+        async for response in service._stream(active):
+            digest.add(i, response.token_ids, response.text)
+
+    await asyncio.gather(*(client(i, r) for i, r in enumerate(requests)))
+    return digest
+
+
+async def drain_over_grpc(service: GenerationService, args, requests) -> Digest:
+    """The real public service on loopback; the clients run in a subprocess (not measured here)."""
+    server = public_server(service)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await service.engine.wait_until_attached()
+    with tempfile.NamedTemporaryFile(suffix=".txt") as out:
+        client_argv = [sys.executable, "-m", "pagedserve.bench.hotpath", "--client", f"127.0.0.1:{port}"]
+        client_argv += ["--client-out", out.name, *sys.argv[1:]]
+        proc = await asyncio.create_subprocess_exec(*client_argv)
+        try:
+            rc = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+        await server.stop(grace=1.0)
+        if rc != 0:
+            raise RuntimeError(f"the client process failed ({rc})")
+        digest = Digest(len(requests))
+        lines = Path(out.name).read_text().splitlines()
+        for i, line in enumerate(lines[1:]):
+            tokens, _, text = line.partition("\t")
+            digest.add(i, [int(t) for t in tokens.split(",")], bytes.fromhex(text).decode())
+        digest.messages = int(lines[0])
+        return digest
+
+
+async def run_clients(address: str, out: str, requests) -> None:
+    """The --grpc clients (in their own process): every request at once, one stream each."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        tokens: list[list[int]] = [[] for _ in requests]
+        texts: list[list[str]] = [[] for _ in requests]
+        messages = 0
+
+        async def client(i: int, request) -> None:
+            nonlocal messages
+            async for response in stub.Generate(request):
+                messages += 1
+                tokens[i].extend(response.token_ids)
+                texts[i].append(response.text)
+
+        await asyncio.gather(*(client(i, r) for i, r in enumerate(requests)))
+    lines = [str(messages)]
+    lines += [
+        ",".join(map(str, t)) + "\t" + "".join(x).encode().hex() for t, x in zip(tokens, texts, strict=True)
+    ]
+    Path(out).write_text("\n".join(lines) + "\n")
+
+
+async def bench(args, tokenizer, requests, text_ids) -> tuple[TimedEngine, FakeExecutor, Digest]:
+    executor = FakeExecutor(text_ids, len(tokenizer), [tokenizer.eos_token_id], args.step_ms / 1000)
+    config = ServiceConfig(
+        model=args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        stream_interval=args.stream_interval,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    engine = TimedEngine(config, tokenizer, executor)
+    engine.expected_requests = len(requests)
+    engine.expected_tokens = len(requests) * args.output_len
+    service = GenerationService(engine)
+    engine_task = asyncio.create_task(engine.run())
+    try:
+        drain = drain_over_grpc if args.grpc else drain_in_process
+        digest = await drain(service, args, requests)
+    finally:
+        engine_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await engine_task
+    return engine, executor, digest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedserve.bench.hotpath", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--model", default=None, help="model directory (default: the tiny model, in a temp dir)"
+    )
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--input-len", default="128:1024", help="prompt lengths, LO:HI tokens")
+    parser.add_argument("--output-len", type=int, default=200)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-ms", type=float, default=0.0, help="simulated device time per step")
+    parser.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed message")
+    parser.add_argument("--grpc", action="store_true", help="stream through the public gRPC service")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of the scheduler process")
+    parser.add_argument("--profile-lines", type=int, default=30)
+    parser.add_argument("--client", help=argparse.SUPPRESS)
+    parser.add_argument("--client-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    with contextlib.ExitStack() as stack:
+        if args.model is None:
+            from pagedserve.tiny_model import write_tiny_model
+
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-hotpath-"))
+            args.model = str(write_tiny_model(tmp))
+        tokenizer = load_tokenizer(args.model)
+        requests = [
+            generate_request(i, p, args.output_len) for i, p in enumerate(prompts(args, len(tokenizer)))
+        ]
+        if args.client:
+            asyncio.run(run_clients(args.client, args.client_out, requests))
+            return 0
+        from pagedserve.tiny_model import CORPUS
+
+        text_ids = tokenizer.encode(CORPUS, add_special_tokens=False)
+        profiler = cProfile.Profile() if args.profile else None
+        if profiler:
+            profiler.enable()
+        engine, executor, digest = asyncio.run(bench(args, tokenizer, requests, text_ids))
+        if profiler:
+            profiler.disable()
+
+    wall = engine.end_wall - engine.start_wall
+    cpu = engine.end_cpu - engine.start_cpu - executor.seconds
+    mode = "gRPC public service" if args.grpc else "in-process streams"
+    print(
+        f"{args.num_requests} requests x {args.output_len} tokens, prompts {args.input_len}, {mode}, "
+        f"device {args.step_ms:g} ms/step"
+    )
+    header = ("steps", 7), ("wall s", 8), ("steps/s", 9), ("tok/s", 9), ("CPU ms/step", 12), ("msgs", 7)
+    print(" ".join(f"{name:>{width}}" for name, width in header), f"{'digest':>13}")
+    print(
+        f"{engine.steps:>7} {wall:>8.2f} {engine.steps / wall:>9.1f} {engine.tokens_generated / wall:>9.0f}"
+        f" {1000 * cpu / engine.steps:>12.2f} {digest.messages:>7} {digest.hexdigest():>13}"
+    )
+    if profiler:
+        stream = io.StringIO()
+        stats = pstats.Stats(profiler, stream=stream).strip_dirs().sort_stats("tottime")
+        stats.print_stats(args.profile_lines)
+        print(stream.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
