@@ -39,6 +39,11 @@ class AdminStub:
                 request_serializer=pagedserve_dot_v1_dot_admin__pb2.GetSchedulerStatsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_admin__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.ListExecutors = channel.unary_unary(
+                '/pagedserve.v1.Admin/ListExecutors',
+                request_serializer=pagedserve_dot_v1_dot_admin__pb2.ListExecutorsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_admin__pb2.ListExecutorsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -50,6 +55,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListExecutors(self, request, context):
+        """The executors this scheduler knows of (attached or not), one row each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pagedserve_dot_v1_dot_admin__pb2.GetSchedulerStatsRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_admin__pb2.SchedulerStats.SerializeToString,
+            ),
+            'ListExecutors': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListExecutors,
+                    request_deserializer=pagedserve_dot_v1_dot_admin__pb2.ListExecutorsRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_admin__pb2.ListExecutorsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class Admin:
             '/pagedserve.v1.Admin/GetStats',
             pagedserve_dot_v1_dot_admin__pb2.GetSchedulerStatsRequest.SerializeToString,
             pagedserve_dot_v1_dot_admin__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListExecutors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Admin/ListExecutors',
+            pagedserve_dot_v1_dot_admin__pb2.ListExecutorsRequest.SerializeToString,
+            pagedserve_dot_v1_dot_admin__pb2.ListExecutorsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,11 @@ class ExecutorStub:
                 request_serializer=pagedserve_dot_v1_dot_executor__pb2.AttachRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_executor__pb2.AttachResponse.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/pagedserve.v1.Executor/Heartbeat',
+                request_serializer=pagedserve_dot_v1_dot_executor__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_executor__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.Step = channel.stream_stream(
                 '/pagedserve.v1.Executor/Step',
                 request_serializer=pagedserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
@@ -56,6 +61,15 @@ class ExecutorServicer:
 
     def Attach(self, request, context):
         """Takes the lease: every request state of an earlier scheduler is dropped and a new epoch begins.
+        Refused with FAILED_PRECONDITION, naming the holder, while another scheduler's lease is live
+        (it saw a step or a heartbeat within the executor's --lease-timeout).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Keeps an idle lease live; refused with FAILED_PRECONDITION once the lease is gone.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +97,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Attach,
                     request_deserializer=pagedserve_dot_v1_dot_executor__pb2.AttachRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_executor__pb2.AttachResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=pagedserve_dot_v1_dot_executor__pb2.HeartbeatRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_executor__pb2.HeartbeatResponse.SerializeToString,
             ),
             'Step': grpc.stream_stream_rpc_method_handler(
                     servicer.Step,
@@ -122,6 +141,33 @@ class Executor:
             '/pagedserve.v1.Executor/Attach',
             pagedserve_dot_v1_dot_executor__pb2.AttachRequest.SerializeToString,
             pagedserve_dot_v1_dot_executor__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Executor/Heartbeat',
+            pagedserve_dot_v1_dot_executor__pb2.HeartbeatRequest.SerializeToString,
+            pagedserve_dot_v1_dot_executor__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
