@@ -140,7 +140,7 @@ def test_serve_exits_with_the_code_of_the_child_that_stopped_first(monkeypatch):
 
     class Child:
         def __init__(self, cmd, **_kwargs):
-            self.returncode = 1 if "scheduler" in cmd else None
+            self.returncode = 1 if "pagedserve.scheduler" in cmd else None
 
         def poll(self):
             return self.returncode
