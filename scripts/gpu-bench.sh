@@ -26,10 +26,8 @@ W1_EXECUTOR_FLAGS="--max-num-seqs 512"
 W1_SCHEDULER_FLAGS="--max-num-seqs 512 --stream-interval 4"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then  # packages the GPU image lacks (structlog, asyncio-throttle)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
+# pagedserve from this checkout, and the packages the GPU image lacks (carried in .whl/)
+source "$(dirname "$0")/device-env.sh" "$(dirname "$0")/.."
 device=$(python3 -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
 
 run() {  # run NAME TIMEOUT CMD...: one stage, its output kept; a failure is reported, not fatal
