@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/executor.proto\x12\rpagedserve.v1\"%\n\rAttachRequest\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\"\x9a\x02\n\x0e\x41ttachResponse\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x18\n\x10lease_timeout_ms\x18\x0c \x01(\r\"\'\n\x10HeartbeatRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x13\n\x11HeartbeatResponse\"\xc2\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1e\n\x16return_prompt_logprobs\x18\t \x01(\x08\"\xbd\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.pagedserve.v1.Sampling\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\"O\n\x0eRunningRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\"%\n\tBlockMove\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xec\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x17\n\x0fremoved_seq_ids\x18\x02 \x03(\x04\x12*\n\x08swap_out\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12)\n\x07swap_in\x18\x04 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12/\n\x0cnew_requests\x18\x05 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12.\n\x07running\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.RunningRequest\"\xa1\x01\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12\x36\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\"A\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x11\n\x0fGetStatsRequest\"\x96\x01\n\rExecutorStats\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x17\n\x0ftokens_computed\x18\x02 \x01(\x04\x12\x16\n\x0etokens_sampled\x18\x03 \x01(\x04\x12\x17\n\x0fswap_out_blocks\x18\x04 \x01(\x04\x12\x16\n\x0eswap_in_blocks\x18\x05 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x06 \x01(\x01\x32\xab\x02\n\x08\x45xecutor\x12\x45\n\x06\x41ttach\x12\x1c.pagedserve.v1.AttachRequest\x1a\x1d.pagedserve.v1.AttachResponse\x12N\n\tHeartbeat\x12\x1f.pagedserve.v1.HeartbeatRequest\x1a .pagedserve.v1.HeartbeatResponse\x12>\n\x04Step\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepOutput(\x01\x30\x01\x12H\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x1c.pagedserve.v1.ExecutorStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/executor.proto\x12\rpagedserve.v1\"%\n\rAttachRequest\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\"\x9a\x02\n\x0e\x41ttachResponse\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x18\n\x10lease_timeout_ms\x18\x0c \x01(\r\"\'\n\x10HeartbeatRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x13\n\x11HeartbeatResponse\"$\n\rDetachRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x10\n\x0e\x44\x65tachResponse\"\xc2\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1e\n\x16return_prompt_logprobs\x18\t \x01(\x08\"\xbd\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.pagedserve.v1.Sampling\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\"O\n\x0eRunningRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\"%\n\tBlockMove\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xec\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x17\n\x0fremoved_seq_ids\x18\x02 \x03(\x04\x12*\n\x08swap_out\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12)\n\x07swap_in\x18\x04 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12/\n\x0cnew_requests\x18\x05 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12.\n\x07running\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.RunningRequest\"\xa1\x01\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12\x36\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\"A\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x11\n\x0fGetStatsRequest\"\x96\x01\n\rExecutorStats\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x17\n\x0ftokens_computed\x18\x02 \x01(\x04\x12\x16\n\x0etokens_sampled\x18\x03 \x01(\x04\x12\x17\n\x0fswap_out_blocks\x18\x04 \x01(\x04\x12\x16\n\x0eswap_in_blocks\x18\x05 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x06 \x01(\x01\x32\xf2\x02\n\x08\x45xecutor\x12\x45\n\x06\x41ttach\x12\x1c.pagedserve.v1.AttachRequest\x1a\x1d.pagedserve.v1.AttachResponse\x12N\n\tHeartbeat\x12\x1f.pagedserve.v1.HeartbeatRequest\x1a .pagedserve.v1.HeartbeatResponse\x12\x45\n\x06\x44\x65tach\x12\x1c.pagedserve.v1.DetachRequest\x1a\x1d.pagedserve.v1.DetachResponse\x12>\n\x04Step\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepOutput(\x01\x30\x01\x12H\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x1c.pagedserve.v1.ExecutorStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,24 +39,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_end=410
   _globals['_HEARTBEATRESPONSE']._serialized_start=412
   _globals['_HEARTBEATRESPONSE']._serialized_end=431
-  _globals['_SAMPLING']._serialized_start=434
-  _globals['_SAMPLING']._serialized_end=628
-  _globals['_NEWREQUEST']._serialized_start=631
-  _globals['_NEWREQUEST']._serialized_end=820
-  _globals['_RUNNINGREQUEST']._serialized_start=822
-  _globals['_RUNNINGREQUEST']._serialized_end=901
-  _globals['_BLOCKMOVE']._serialized_start=903
-  _globals['_BLOCKMOVE']._serialized_end=940
-  _globals['_STEPPLAN']._serialized_start=943
-  _globals['_STEPPLAN']._serialized_end=1179
-  _globals['_STEPOUTPUT']._serialized_start=1182
-  _globals['_STEPOUTPUT']._serialized_end=1343
-  _globals['_PROMPTLOGPROBS']._serialized_start=1345
-  _globals['_PROMPTLOGPROBS']._serialized_end=1410
-  _globals['_GETSTATSREQUEST']._serialized_start=1412
-  _globals['_GETSTATSREQUEST']._serialized_end=1429
-  _globals['_EXECUTORSTATS']._serialized_start=1432
-  _globals['_EXECUTORSTATS']._serialized_end=1582
-  _globals['_EXECUTOR']._serialized_start=1585
-  _globals['_EXECUTOR']._serialized_end=1884
+  _globals['_DETACHREQUEST']._serialized_start=433
+  _globals['_DETACHREQUEST']._serialized_end=469
+  _globals['_DETACHRESPONSE']._serialized_start=471
+  _globals['_DETACHRESPONSE']._serialized_end=487
+  _globals['_SAMPLING']._serialized_start=490
+  _globals['_SAMPLING']._serialized_end=684
+  _globals['_NEWREQUEST']._serialized_start=687
+  _globals['_NEWREQUEST']._serialized_end=876
+  _globals['_RUNNINGREQUEST']._serialized_start=878
+  _globals['_RUNNINGREQUEST']._serialized_end=957
+  _globals['_BLOCKMOVE']._serialized_start=959
+  _globals['_BLOCKMOVE']._serialized_end=996
+  _globals['_STEPPLAN']._serialized_start=999
+  _globals['_STEPPLAN']._serialized_end=1235
+  _globals['_STEPOUTPUT']._serialized_start=1238
+  _globals['_STEPOUTPUT']._serialized_end=1399
+  _globals['_PROMPTLOGPROBS']._serialized_start=1401
+  _globals['_PROMPTLOGPROBS']._serialized_end=1466
+  _globals['_GETSTATSREQUEST']._serialized_start=1468
+  _globals['_GETSTATSREQUEST']._serialized_end=1485
+  _globals['_EXECUTORSTATS']._serialized_start=1488
+  _globals['_EXECUTORSTATS']._serialized_end=1638
+  _globals['_EXECUTOR']._serialized_start=1641
+  _globals['_EXECUTOR']._serialized_end=2011
 # @@protoc_insertion_point(module_scope)

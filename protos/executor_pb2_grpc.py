@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=pagedserve_dot_v1_dot_executor__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_executor__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Detach = channel.unary_unary(
+                '/pagedserve.v1.Executor/Detach',
+                request_serializer=pagedserve_dot_v1_dot_executor__pb2.DetachRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_executor__pb2.DetachResponse.FromString,
+                _registered_method=True)
         self.Step = channel.stream_stream(
                 '/pagedserve.v1.Executor/Step',
                 request_serializer=pagedserve_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
@@ -70,6 +75,13 @@ class ExecutorServicer:
 
     def Heartbeat(self, request, context):
         """Keeps an idle lease live; refused with FAILED_PRECONDITION once the lease is gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detach(self, request, context):
+        """Gives the lease up at once (a draining scheduler), so another scheduler may attach now.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,6 +114,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=pagedserve_dot_v1_dot_executor__pb2.HeartbeatRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_executor__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=pagedserve_dot_v1_dot_executor__pb2.DetachRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_executor__pb2.DetachResponse.SerializeToString,
             ),
             'Step': grpc.stream_stream_rpc_method_handler(
                     servicer.Step,
@@ -168,6 +185,33 @@ class Executor:
             '/pagedserve.v1.Executor/Heartbeat',
             pagedserve_dot_v1_dot_executor__pb2.HeartbeatRequest.SerializeToString,
             pagedserve_dot_v1_dot_executor__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Executor/Detach',
+            pagedserve_dot_v1_dot_executor__pb2.DetachRequest.SerializeToString,
+            pagedserve_dot_v1_dot_executor__pb2.DetachResponse.FromString,
             options,
             channel_credentials,
             insecure,
