@@ -36,11 +36,12 @@ def test_cli_flags_map_onto_config():
 
 def test_cli_without_endpoint_flags_takes_overrides():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, default=50051)  # a parent CLI's own --port
+    parser.add_argument("--port", type=int, default=50051)  # a parent CLI's own endpoint flags
+    parser.add_argument("--model")
     add_cli_args(parser, endpoint=False)
     ns = parser.parse_args(["--model", "m"])
     config = ExecutorConfig.from_args(ns, port=50061)
-    assert (config.port, config.host) == (50061, "127.0.0.1")
+    assert (config.model, config.port, config.host) == ("m", 50061, "127.0.0.1")
     assert config.torch_device() == torch.device("cpu") or torch.cuda.is_available()
     assert ExecutorConfig(model="m", device="cpu").torch_dtype(torch.device("cpu")) == torch.float32
 

@@ -128,10 +128,17 @@ def test_rotary_matches_reference_in_place(dtype, head_dim, num_q_heads, num_kv_
 
 
 def test_rotary_zero_tokens_is_a_no_op():
+    """No token to rotate: the call returns without launching work that touches memory. The q and k
+    views cover no row of a real projection buffer, and neither that buffer nor the tables change."""
     gen = torch.Generator().manual_seed(2)
-    q, k, _ = _split(_qkv(0, 4, 2, 80, torch.bfloat16, gen), 4, 2, 80)
+    qkv = _qkv(4, 4, 2, 80, torch.bfloat16, gen)
+    q, k, _ = _split(qkv, 4, 2, 80)
     cos, sin = _tables(8, 80, gen)
-    tlay.rotary_embedding(torch.empty(0, dtype=torch.int64, device=DEVICE), q, k, cos, sin)
+    before = (qkv.clone(), cos.clone(), sin.clone())
+    tlay.rotary_embedding(torch.empty(0, dtype=torch.int64, device=DEVICE), q[:0], k[:0], cos, sin)
+    assert torch.equal(qkv, before[0])
+    assert torch.equal(cos, before[1])
+    assert torch.equal(sin, before[2])
 
 
 # --------------------------------------------------------------------------------------------- #
