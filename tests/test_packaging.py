@@ -43,7 +43,7 @@ def _where(module: str, cwd: Path, env: dict[str, str] | None = None) -> Path:
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", out, "."],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, "."],
         cwd=REPO,
         check=True,
         capture_output=True,
@@ -59,7 +59,8 @@ def test_wheel_holds_only_the_pagedserve_namespace(wheel):
     for sub in SUBPACKAGES:
         assert f"pagedserve/{sub}/__init__.py" in names
     protos = {n for n in names if n.endswith(".proto")}
-    assert protos == {f"pagedserve/protos/pagedserve/v1/{n}.proto" for n in ("generation", "executor", "admin")}
+    expected = {f"pagedserve/protos/pagedserve/v1/{n}.proto" for n in ("generation", "executor", "admin")}
+    assert protos == expected
     assert not [n for n in names if "/tests/" in n or n.startswith("tests/")]
 
 
