@@ -112,6 +112,8 @@ def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles
         assert service["depends_on"]["internal-token"]["condition"] == "service_completed_successfully"
         assert service["restart"] == "unless-stopped"
         assert any(arg.startswith("--metrics-port=") for arg in service["command"])
+    if "gateway" in services:  # it loads the tokenizer from the path the scheduler names
+        assert services["gateway"]["volumes"] == services["scheduler"]["volumes"][:1]
     for executor in executors:
         devices = executor.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
         if files == CPU:
@@ -324,18 +326,24 @@ def load_all(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def kustomize_resources(directory: Path) -> list[dict]:
-    """A small kustomize: the resources a kustomization lists (recursively), with its JSON patches
-    (RFC 6902 add/replace) applied to the targets they name."""
+def kustomize_resources(directory: Path, docs: list[dict] | None = None) -> list[dict]:
+    """A small kustomize for these files: a kustomization's resources (files or kustomization
+    directories), then its components in order (each adds resources and patches to what is there
+    so far), then its JSON patches (RFC 6902 add/replace) on the targets their selectors name
+    (kind, name, labelSelector with key=value)."""
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    docs: list[dict] = []
+    docs = [] if docs is None else docs
     for entry in spec.get("resources", []):
         path = (directory / entry).resolve()
         docs += kustomize_resources(path) if path.is_dir() else load_all(path)
+    for entry in spec.get("components", []):
+        component = (directory / entry).resolve()
+        assert yaml.safe_load((component / "kustomization.yaml").read_text())["kind"] == "Component"
+        docs = kustomize_resources(component, docs)
     for patch in spec.get("patches", []):
         target = patch["target"]
         ops = yaml.safe_load((directory / patch["path"]).read_text())
-        matched = [d for d in docs if d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"]]
+        matched = [d for d in docs if selected(d, target)]
         assert matched, f"patch {patch['path']} matches nothing"
         for doc in matched:
             for op in ops:
@@ -351,7 +359,21 @@ def kustomize_resources(directory: Path) -> list[dict]:
     return docs
 
 
-@pytest.mark.parametrize("overlay", [".", "model-pvc"])
+def selected(doc: dict, target: dict) -> bool:
+    if "kind" in target and doc["kind"] != target["kind"]:
+        return False
+    if "name" in target and doc["metadata"]["name"] != target["name"]:
+        return False
+    if "labelSelector" in target:
+        key, value = target["labelSelector"].split("=")
+        return doc["metadata"].get("labels", {}).get(key) == value
+    return True
+
+
+OVERLAYS = [".", "overlays/gateway", "overlays/model-pvc", "overlays/model-pvc-gateway"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_kustomizations_build_valid_manifests(tmp_path, overlay):
     docs = kustomize_resources(K8S / overlay)
     out = tmp_path / "built.yaml"
@@ -359,18 +381,20 @@ def test_kustomizations_build_valid_manifests(tmp_path, overlay):
     result = kubernetes_validate(out)
     assert result.returncode == 0, result.stdout + result.stderr
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert len(kinds) == len(docs), "an object twice"
     assert {
         ("StatefulSet", "executor"),
         ("Deployment", "scheduler"),
         ("ConfigMap", "pagedserve-config"),
     } <= kinds
+    assert (("Deployment", "gateway") in kinds) == ("gateway" in overlay)
     config = next(d for d in docs if d["kind"] == "ConfigMap")
     pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
-    if overlay == "model-pvc":
+    if "model-pvc" in overlay:
         assert config["data"]["PAGEDSERVE_MODEL"] == "/model"
         claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
         assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
-        for pod in pods:
+        for pod in pods:  # every workload, the gateway's included (it loads the tokenizer)
             volume = next(v for v in pod["volumes"] if v["name"] == "model")
             assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
             mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
