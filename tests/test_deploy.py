@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -502,7 +503,8 @@ def test_compose_topology_two_executors_with_token(tiny_model_dir, hf_model, tmp
     """`docker compose -f docker-compose.yml -f docker-compose.cpu.yml up --scale executor=2`, as
     processes: the token service, two executors (one found as dns:///localhost:P, as the scheduler
     finds compose's replicas, the other as 127.0.0.1:P: this host's localhost has one address), the
-    scheduler; compose's health checks pass and greedy requests match Hugging Face."""
+    scheduler; compose's health checks pass, the executors refuse a caller without the token, both
+    serve, greedy requests match Hugging Face, and every metrics port answers."""
     needed = {
         "scheduler": {
             "--executor-refresh-interval",
@@ -564,6 +566,11 @@ def test_compose_topology_two_executors_with_token(tiny_model_dir, hf_model, tmp
             assert result.token_ids == hf_greedy(hf_model, prompt, 8)
         assert sum(e.requests_routed for e in executors) == len(prompts)
         assert all(e.requests_routed > 0 for e in executors), executors  # both served
+        # Compose's metrics ports answer (Prometheus text, vLLM's names with the pagedserve: prefix).
+        for name, proc in procs.items():
+            metrics_port = next(a for a in proc.args if a.startswith("--metrics-port=")).split("=")[1]
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+                assert "pagedserve:" in r.read().decode(), name
     finally:
         for proc in reversed(list(procs.values())):
             proc.terminate()
@@ -580,8 +587,6 @@ def test_compose_gateway_profile_on_loopback(tiny_model_dir, tmp_path):
     passes and a completion comes back through it."""
     if not cli_flags("openai"):
         pytest.skip("needs `pagedserve openai` (the gateway), not in this branch yet")
-    import urllib.request
-
     from tests.services import running_services
 
     command = compose_commands(BASE)["gateway"]
