@@ -113,6 +113,10 @@ def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles
         assert service["depends_on"]["internal-token"]["condition"] == "service_completed_successfully"
         assert service["restart"] == "unless-stopped"
         assert any(arg.startswith("--metrics-port=") for arg in service["command"])
+    # One image, built from this checkout by whichever service Compose starts with.
+    assert {(s["image"], s["build"]["context"]) for s in services.values()} == {
+        ("pagedserve:latest", str(REPO))
+    }
     if "gateway" in services:  # it loads the tokenizer from the path the scheduler names
         assert services["gateway"]["volumes"] == services["scheduler"]["volumes"][:1]
     for executor in executors:
