@@ -205,21 +205,15 @@ class ModelRunner:
         elif device.type == "cuda":
             mem = profile_cuda(model, layout, config, max_model_len, cuda_graphs, in_use_at_start)
             graph_reserve = mem.graph_reserve_bytes
-            # This executor's share may not all be free (a share of 1.0 and a CUDA context, or
-            # shares that add up to more than the device): it gets what was free at its start.
-            not_free = max(
-                0, int(mem.total_bytes * config.gpu_memory_utilization) + in_use_at_start - mem.total_bytes
-            )
             num_blocks = gpu_num_blocks(
                 layout, mem.total_bytes, config.gpu_memory_utilization,
-                mem.peak_bytes + graph_reserve, mem.non_torch_bytes + not_free,
+                mem.peak_bytes + graph_reserve, mem.non_torch_bytes, in_use_at_start,
             )  # fmt: skip
             why = (
                 f"{config.gpu_memory_utilization:.2f} of {mem.total_bytes / 2**30:.1f} GiB minus a peak of "
                 f"{mem.peak_bytes / 2**30:.2f} GiB, {mem.non_torch_bytes / 2**30:.2f} GiB outside torch "
-                f"and {graph_reserve / 2**30:.2f} GiB for CUDA graphs ({in_use_at_start / 2**30:.2f} GiB "
-                "were in use on the device before the executor loaded anything, "
-                f"{not_free / 2**30:.2f} GiB of its share were not free)"
+                f"and {graph_reserve / 2**30:.2f} GiB for CUDA graphs; {in_use_at_start / 2**30:.2f} GiB "
+                "were in use on the device before the executor loaded anything"
             )
         else:
             num_blocks = cpu_device_num_blocks(
