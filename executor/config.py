@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pagedserve.common.flags import exit_bad_flags
+from pagedserve.executor.lease import DEFAULT_LEASE_TIMEOUT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -41,6 +42,8 @@ class ExecutorConfig:
         enforce_eager: run every step eagerly; otherwise steps on CUDA replay CUDA graphs captured
             at startup, per padded batch size (decode) or token count (mixed; see executor.cuda_graphs).
         step_trace: file to write one JSON line of timing per step to (see executor.step_trace).
+        lease_timeout: seconds a scheduler's lease stays live without a step or a heartbeat; then
+            the executor frees everything and accepts another scheduler (see executor.lease).
     """
 
     model: str
@@ -58,6 +61,7 @@ class ExecutorConfig:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     step_trace: str | None = None
+    lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,6 +89,8 @@ class ExecutorConfig:
             problems.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if not self.lease_timeout > 0:  # also refuses nan
+            problems.append(f"lease_timeout must be > 0 seconds, got {self.lease_timeout}")
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
 
@@ -157,4 +163,11 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
     group.add_argument("--step-trace", default=None, help="write per-step timing (JSON lines) to this file")
+    group.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=DEFAULT_LEASE_TIMEOUT_S,
+        help="seconds a scheduler's lease lives without a step or a heartbeat; then the executor "
+        "frees everything and accepts another scheduler's Attach (default %(default)s)",
+    )
     return parser

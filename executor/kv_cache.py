@@ -61,16 +61,27 @@ def cpu_device_num_blocks(
 
 
 def gpu_num_blocks(
-    layout: KVCacheLayout, total_bytes: int, utilization: float, peak_bytes: int, non_torch_bytes: int
+    layout: KVCacheLayout,
+    total_bytes: int,
+    utilization: float,
+    peak_bytes: int,
+    non_torch_bytes: int,
+    in_use_at_start: int = 0,
 ) -> int:
-    """Pool size on CUDA: what is left of utilization * total after the profiled peak usage.
+    """Pool size on CUDA: what is left of this executor's share after the profiled peak usage.
+
+    The share is utilization * total, or what was free when the executor started if that is less
+    (a share of 1.0 beside a CUDA context, or shares of executors on one GPU adding up to more).
 
     Args:
         total_bytes: the device's total memory.
         peak_bytes: torch's peak allocation during the profiling pass (weights + activations).
-        non_torch_bytes: memory used outside torch's allocator (CUDA context, libraries).
+        non_torch_bytes: memory this executor took outside torch's allocator (libraries, kernels).
+        in_use_at_start: device memory in use before the executor loaded anything (other
+            processes, its CUDA context): not part of its share.
     """
-    available = int(total_bytes * utilization) - peak_bytes - non_torch_bytes
+    share = min(int(total_bytes * utilization), total_bytes - in_use_at_start)
+    available = share - peak_bytes - non_torch_bytes
     return max(available, 0) // layout.bytes_per_block
 
 

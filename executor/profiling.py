@@ -2,7 +2,8 @@
 
 The pool takes all memory left under `gpu_memory_utilization` after
 * the profiled peak of the worst eager step the config allows (weights + activations),
-* memory outside torch's allocator (CUDA context, cuBLAS workspaces), and
+* memory this process took outside torch's allocator since it started (cuBLAS workspaces, loaded
+  kernels), and
 * a reserve for the CUDA graphs, which are captured *after* the pool exists (their kernels must
   see the real pool's addresses) and keep their own memory pool that eager steps cannot reuse.
 
@@ -11,6 +12,12 @@ and a pass of the worst step (the largest mixed graph), each writing into a logi
 graphs do, is profiled the same way (graphs captured largest first into one shared pool need about
 that much), plus a fixed allowance per graph for what the driver keeps for each instantiated
 graph. After capture the runner logs the memory the graphs actually took.
+
+Memory already in use on the device when the executor started (`in_use_at_start`: other processes,
+e.g. executors sharing the GPU under `pagedserve serve --data-parallel-size`, and this process's
+own CUDA context) is outside the budget, as in vLLM: `gpu_memory_utilization` is this executor's
+share of the device, so two executors at 0.45 each fit on one GPU. Before, another process's memory
+counted as this one's "outside torch", and the second executor on a GPU got no pool at all.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ GRAPH_OVERHEAD_BYTES = 24 << 20
 @dataclass(frozen=True)
 class MemoryProfile:
     peak_bytes: int  # torch's peak over the worst eager step, weights included, scratch pool excluded
-    non_torch_bytes: int  # used outside torch's allocator (CUDA context, libraries)
+    non_torch_bytes: int  # taken outside torch's allocator since the start (libraries, kernels)
     total_bytes: int  # the device's memory
     graph_reserve_bytes: int  # set aside for CUDA graphs (0 without them)
 
@@ -97,6 +104,13 @@ def _graph_pass_bytes(model: LlamaModel, layout: KVCacheLayout, lens: list[int])
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def memory_in_use(device: torch.device) -> tuple[int, int]:
+    """(bytes in use on the device, its total), from the driver: every process's memory, this
+    one's CUDA context included (the call creates it)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free, total
+
+
 @torch.inference_mode()
 def profile_cuda(
     model: LlamaModel,
@@ -104,8 +118,14 @@ def profile_cuda(
     config: ExecutorConfig,
     max_model_len: int,
     cuda_graphs: bool,
+    in_use_at_start: int = 0,
 ) -> MemoryProfile:
-    """Measures the memory everything but the KV pool needs (see the module docstring)."""
+    """Measures the memory everything but the KV pool needs (see the module docstring).
+
+    Args:
+        in_use_at_start: device memory in use before this executor loaded anything (see
+            `memory_in_use`); it is not counted as this executor's.
+    """
     device = next(model.parameters()).device
     torch.cuda.empty_cache()
     lens = _worst_step_lens(config, max_model_len)
@@ -120,7 +140,7 @@ def profile_cuda(
         graph_reserve += GRAPH_OVERHEAD_BYTES * num_graphs
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    non_torch = max(0, total - free - torch.cuda.memory_reserved(device) - in_use_at_start)
     log.info(
         "executor.profiled",
         tokens=sum(lens),

@@ -34,7 +34,7 @@ from pagedserve.executor.kv_cache import (
 from pagedserve.executor.loader import ModelSpec, UnsupportedModelError, load_model_spec, load_weights
 from pagedserve.executor.model import LlamaModel
 from pagedserve.executor.plan_check import PlanError, PlanLimits, validate_plan
-from pagedserve.executor.profiling import profile_cuda
+from pagedserve.executor.profiling import memory_in_use, profile_cuda
 from pagedserve.executor.sampler import SamplingParams, sample
 from pagedserve.executor.step_inputs import (
     HostBatch,
@@ -175,15 +175,25 @@ class ModelRunner:
     def create(cls, config: ExecutorConfig) -> ModelRunner:
         """Loads the model, then `from_model`."""
         device = config.torch_device()
+        in_use_at_start = 0
+        if device.type == "cuda" and config.num_gpu_blocks_override is None:
+            in_use_at_start = memory_in_use(device)[0]
         spec = load_model_spec(config.model)
         model = LlamaModel(spec, resolve_max_model_len(config, spec), device, config.torch_dtype(device))
         load_weights(model, spec, config.model)
-        return cls.from_model(config, model)
+        return cls.from_model(config, model, in_use_at_start=in_use_at_start)
 
     @classmethod
-    def from_model(cls, config: ExecutorConfig, model: LlamaModel) -> ModelRunner:
+    def from_model(
+        cls, config: ExecutorConfig, model: LlamaModel, *, in_use_at_start: int = 0
+    ) -> ModelRunner:
         """Sizes and allocates the KV pools for a loaded model (profiling first on CUDA), then
-        captures the CUDA graphs (on CUDA, unless enforce_eager)."""
+        captures the CUDA graphs (on CUDA, unless enforce_eager).
+
+        Args:
+            in_use_at_start: device memory in use before the model was loaded (other processes,
+                the CUDA context): outside this executor's budget (see executor.profiling).
+        """
         spec = model.spec
         device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
         max_model_len = resolve_max_model_len(config, spec)
@@ -193,16 +203,17 @@ class ModelRunner:
         if config.num_gpu_blocks_override is not None:
             num_blocks, why = config.num_gpu_blocks_override, "--num-gpu-blocks-override"
         elif device.type == "cuda":
-            mem = profile_cuda(model, layout, config, max_model_len, cuda_graphs)
+            mem = profile_cuda(model, layout, config, max_model_len, cuda_graphs, in_use_at_start)
             graph_reserve = mem.graph_reserve_bytes
             num_blocks = gpu_num_blocks(
                 layout, mem.total_bytes, config.gpu_memory_utilization,
-                mem.peak_bytes + graph_reserve, mem.non_torch_bytes,
+                mem.peak_bytes + graph_reserve, mem.non_torch_bytes, in_use_at_start,
             )  # fmt: skip
             why = (
                 f"{config.gpu_memory_utilization:.2f} of {mem.total_bytes / 2**30:.1f} GiB minus a peak of "
                 f"{mem.peak_bytes / 2**30:.2f} GiB, {mem.non_torch_bytes / 2**30:.2f} GiB outside torch "
-                f"and {graph_reserve / 2**30:.2f} GiB for CUDA graphs"
+                f"and {graph_reserve / 2**30:.2f} GiB for CUDA graphs; {in_use_at_start / 2**30:.2f} GiB "
+                "were in use on the device before the executor loaded anything"
             )
         else:
             num_blocks = cpu_device_num_blocks(

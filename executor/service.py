@@ -1,10 +1,14 @@
 """The gRPC `pagedserve.v1.Executor` service around a `ModelRunner`.
 
-One scheduler at a time holds the lease: `Attach` starts a new epoch and drops every request of the
-previous one; a `Step` stream must carry the current epoch in its `lease-epoch` metadata, and is
-cut with FAILED_PRECONDITION as soon as a newer Attach supersedes it. Runner calls of all streams
-are serialised under a lock (the runner is not thread-safe, and there is one GPU). A bad plan ends
-its stream with INVALID_ARGUMENT (state untouched) and the service keeps serving.
+One scheduler at a time holds the lease (`executor.lease`): `Attach` starts a new epoch and drops
+every request of the previous one, and is refused with FAILED_PRECONDITION, naming the holder, while
+another scheduler's lease is live. A lease stays live on plans and `Heartbeat`s; one that sees
+neither for --lease-timeout seconds expires, and `Detach` ends one at once. A `Step` stream must
+carry the current epoch in its `lease-epoch` metadata, and is cut with FAILED_PRECONDITION as soon as
+its lease ends (superseded, expired or detached), even while idle. Whenever a lease ends the runner
+forgets every request. Runner calls of all streams are serialised under a lock (the runner is not
+thread-safe, and there is one GPU). A bad plan ends its stream with INVALID_ARGUMENT (state
+untouched) and the service keeps serving.
 
 Overlap: a Step stream's plans are read by a thread of their own into a queue, and the loop that
 runs them launches plan N+1 *before* waiting for step N's sampled tokens whenever N+1 has arrived
@@ -27,6 +31,7 @@ import structlog
 
 from pagedserve.common.flags import listen
 from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.lease import DEFAULT_LEASE_TIMEOUT_S, Lease, LeaseHeld, StaleLease
 from pagedserve.executor.runner import ModelRunner, PendingStep, PlanError
 from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
 
@@ -37,20 +42,37 @@ THROUGHPUT_LOG_SECONDS = 10.0
 POLL_SECONDS = 0.0002
 _END = object()  # the plan stream ended (closed, cancelled or broken)
 _STEP_DONE = object()  # the pending step finished before another plan arrived
+# How often, at most, the service looks for an expired lease (a fraction of the timeout, so a lease
+# ends within a few percent of --lease-timeout).
+LEASE_CHECK_MAX_PERIOD_S = 0.25
+
+
+class _Fenced:
+    """Put in a stream's plan queue when its lease ended: the stream ends with this message."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 class _PlanReader:
     """Reads a Step stream's plans on a thread of its own, so the step loop can look for the next
-    plan without blocking on the network."""
+    plan without blocking on the network. Each plan read keeps the stream's lease live."""
 
-    def __init__(self, request_iterator: Iterator[executor_pb2.StepPlan]) -> None:
+    def __init__(self, request_iterator: Iterator[executor_pb2.StepPlan], epoch: int, lease: Lease) -> None:
+        self.epoch = epoch
+        self._lease = lease
         self._plans: queue.Queue = queue.Queue()
         self._iterator = request_iterator
         threading.Thread(target=self._read, name="executor-plan-reader", daemon=True).start()
 
+    def fence(self, message: str) -> None:
+        """Ends the stream (at once if it is idle) with FAILED_PRECONDITION and `message`."""
+        self._plans.put(_Fenced(message))
+
     def _read(self) -> None:
         try:
             for plan in self._iterator:
+                self._lease.touch(self.epoch)
                 self._plans.put(plan)
         except Exception as e:  # noqa: BLE001 - a cancelled or broken stream just ends
             log.debug("executor.plan_stream_broken", error=type(e).__name__)
@@ -97,7 +119,9 @@ class _ThroughputLog:
         self._since, self._last = now, current
 
 
-def attach_response(runner: ModelRunner, model_name: str, epoch: int) -> executor_pb2.AttachResponse:
+def attach_response(
+    runner: ModelRunner, model_name: str, epoch: int, lease_timeout_s: float = 0.0
+) -> executor_pb2.AttachResponse:
     """What a scheduler learns on attach: the model's limits and the KV layout the runner chose."""
     device = runner.device
     device_name = str(device)
@@ -117,54 +141,137 @@ def attach_response(runner: ModelRunner, model_name: str, epoch: int) -> executo
         device=device_name,
         max_num_seqs=runner.max_num_seqs,
         max_num_batched_tokens=runner.max_num_batched_tokens,
+        lease_timeout_ms=round(lease_timeout_s * 1000),
     )
 
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
-    """Lease fencing and error mapping; the work itself is `ModelRunner.execute`."""
+    """Leases, fencing and error mapping; the work itself is `ModelRunner.execute`.
 
-    def __init__(self, runner: ModelRunner, model_name: str) -> None:
+    `close()` stops the thread that expires leases.
+    """
+
+    def __init__(
+        self, runner: ModelRunner, model_name: str, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
+    ) -> None:
         self._runner = runner
         self._model_name = model_name
-        self._lock = threading.Lock()
-        self._epoch = 0  # 0 = nobody attached yet
+        self._lock = threading.Lock()  # the runner, and which streams are open
+        self._lease = Lease(lease_timeout_s)
+        self._streams: set[_PlanReader] = set()
         self._throughput = _ThroughputLog(runner)
+        self._closed = threading.Event()
+        period = min(LEASE_CHECK_MAX_PERIOD_S, lease_timeout_s / 20)
+        threading.Thread(
+            target=self._expire_leases, args=(period,), name="executor-lease-expiry", daemon=True
+        ).start()
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        """The current lease's epoch (0 = none)."""
+        return self._lease.epoch
+
+    @property
+    def lease(self) -> Lease:
+        return self._lease
+
+    def close(self) -> None:
+        self._closed.set()
 
     def Attach(self, request: executor_pb2.AttachRequest, context: grpc.ServicerContext):
-        runner = self._runner
+        peer = context.peer()
+        if not request.scheduler_id:
+            message = "AttachRequest.scheduler_id is empty: it names the lease holder"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         with self._lock:
-            # Epochs grow across restarts too (wall-clock microseconds), so a stream fenced by an
-            # earlier executor process can never match by accident.
-            self._epoch = max(self._epoch + 1, time.time_ns() // 1000)
-            runner.reset()
-            epoch = self._epoch
-        log.info("executor.attach", scheduler_id=request.scheduler_id, lease_epoch=epoch, peer=context.peer())
-        return attach_response(runner, self._model_name, epoch)
+            try:
+                epoch, previous = self._lease.attach(request.scheduler_id, peer)
+            except LeaseHeld as e:
+                log.info("executor.attach_refused", scheduler_id=request.scheduler_id, peer=peer, why=str(e))
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            self._end_streams(f"stale lease: a newer Attach (epoch {epoch}) superseded this stream")
+        log.info(
+            "executor.attach",
+            scheduler_id=request.scheduler_id,
+            lease_epoch=epoch,
+            peer=peer,
+            replaced=None if previous is None else str(previous),
+        )
+        return attach_response(self._runner, self._model_name, epoch, self._lease.timeout_s)
+
+    def Heartbeat(self, request: executor_pb2.HeartbeatRequest, context: grpc.ServicerContext):
+        try:
+            self._lease.heartbeat(request.lease_epoch)
+        except StaleLease as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return executor_pb2.HeartbeatResponse()
+
+    def Detach(self, request: executor_pb2.DetachRequest, context: grpc.ServicerContext):
+        with self._lock:
+            try:
+                holder = self._lease.detach(request.lease_epoch)
+            except StaleLease as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            self._end_streams(f"lease epoch {holder.epoch} was detached")
+        log.info("executor.detach", scheduler_id=holder.scheduler_id, lease_epoch=holder.epoch)
+        return executor_pb2.DetachResponse()
+
+    def _end_streams(self, message: str) -> None:
+        """A lease ended (the caller holds the lock): the runner forgets every request, and every
+        stream not of the current lease ends with `message`."""
+        self._runner.reset()
+        current = self._lease.epoch
+        for stream in self._streams:
+            if stream.epoch != current:
+                stream.fence(message)
+
+    def _expire_leases(self, period: float) -> None:
+        while not self._closed.wait(period):
+            left = self._lease.seconds_until_expiry()
+            if left is None or left > 0:
+                continue  # nothing to do, without waiting for a step to release the lock
+            with self._lock:
+                expired = self._lease.expire_if_due()
+                if expired is not None:
+                    self._end_streams(
+                        f"lease epoch {expired.epoch} expired: no step or heartbeat for "
+                        f"{self._lease.timeout_s:g} s (--lease-timeout)"
+                    )
 
     def Step(
         self, request_iterator: Iterator[executor_pb2.StepPlan], context: grpc.ServicerContext
     ) -> Iterator[executor_pb2.StepOutput]:
         epoch = self._stream_epoch(context)
-        self._check_lease(epoch, context)
-        plans = _PlanReader(request_iterator)
+        with self._lock:  # checked and registered at once: an Attach in between would miss it
+            self._check_lease(epoch, context)
+            plans = _PlanReader(request_iterator, epoch, self._lease)
+            self._streams.add(plans)
+        try:
+            yield from self._run_steps(plans, epoch, context)
+        finally:
+            with self._lock:
+                self._streams.discard(plans)
+
+    def _run_steps(
+        self, plans: _PlanReader, epoch: int, context: grpc.ServicerContext
+    ) -> Iterator[executor_pb2.StepOutput]:
         pending: PendingStep | None = None  # launched, output not sent yet
         while True:
             item = plans.next(pending)
             if item is _STEP_DONE:
-                yield self._finish(pending)
+                yield self._finish(pending, epoch)
                 pending = None
                 continue
             if item is _END:
                 if pending is not None:
-                    yield self._finish(pending)
+                    yield self._finish(pending, epoch)
                 return
+            if isinstance(item, _Fenced):  # the runner forgot the pending step's requests already
+                log.info("executor.stream_fenced", lease_epoch=epoch, reason=item.message)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, item.message)
             launched, error = self._launch(item, epoch, context)
             if pending is not None:  # step N's output goes out after step N+1 is queued
-                yield self._finish(pending)
+                yield self._finish(pending, epoch)
             if error is not None:
                 context.abort(*error)
             pending = launched
@@ -183,12 +290,16 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 log.exception("executor.step_failed", step_id=plan.step_id)
                 message = f"step {plan.step_id} failed: {type(e).__name__}: {e}"
                 return None, (grpc.StatusCode.INTERNAL, message)
+            finally:
+                # A long step (a big prefill on the CPU runs inside launch) must not cost its lease.
+                self._lease.touch(epoch)
 
-    def _finish(self, pending: PendingStep) -> executor_pb2.StepOutput:
+    def _finish(self, pending: PendingStep, epoch: int) -> executor_pb2.StepOutput:
         if pending.done is not None:
             pending.done.synchronize()  # outside the lock: Attach and other streams need not wait
         with self._lock:
             output = self._runner.finish(pending)
+        self._lease.touch(epoch)
         self._throughput.tick()
         return output
 
@@ -216,12 +327,10 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             )
 
     def _check_lease(self, epoch: int, context: grpc.ServicerContext) -> None:
-        current = self._epoch
-        if current == 0 or epoch != current:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"stale lease: stream epoch {epoch}, current epoch {current or 'none (Attach first)'}",
-            )
+        try:
+            self._lease.check(epoch)
+        except StaleLease as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
 
 class ExecutorServer:
@@ -230,7 +339,7 @@ class ExecutorServer:
     def __init__(self, config: ExecutorConfig, runner: ModelRunner | None = None, max_workers: int = 16):
         self.config = config
         self.runner = runner if runner is not None else ModelRunner.create(config)
-        self.service = ExecutorService(self.runner, config.model)
+        self.service = ExecutorService(self.runner, config.model, config.lease_timeout)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="executor-rpc"),
             options=wire.SERVER_OPTIONS,
@@ -250,6 +359,7 @@ class ExecutorServer:
     def stop(self, grace: float | None = 5.0) -> None:
         """Stops accepting RPCs and waits up to `grace` seconds for running ones."""
         self._server.stop(grace).wait()
+        self.service.close()
         log.info("executor.stopped", address=self.address)
 
     def wait(self) -> None:

@@ -69,6 +69,34 @@ def test_w2_shares_one_prefix_and_w3_sends_w1s_prompts():
         bench.resolve(bench.build_parser().parse_args(["--workload", "W3"]))
 
 
+def test_w4_interleaves_eight_shared_prefixes():
+    """Every prefix first (each 1,024 ids), then per request its suffix (fixed lengths draw
+    nothing); request i uses prefix i mod 8."""
+    workload, rates = bench.resolve(bench.build_parser().parse_args(["--workload", "W4"]))
+    assert rates == [math.inf] and workload.num_prefixes == 8
+    requests = bench.generate_requests(workload, vocab_size=128256, max_model_len=8192)
+    assert len(requests) == 512
+
+    rng = random.Random(1)
+    prefixes = [tuple(rng.randrange(1000, 100000) for _ in range(1024)) for _ in range(8)]
+    assert len(set(prefixes)) == 8
+    for i, req in enumerate(requests):
+        assert req.prompt[:1024] == prefixes[i % 8]
+        assert req.prompt[1024:] == tuple(rng.randrange(1000, 100000) for _ in range(64))
+        assert req.output_len == 64
+    assert len({r.prompt[1024:] for r in requests}) == 512
+
+    # A smaller variant for CPU runs: fewer prompts, shorter prefixes, still interleaved.
+    small, _ = bench.resolve(
+        bench.build_parser().parse_args(["--workload", "W4", "--num-prompts", "16", "--prefix-len", "32"])
+    )
+    small_requests = bench.generate_requests(small, vocab_size=512, max_model_len=256)
+    assert [r.prompt[:32] for r in small_requests[:8]] == [r.prompt[:32] for r in small_requests[8:]]
+    assert len({r.prompt[:32] for r in small_requests}) == 8
+    with pytest.raises(SystemExit, match="--num-prefixes needs --dataset shared-prefix"):
+        bench.resolve(bench.build_parser().parse_args(["--num-prefixes", "4"]))
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -483,3 +511,28 @@ def test_launched_prefix_caching_comparison(tiny_model_dir, tmp_path, capsys):
     assert on["cached_prompt_tokens"] > 0 and off["cached_prompt_tokens"] == 0
     assert report["comparison"]["greedy outputs identical"] is True
     assert "prefix caching on vs off" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_launched_w4_smoke_over_two_executors(tiny_model_dir, tmp_path, capsys):
+    """W4 scaled down for the CPU, through one scheduler over two launched executors: every
+    request completes, and the report has what compares two routings (prefill tokens computed,
+    output tok/s)."""
+    result = tmp_path / "w4.json"
+    argv = ["--launch", "--model", str(tiny_model_dir), "--data-parallel-size", "2"]
+    argv += ["--executor-args", "--device cpu --dtype float32 --num-gpu-blocks-override 128"]
+    argv += ["--workload", "W4", "--num-prompts", "16", "--prefix-len", "48", "--input-len", "8"]
+    argv += ["--output-len", "4", "--result-file", str(result), "--no-plot"]
+    assert bench.main(argv) == 0
+    report = json.loads(result.read_text())
+    assert report["config"]["workload_resolved"]["num_prefixes"] == 8
+    (run,) = report["runs"]
+    assert (run["completed"], run["failed"]) == (16, 0)
+    assert all(r["output_tokens"] == 4 for r in run["requests"])
+    assert run["total_input_tokens"] == 16 * (48 + 8)
+    assert run["output_throughput"] > 0
+    assert 1 <= run["server"]["prompt_tokens_computed"] <= run["total_input_tokens"]
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["executor-0.log", "executor-1.log", "scheduler.log"]
+    out = capsys.readouterr().out
+    assert "prompt tokens computed" in out and "output throughput (tok/s)" in out

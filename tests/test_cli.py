@@ -81,7 +81,7 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    own = {"help", "model", "host", "port", "executor_port"}
+    own = {"help", "model", "host", "port", "executor_port", "data_parallel_size"}
     accepted = {action.dest for action in parser._actions} - own
     children = {a.dest for child in (executor_parser(), scheduler_parser()) for a in child._actions}
     assert accepted == children
@@ -118,8 +118,10 @@ def test_serve_checks_its_flags_before_starting_anything(tmp_path, monkeypatch, 
     from pagedserve import cli as pagedserve_cli
 
     monkeypatch.setattr(pagedserve_cli, "DEFAULT_MODEL_DIR", tmp_path / "default-model")
-    monkeypatch.setattr(pagedserve_cli.subprocess, "Popen", None)  # starting a child would fail
+    monkeypatch.setattr(subprocess, "Popen", None)  # starting a child would fail
     for argv, flag in (
+        (["--data-parallel-size", "0"], "--data-parallel-size"),
+        (["--lease-timeout", "0"], "--lease-timeout"),
         (["--block-size", "0"], "--block-size"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["--swap-space", "-1"], "--swap-space"),
@@ -133,12 +135,15 @@ def test_serve_checks_its_flags_before_starting_anything(tmp_path, monkeypatch, 
     assert not (tmp_path / "default-model").exists()
 
 
-def test_serve_exits_with_the_code_of_the_child_that_stopped_first(monkeypatch):
+def test_serve_exits_with_the_code_of_the_scheduler(monkeypatch):
     """The scheduler failing (its port taken, say) is why serve stops; the executor's exit is
     serve's own SIGTERM, so its -15 must not become serve's status (it came out as 241)."""
     from pagedserve import cli as pagedserve_cli
+    from pagedserve import supervisor
 
     class Child:
+        pid = 4242
+
         def __init__(self, cmd, **_kwargs):
             self.returncode = 1 if "pagedserve.scheduler" in cmd else None
 
@@ -154,11 +159,11 @@ def test_serve_exits_with_the_code_of_the_child_that_stopped_first(monkeypatch):
         def kill(self):
             self.returncode = -signal.SIGKILL
 
-    monkeypatch.setattr(pagedserve_cli.subprocess, "Popen", Child)
-    monkeypatch.setattr(pagedserve_cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(subprocess, "Popen", Child)
+    monkeypatch.setattr(supervisor.signal, "signal", lambda *_: None)
     parser = argparse.ArgumentParser()
     pagedserve_cli.add_serve_args(parser)
-    args = parser.parse_args(["--model", "m"])
+    args = parser.parse_args(["--model", "m", "--device", "cpu", "--data-parallel-size", "2"])
     assert pagedserve_cli.serve(args) == 1
 
 

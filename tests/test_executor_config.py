@@ -96,6 +96,12 @@ def test_pool_sizing():
         gpu_num_blocks(LAYOUT, total, 0.5, 200 * LAYOUT.bytes_per_block, 50 * LAYOUT.bytes_per_block) == 250
     )
     assert gpu_num_blocks(LAYOUT, total, 0.1, total, 0) == 0
+    # Memory in use at the start (another executor on the GPU, the CUDA context) is not this
+    # executor's: a 0.5 share is still 500 blocks' worth...
+    block = LAYOUT.bytes_per_block
+    assert gpu_num_blocks(LAYOUT, total, 0.5, 200 * block, 50 * block, in_use_at_start=450 * block) == 250
+    # ...unless less than that was free: then it gets what was free.
+    assert gpu_num_blocks(LAYOUT, total, 1.0, 200 * block, 50 * block, in_use_at_start=100 * block) == 650
     with pytest.raises(KVCacheTooSmallError, match="largest length that fits is 48"):
         check_fits(LAYOUT, 3, 100, why="test")
     check_fits(LAYOUT, 7, 100, why="test")

@@ -1,18 +1,20 @@
 """The `pagedserve` command: serve, scheduler, executor, generate, health.
 
-`pagedserve serve` is the embedded default: it starts one executor and one scheduler as two
-processes on loopback (the same topology as docker-compose.yml) and stops both when either stops.
+`pagedserve serve` is the embedded default: it starts `--data-parallel-size` executors and one
+scheduler as processes on loopback (the same topology as docker-compose.yml), restarts an executor
+that dies, and stops everything when the scheduler stops (see pagedserve.supervisor).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedserve.supervisor import ChildSpec
 
 DEFAULT_MODEL_DIR = (
     Path(os.environ.get("PAGEDSERVE_HOME", Path.home() / ".cache" / "pagedserve")) / "default-model"
@@ -80,7 +82,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     parser.add_argument("--host", default="127.0.0.1", help="public address to bind")
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port")
-    parser.add_argument("--executor-port", type=int, default=None, help="internal port (default: port + 10)")
+    parser.add_argument(
+        "--executor-port",
+        type=int,
+        default=None,
+        help="internal port of the first executor; executor i listens on it + i (default: port + 10)",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="executors behind the one scheduler, each with its own model copy and KV pool "
+        "(default 1). On CUDA with at least this many GPUs visible, executor i gets GPU i alone "
+        "(CUDA_VISIBLE_DEVICES); with fewer GPUs (G), executor i gets GPU i mod G and its "
+        "--gpu-memory-utilization is the flag's value divided by the number of executors on that "
+        "GPU (they start one after another). On the CPU each gets cores/N threads.",
+    )
     for child in (executor_parser(), scheduler_parser()):
         for group in child._action_groups:
             actions = [a for a in group._group_actions if a.option_strings]
@@ -99,51 +116,81 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
     model = args.model or str(DEFAULT_MODEL_DIR)
     executor_port = args.executor_port or args.port + 10
+    if args.data_parallel_size < 1:
+        parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if executor_port + args.data_parallel_size - 1 > 65535:
+        parser.error(f"--executor-port {executor_port} + --data-parallel-size leaves the port range")
     ExecutorConfig.from_args(args, parser=parser, model=model, host="127.0.0.1", port=executor_port)
     ServiceConfig.from_args(args, parser=parser, model=model)
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Runs executor + scheduler as child processes until a signal or until one of them exits."""
-    model = Path(args.model) if args.model else ensure_default_model()
-    executor_port = args.executor_port or args.port + 10
+def _executor_ready(port: int) -> bool:
+    """Whether the executor on `port` has loaded its model (GetStats answers only then)."""
+    import grpc
+
+    from pagedserve.protos import executor_pb2, executor_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            executor_pb2_grpc.ExecutorStub(channel).GetStats(executor_pb2.GetStatsRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def serve_children(args: argparse.Namespace, model: Path) -> list[ChildSpec]:
+    """The processes of `serve`: the executors (restarted when they die; see place_executors for
+    their GPUs), then the scheduler with one --executor per executor."""
+    from pagedserve.supervisor import ChildSpec, place_executors, visible_gpu_count
+
     python = sys.executable
-    executor_cmd = [
-        python, "-m", "pagedserve.executor", "--model", str(model), "--host", "127.0.0.1",
-        "--port", str(executor_port), *forwarded_flags(args, executor_parser()),
-    ]  # fmt: skip
-    scheduler_cmd = [
+    placements = place_executors(
+        args.data_parallel_size,
+        base_port=args.executor_port or args.port + 10,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpus=visible_gpu_count(args.device),
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
+    executor_flags = forwarded_flags(args, executor_parser())
+    children = []
+    for p in placements:
+        utilization = []
+        if p.gpu_memory_utilization != args.gpu_memory_utilization:  # the last flag wins
+            utilization = ["--gpu-memory-utilization", f"{p.gpu_memory_utilization:.4f}"]
+        argv = [
+            python, "-m", "pagedserve.executor", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(p.port), *executor_flags, *utilization,
+        ]  # fmt: skip
+        ready = (lambda port=p.port: _executor_ready(port)) if p.shares_gpu else None
+        children.append(ChildSpec(f"executor-{p.index}", argv, p.env, restart=True, ready=ready))
+    scheduler_argv = [
         python, "-m", "pagedserve.scheduler", "--model", str(model), "--host", args.host,
-        "--port", str(args.port), "--executor", f"127.0.0.1:{executor_port}",
+        "--port", str(args.port),
+        *(arg for p in placements for arg in ("--executor", f"127.0.0.1:{p.port}")),
         *forwarded_flags(args, scheduler_parser()),
         *forwarded_flags(args, executor_parser(), only=SHARED_FLAGS),
     ]  # fmt: skip
-    children = [subprocess.Popen(executor_cmd), subprocess.Popen(scheduler_cmd)]
-    stopping = False
+    children.append(ChildSpec("scheduler", scheduler_argv))
+    return children
 
-    def stop(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    while not stopping and all(child.poll() is None for child in children):
-        time.sleep(0.2)
-    # The child that stopped first is why serve stops; the other one's code is our SIGTERM's.
-    first = next((child for child in children if child.poll() is not None), None)
-    for child in reversed(children):  # scheduler first, so clients get a clean shutdown
-        if child.poll() is None:
-            child.terminate()
-    deadline = time.monotonic() + 15
-    for child in reversed(children):
-        try:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-    if stopping or first is None:
-        return 0
-    code = first.returncode
-    return 128 - code if code < 0 else code or 1  # killed by signal N: 128 + N, as a shell says
+def serve(args: argparse.Namespace) -> int:
+    """Runs the executors and the scheduler as child processes until a signal or until the
+    scheduler exits (then with its status); executors that die are restarted."""
+    from pagedserve.common.logs import configure_logging
+    from pagedserve.supervisor import Supervisor, install_stop_handlers
+
+    configure_logging("serve")
+    model = Path(args.model) if args.model else ensure_default_model()
+    stopping = install_stop_handlers()
+    supervisor = Supervisor(serve_children(args, model))
+    try:
+        status = supervisor.start(stopping)
+        if status is None:
+            status = supervisor.run(stopping)
+    finally:
+        supervisor.stop()
+    return 0 if status is None else status
 
 
 def generate(args: argparse.Namespace) -> int:

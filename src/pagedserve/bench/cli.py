@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=_length_text(1), help="output tokens: N or MIN:MAX")
     p.add_argument("--prefix-len", type=_non_negative_int, help="shared-prefix: tokens of the common prefix")
     p.add_argument(
+        "--num-prefixes",
+        type=_positive_int,
+        help="shared-prefix: distinct prefixes; request i uses prefix i mod this (interleaved)",
+    )
+    p.add_argument(
         "--request-rate",
         type=_flag_type(_RATE, _rate_text),
         help="'inf' (all at t=0) or a Poisson rate in req/s",
@@ -130,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--executor-args", default="", help="extra executor flags (one shell-quoted string)")
     launch.add_argument(
         "--scheduler-args", default="", help="extra scheduler flags (one shell-quoted string)"
+    )
+    launch.add_argument(
+        "--data-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="with --launch: executors behind the one scheduler, placed on GPUs as `pagedserve serve "
+        "--data-parallel-size` places them (compare routing with --scheduler-args)",
     )
     launch.add_argument("--launch-timeout", type=_positive_float, default=900.0)
     launch.add_argument("--log-dir", type=Path, default=None, help="default: next to the result file")
@@ -170,8 +182,10 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
     if args.request_rate is not None and args.request_rates:
         raise SystemExit("pagedserve bench: give --request-rate R or --request-rates R1,R2,..., not both")
     dataset = pick("dataset")
-    if args.prefix_len is not None and dataset != "shared-prefix":
-        raise SystemExit("pagedserve bench: --prefix-len needs --dataset shared-prefix (or --workload W2)")
+    for flag in ("prefix_len", "num_prefixes"):
+        if getattr(args, flag) is not None and dataset != "shared-prefix":
+            name = "--" + flag.replace("_", "-")
+            raise SystemExit(f"pagedserve bench: {name} needs --dataset shared-prefix (or --workload W2, W4)")
     prefix_len = pick("prefix_len") if dataset == "shared-prefix" else 0
     if dataset == "shared-prefix" and args.prefix_len is None and "prefix_len" not in preset:
         prefix_len = 256
@@ -184,6 +198,7 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
         output_len=LengthRange.parse(pick("output_len")),
         prefix_len=prefix_len,
         seed=args.seed,
+        num_prefixes=pick("num_prefixes") if dataset == "shared-prefix" else 1,
     )
     if args.request_rates:
         rates = [float(x) for x in args.request_rates.split(",") if x.strip()]
@@ -259,6 +274,12 @@ def run_pagedserve(
         return _measure(f"{args.host}:{args.port}", workload, rates, args)
     log_dir = args.log_dir or args.result_file.parent / "logs"
     executor_args, scheduler_args = shlex.split(args.executor_args), shlex.split(args.scheduler_args)
+    executor = _in_process_configs(args)[0]
+    placement = dict(
+        data_parallel_size=args.data_parallel_size,
+        device=executor.device,
+        gpu_memory_utilization=executor.gpu_memory_utilization,
+    )
     settings = [(None, scheduler_args)]
     if args.compare_prefix_caching:
         settings = [(True, scheduler_args), (False, [*scheduler_args, "--no-enable-prefix-caching"])]
@@ -268,7 +289,9 @@ def run_pagedserve(
         tag = "gRPC" if args.compare_in_process else tag
         sub_dir = log_dir if caching is None else log_dir / ("caching-on" if caching else "caching-off")
         try:
-            with launched_server(args.model, sub_dir, executor_args, sched, args.launch_timeout) as address:
+            with launched_server(
+                args.model, sub_dir, executor_args, sched, args.launch_timeout, **placement
+            ) as address:
                 requests, results = _measure(address, workload, rates, args, tag)
         except LaunchError as exc:  # its message carries the failing service's log
             raise SystemExit(f"pagedserve bench: {exc}") from None
@@ -332,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pagedserve bench: --launch and --baseline need --model DIR")
     if args.compare_prefix_caching and not args.launch:
         raise SystemExit("pagedserve bench: --compare-prefix-caching needs --launch")
+    if args.data_parallel_size > 1 and (not args.launch or args.compare_in_process):
+        raise SystemExit(
+            "pagedserve bench: --data-parallel-size needs --launch (and no --compare-in-process)"
+        )
     if args.in_process and (args.launch or not args.model):
         raise SystemExit("pagedserve bench: --in-process needs --model DIR (and no --launch)")
     if args.compare_in_process and (not args.launch or args.compare_prefix_caching):

@@ -1,5 +1,5 @@
 """Benchmark workloads: request lengths, token-id prompts and arrival times (W1, W2, W3 of
-shared/bench/WORKLOADS.md are presets of these)."""
+shared/bench/WORKLOADS.md are presets of these; W4, issue 13's data-parallel workload, too)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,12 @@ class LengthRange:
 
 @dataclass(frozen=True)
 class Workload:
-    """What to send; `input_len` is the unique suffix when `prefix_len` > 0 (shared-prefix)."""
+    """What to send; `input_len` is the unique suffix when `prefix_len` > 0 (shared-prefix).
+
+    With `num_prefixes` > 1 there are that many distinct shared prefixes, and request i uses
+    prefix i mod num_prefixes: the groups arrive interleaved (prefix 0, 1, ..., then 0 again), so
+    a router that ignores the prefix cache spreads every group over every executor.
+    """
 
     dataset: str  # "random" or "shared-prefix"
     num_prompts: int
@@ -42,6 +47,7 @@ class Workload:
     output_len: LengthRange
     prefix_len: int = 0
     seed: int = 1
+    num_prefixes: int = 1
 
     def __post_init__(self) -> None:
         if self.dataset not in ("random", "shared-prefix"):
@@ -50,6 +56,8 @@ class Workload:
             raise ValueError("num_prompts must be positive")
         if self.output_len.lo < 1:
             raise ValueError("output lengths must be at least 1")
+        if self.num_prefixes < 1:
+            raise ValueError("num_prefixes must be positive")
 
 
 # WORKLOADS.md; W3 is W1's lengths with Poisson arrivals (the rate comes from the command line).
@@ -66,9 +74,26 @@ PRESETS: dict[str, dict] = {
         request_rate="inf",
     ),
     "W3": dict(dataset="random", num_prompts=512, input_len="128:1024", output_len="64:512"),
+    # Issue 13: 8 shared 1,024-token prefixes x 64 requests, interleaved, to compare exact prefix
+    # routing with round robin over several executors (prefill tokens computed, output tok/s).
+    "W4": dict(
+        dataset="shared-prefix",
+        num_prompts=512,
+        num_prefixes=8,
+        prefix_len=1024,
+        input_len="64",
+        output_len="64",
+        request_rate="inf",
+    ),
 }
 DEFAULTS = dict(
-    dataset="random", num_prompts=100, input_len="128", output_len="128", prefix_len=0, request_rate="inf"
+    dataset="random",
+    num_prompts=100,
+    input_len="128",
+    output_len="128",
+    prefix_len=0,
+    num_prefixes=1,
+    request_rate="inf",
 )
 
 
@@ -90,15 +115,17 @@ def generate_requests(
     workload: Workload, vocab_size: int, max_model_len: int | None = None
 ) -> list[BenchRequest]:
     """Draws every request from `random.Random(seed)`: for each, the prompt (its length, then its
-    ids), then the output length; the shared prefix, if any, is drawn first. Lengths are capped to
-    `max_model_len` afterwards, so the draws do not depend on the server."""
+    ids), then the output length; the shared prefixes, if any, are drawn first, one after another.
+    Request i gets prefix i mod num_prefixes. Lengths are capped to `max_model_len` afterwards,
+    so the draws do not depend on the server."""
     rng = random.Random(workload.seed)
     lo, hi = token_id_range(vocab_size)
-    prefix = [rng.randrange(lo, hi) for _ in range(workload.prefix_len)]
+    num_prefixes = workload.num_prefixes if workload.prefix_len else 1
+    prefixes = [[rng.randrange(lo, hi) for _ in range(workload.prefix_len)] for _ in range(num_prefixes)]
     requests = []
     for index in range(workload.num_prompts):
         n = workload.input_len.sample(rng)
-        prompt = prefix + [rng.randrange(lo, hi) for _ in range(n)]
+        prompt = prefixes[index % num_prefixes] + [rng.randrange(lo, hi) for _ in range(n)]
         output_len = workload.output_len.sample(rng)
         if max_model_len is not None:
             prompt = prompt[: max_model_len - 1]
