@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pagedserve.common.flags import exit_bad_flags
+from pagedserve.common.tls import ServerTls, TlsConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -41,6 +42,10 @@ class ExecutorConfig:
         enforce_eager: run every step eagerly; otherwise steps on CUDA replay CUDA graphs captured
             at startup, per padded batch size (decode) or token count (mixed; see executor.cuda_graphs).
         step_trace: file to write one JSON line of timing per step to (see executor.step_trace).
+        internal_token_file: file holding the token every RPC must carry (PAGEDSERVE_INTERNAL_TOKEN
+            when unset; neither: open). See pagedserve.common.auth.
+        ssl_certfile, ssl_keyfile: serve TLS only, with this certificate and key.
+        ssl_ca_certs: also require client certificates signed by these CAs (mTLS).
     """
 
     model: str
@@ -58,6 +63,10 @@ class ExecutorConfig:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     step_trace: str | None = None
+    internal_token_file: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,8 +94,16 @@ class ExecutorConfig:
             problems.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        try:
+            self.server_tls()
+        except TlsConfigError as exc:
+            problems.append(str(exc))
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
+
+    def server_tls(self) -> ServerTls | None:
+        """The TLS of the executor's port (None: plaintext)."""
+        return ServerTls.from_flags(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
 
     def torch_device(self) -> torch.device:
         """The resolved device; asking for CUDA without one is an error, not a silent fallback."""
@@ -135,14 +152,20 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
 
     Args:
         parser: the parser (or argument group's parser) to extend.
-        endpoint: also add --model, --host and --port; a CLI that starts several services (`serve`)
-            adds its own and forwards the rest (`pagedserve.cli.forwarded_flags`).
+        endpoint: also add --model, --host, --port and the port's TLS files; a CLI that starts
+            several services (`serve`, whose executor listens on loopback) adds its own and
+            forwards the rest (`pagedserve.cli.forwarded_flags`).
     """
     group = parser.add_argument_group("executor")
     if endpoint:
         group.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
         group.add_argument("--host", default=ExecutorConfig.host, help="gRPC listen address")
         group.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC listen port (0 = any)")
+        group.add_argument("--ssl-certfile", default=None, help="serve TLS with this PEM certificate")
+        group.add_argument("--ssl-keyfile", default=None, help="the PEM private key of --ssl-certfile")
+        group.add_argument(
+            "--ssl-ca-certs", default=None, help="require client certificates signed by these PEM CAs (mTLS)"
+        )
     group.add_argument("--dtype", choices=DTYPES, default="auto")
     group.add_argument("--device", choices=DEVICES, default="auto")
     group.add_argument("--max-model-len", type=int, default=None)
@@ -157,4 +180,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
     group.add_argument("--step-trace", default=None, help="write per-step timing (JSON lines) to this file")
+    group.add_argument(
+        "--internal-token-file", default=None,
+        help="file with the token every RPC must carry (default: $PAGEDSERVE_INTERNAL_TOKEN; none: open)",
+    )  # fmt: skip
     return parser

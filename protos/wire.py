@@ -46,10 +46,14 @@ def lease_metadata(lease_epoch: int) -> tuple[tuple[str, str], ...]:
     """The metadata a `Step` stream of lease `lease_epoch` carries."""
     return ((LEASE_EPOCH_KEY, str(lease_epoch)),)
 
+
 # Every executor RPC carries `authorization: Bearer <token>` when PAGEDSERVE_INTERNAL_TOKEN (or
 # --internal-token-file) is set; the executor refuses a missing or wrong one with UNAUTHENTICATED.
 AUTHORIZATION_KEY = "authorization"
 INTERNAL_TOKEN_ENV = "PAGEDSERVE_INTERNAL_TOKEN"
+
+# Public API: the client a request counts against for --client-rate-limit (else its peer address).
+CLIENT_ID_KEY = "x-client-id"
 
 # The names grpc.health.v1 reports besides "" (the whole server).
 SCHEDULER_HEALTH_SERVICE = "pagedserve.v1.Generation"
