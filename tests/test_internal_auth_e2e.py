@@ -13,7 +13,7 @@ import pytest
 from pagedserve.client import generate, make_request
 from pagedserve.common.auth import BearerTokenInterceptor, TokenError, bearer_metadata, read_internal_token
 from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
-from tests.services import running_services, wait_for_idle
+from tests.services import free_port, running_services, wait_for_idle
 
 TOKEN = secrets.token_hex(16)
 
@@ -125,3 +125,19 @@ def test_interceptor_check():
     assert "missing" in interceptor.check([("other", "x")])
     assert "wrong" in interceptor.check(bearer_metadata("s3cre"))
     assert "wrong" in interceptor.check([(wire.AUTHORIZATION_KEY, "Basic s3cret")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("service", ["executor", "scheduler"])
+def test_an_unreadable_token_file_stops_the_service_in_one_line(service, tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    own = {"executor": ["--device=cpu", "--port=0"], "scheduler": [f"--port={free_port()}"]}[service]
+    result = subprocess.run(
+        [sys.executable, "-m", f"pagedserve.{service}", f"--model={tiny_model_dir}", *own,
+         f"--internal-token-file={tmp_path / 'absent'}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "cannot read --internal-token-file" in result.stderr and "Traceback" not in result.stderr
