@@ -87,7 +87,10 @@ stop_token_ids = mostly(
         repeated(st.integers(0, VOCAB - 1), 1, 5000),  # thousands, one distinct
         st.builds(lambda n: list(range(n)), st.integers(300, VOCAB)),  # many distinct ids
     ),
-    st.lists(st.integers(VOCAB, U32), min_size=1, max_size=4),
+    st.one_of(
+        st.lists(st.integers(VOCAB, U32), min_size=1, max_size=4),
+        repeated(st.integers(VOCAB, U32), 1000, 50_000),  # the message lists a few, not all
+    ),
 )
 min_tokens = mostly(st.integers(0, 4), st.one_of(st.integers(5, U32), st.just(U32)))
 # Valid max_tokens stay small; the extremes are 0, beyond max_model_len and 2^32-1.
