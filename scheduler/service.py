@@ -3,7 +3,9 @@
 Every bad input is refused with INVALID_ARGUMENT and a message naming what was wrong (bytes that do
 not parse as the request message included); UNAVAILABLE when no executor is attached;
 RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. A client that cancels its stream
-aborts its request, whose blocks return to the pool at once.
+aborts its request, whose blocks return to the pool at once. The public port serves TLS with
+--ssl-certfile/--ssl-keyfile (mTLS with --ssl-ca-certs), and --client-rate-limit throttles each
+client (scheduler/throttle.py).
 """
 
 from __future__ import annotations

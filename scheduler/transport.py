@@ -93,7 +93,9 @@ class GrpcTransport:
 
     def __init__(self, address: str, security: ChannelSecurity = ChannelSecurity()) -> None:
         self.address = address
-        self._security = security
+        self._metadata = bearer_metadata(security.token)
+        # The files are read now: a missing one is an error at start, not at the first attach.
+        self._credentials = None if security.tls is None else security.tls.credentials()
         self._channel: grpc.aio.Channel | None = None
 
     def __str__(self) -> str:
@@ -102,15 +104,14 @@ class GrpcTransport:
     def _stub(self) -> executor_pb2_grpc.ExecutorStub:
         """The stub every executor call goes through: the one place the channel is made, so TLS
         and the `authorization` metadata apply to each RPC (Attach, Step, Heartbeat, ...)."""
-        security = self._security
         if self._channel is None:
-            if security.tls is None:
+            if self._credentials is None:
                 self._channel = grpc.aio.insecure_channel(self.address, options=wire.CHANNEL_OPTIONS)
             else:
-                credentials = security.tls.credentials()
-                options = wire.CHANNEL_OPTIONS
-                self._channel = grpc.aio.secure_channel(self.address, credentials, options=options)
-        return MetadataStub(executor_pb2_grpc.ExecutorStub(self._channel), bearer_metadata(security.token))
+                self._channel = grpc.aio.secure_channel(
+                    self.address, self._credentials, options=wire.CHANNEL_OPTIONS
+                )
+        return MetadataStub(executor_pb2_grpc.ExecutorStub(self._channel), self._metadata)
 
     async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
         return await self._stub().Attach(
