@@ -91,3 +91,23 @@ def test_a_backlog_is_refused_and_a_deadline_ends_the_wait(services):
             return await _request(generation_pb2_grpc.GenerationStub(channel), "C", timeout=30)
 
     assert asyncio.run(again())[2] == 3
+
+
+def test_tokenize_is_throttled_too_and_model_info_is_not(services):
+    from pagedserve.protos import generation_pb2
+
+    metadata = ((wire.CLIENT_ID_KEY, "E"),)
+    with services.channel() as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        # RATE + 1 at once: one of them finds the window full and its 0.6 s deadline passes first.
+        tokenize = [
+            stub.Tokenize.future(generation_pb2.TokenizeRequest(text="abc"), metadata=metadata, timeout=0.6)
+            for _ in range(RATE + 1)
+        ]
+        probes = [
+            stub.GetModelInfo.future(generation_pb2.GetModelInfoRequest(), metadata=metadata, timeout=30)
+            for _ in range(5)
+        ]
+        codes = sorted(f.code().name for f in tokenize)
+        assert all(f.result().vocab_size > 0 for f in probes)  # a probe is never throttled
+    assert codes == ["DEADLINE_EXCEEDED"] + ["OK"] * RATE
