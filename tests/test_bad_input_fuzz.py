@@ -187,6 +187,27 @@ def test_any_request_gets_ok_or_invalid_argument(stub, request):
     _check(stub, request)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(stop=["x"] * (MAX_STOP_STRINGS + 1)), f"at most {MAX_STOP_STRINGS}"),
+        (dict(stop=["y" * (MAX_STOP_STRING_CHARS + 1)]), f"at most {MAX_STOP_STRING_CHARS}"),
+        (dict(request_id="r" * (MAX_REQUEST_ID_CHARS + 1)), "request_id"),
+        # Found by the fuzz: the message once listed every id, and 50,000 of them made a status
+        # too large for grpc's metadata (the client saw RESOURCE_EXHAUSTED "Stream removed").
+        (dict(stop_token_ids=[VOCAB + i for i in range(50_000)]), "outside the vocabulary"),
+    ],
+    ids=["many-stop-strings", "long-stop-string", "long-request-id", "50k-bad-stop-ids"],
+)
+def test_limits_have_clear_messages(stub, kwargs, message):
+    from pagedserve.client import make_request
+
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(make_request([5, 6], max_tokens=2, **kwargs), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details() and len(err.value.details()) < 300
+
+
 def test_the_service_still_serves_after_the_fuzz(services, stub):
     # Runs after the fuzz (file order): a normal request, then nothing held.
     request = generation_pb2.GenerateRequest(text="still serving")
