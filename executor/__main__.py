@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 
+from pagedserve.common.auth import TokenError
 from pagedserve.common.logs import configure_logging
+from pagedserve.common.tls import TlsConfigError
 from pagedserve.executor.config import ExecutorConfig, add_cli_args
 from pagedserve.executor.loader import UnsupportedModelError
 
@@ -22,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         serve(config)
-    except (UnsupportedModelError, OSError) as exc:  # a model or port the flags named: one line
+    except (UnsupportedModelError, OSError, TokenError, TlsConfigError) as exc:  # one line, no traceback
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pagedserve.common.flags import exit_bad_flags
+from pagedserve.common.tls import ServerTls, TlsConfigError
 from pagedserve.executor.lease import DEFAULT_LEASE_TIMEOUT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -44,6 +45,10 @@ class ExecutorConfig:
         step_trace: file to write one JSON line of timing per step to (see executor.step_trace).
         lease_timeout: seconds a scheduler's lease stays live without a step or a heartbeat; then
             the executor frees everything and accepts another scheduler (see executor.lease).
+        internal_token_file: file holding the token every RPC must carry (PAGEDSERVE_INTERNAL_TOKEN
+            when unset; neither: open). See pagedserve.common.auth.
+        ssl_certfile, ssl_keyfile: serve TLS only, with this certificate and key.
+        ssl_ca_certs: also require client certificates signed by these CAs (mTLS).
     """
 
     model: str
@@ -62,6 +67,10 @@ class ExecutorConfig:
     enforce_eager: bool = False
     step_trace: str | None = None
     lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S
+    internal_token_file: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,8 +100,16 @@ class ExecutorConfig:
             problems.append(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if not self.lease_timeout > 0:  # also refuses nan
             problems.append(f"lease_timeout must be > 0 seconds, got {self.lease_timeout}")
+        try:
+            self.server_tls()
+        except TlsConfigError as exc:
+            problems.append(str(exc))
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
+
+    def server_tls(self) -> ServerTls | None:
+        """The TLS of the executor's port (None: plaintext)."""
+        return ServerTls.from_flags(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
 
     def torch_device(self) -> torch.device:
         """The resolved device; asking for CUDA without one is an error, not a silent fallback."""
@@ -141,14 +158,20 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
 
     Args:
         parser: the parser (or argument group's parser) to extend.
-        endpoint: also add --model, --host and --port; a CLI that starts several services (`serve`)
-            adds its own and forwards the rest (`pagedserve.cli.forwarded_flags`).
+        endpoint: also add --model, --host, --port and the port's TLS files; a CLI that starts
+            several services (`serve`, whose executor listens on loopback) adds its own and
+            forwards the rest (`pagedserve.cli.forwarded_flags`).
     """
     group = parser.add_argument_group("executor")
     if endpoint:
         group.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
         group.add_argument("--host", default=ExecutorConfig.host, help="gRPC listen address")
         group.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC listen port (0 = any)")
+        group.add_argument("--ssl-certfile", default=None, help="serve TLS with this PEM certificate")
+        group.add_argument("--ssl-keyfile", default=None, help="the PEM private key of --ssl-certfile")
+        group.add_argument(
+            "--ssl-ca-certs", default=None, help="require client certificates signed by these PEM CAs (mTLS)"
+        )
     group.add_argument("--dtype", choices=DTYPES, default="auto")
     group.add_argument("--device", choices=DEVICES, default="auto")
     group.add_argument("--max-model-len", type=int, default=None)
@@ -170,4 +193,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
         help="seconds a scheduler's lease lives without a step or a heartbeat; then the executor "
         "frees everything and accepts another scheduler's Attach (default %(default)s)",
     )
+    group.add_argument(
+        "--internal-token-file", default=None,
+        help="file with the token every RPC must carry (default: $PAGEDSERVE_INTERNAL_TOKEN; none: open)",
+    )  # fmt: skip
     return parser

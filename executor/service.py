@@ -29,6 +29,7 @@ from concurrent import futures
 import grpc
 import structlog
 
+from pagedserve.common.auth import BearerTokenInterceptor, read_internal_token, warn_if_open
 from pagedserve.common.flags import listen
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.lease import DEFAULT_LEASE_TIMEOUT_S, Lease, LeaseHeld, StaleLease
@@ -338,22 +339,29 @@ class ExecutorServer:
 
     def __init__(self, config: ExecutorConfig, runner: ModelRunner | None = None, max_workers: int = 16):
         self.config = config
+        # The token and TLS files first: a bad one fails in a second, not after the model loaded.
+        token = read_internal_token(config.internal_token_file)
+        tls = config.server_tls()
+        credentials = None if tls is None else tls.credentials()
         self.runner = runner if runner is not None else ModelRunner.create(config)
         self.service = ExecutorService(self.runner, config.model, config.lease_timeout)
+        warn_if_open(token, "executor")
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="executor-rpc"),
             options=wire.SERVER_OPTIONS,
+            interceptors=[] if token is None else [BearerTokenInterceptor(token)],
         )
         executor_pb2_grpc.add_ExecutorServicer_to_server(self.service, self._server)
         address = f"{config.host}:{config.port}"
         if ":" in config.host and not config.host.startswith("["):
             address = f"[{config.host}]:{config.port}"
-        self.port = listen(self._server, address)
+        self.port = listen(self._server, address, credentials)
+        self.tls = tls is not None
         self.address = address.rsplit(":", 1)[0] + f":{self.port}"
 
     def start(self) -> ExecutorServer:
         self._server.start()
-        log.info("executor.serving", address=self.address)
+        log.info("executor.serving", address=self.address, tls=self.tls)
         return self
 
     def stop(self, grace: float | None = 5.0) -> None:

@@ -52,6 +52,9 @@ def lease_metadata(lease_epoch: int) -> tuple[tuple[str, str], ...]:
 AUTHORIZATION_KEY = "authorization"
 INTERNAL_TOKEN_ENV = "PAGEDSERVE_INTERNAL_TOKEN"
 
+# Public API: the client a request counts against for --client-rate-limit (else its peer address).
+CLIENT_ID_KEY = "x-client-id"
+
 # The names grpc.health.v1 reports besides "" (the whole server).
 SCHEDULER_HEALTH_SERVICE = "pagedserve.v1.Generation"
 EXECUTOR_HEALTH_SERVICE = "pagedserve.v1.Executor"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from pagedserve.common.auth import TokenError
 from pagedserve.common.logs import configure_logging
+from pagedserve.common.tls import TlsConfigError
 from pagedserve.scheduler.service import serve
 from pagedserve.scheduler.service_config import ServiceConfig
 
@@ -16,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging("scheduler")
     try:
         serve(config)
-    except OSError as exc:  # a port in use, a --model without a tokenizer: one line, no traceback
+    except (OSError, TokenError, TlsConfigError) as exc:  # a port in use, a bad token file: one line
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 

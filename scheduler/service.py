@@ -3,7 +3,9 @@
 Every bad input is refused with INVALID_ARGUMENT and a message naming what was wrong (bytes that do
 not parse as the request message included); UNAVAILABLE when no executor is attached;
 RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. A client that cancels its stream
-aborts its request, whose blocks return to the pool at once.
+aborts its request, whose blocks return to the pool at once. The public port serves TLS with
+--ssl-certfile/--ssl-keyfile (mTLS with --ssl-ca-certs), and --client-rate-limit throttles each
+client (scheduler/throttle.py).
 """
 
 from __future__ import annotations
@@ -21,18 +23,53 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
+from pagedserve.common.auth import warn_if_open
 from pagedserve.common.flags import listen
 from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from pagedserve.scheduler.completion import Delta, StopConditions
 from pagedserve.scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
 from pagedserve.scheduler.request import SamplingOptions
 from pagedserve.scheduler.service_config import ServiceConfig
+from pagedserve.scheduler.throttle import ClientThrottle, ThrottleInterceptor
+from pagedserve.scheduler.transport import ChannelSecurity, GrpcTransport
 
 log = structlog.get_logger()
 
 
+# Limits of a GenerateRequest beyond the model's own (vocabulary, max_model_len). Each stop string
+# is searched for in the new text of every token, and each stop token id is banned per token
+# until min_tokens: bounded, neither can make one request slow down every other.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+# A request_id is echoed in every streamed message.
+MAX_REQUEST_ID_CHARS = 512
+# How many offending values an error message lists.
+_SHOWN = 8
+
+
 class InvalidRequest(ValueError):
     """A GenerateRequest that can never be served; the message says why."""
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id has {len(request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
+
+
+def check_prompt(ids: list[int], info: ExecutorInfo) -> None:
+    """Checks the prompt's token ids (from the text or the request) against the model."""
+    if not ids:
+        raise InvalidRequest("the prompt is empty")
+    bad = [i for i in ids if i >= info.vocab_size]  # a tokenizer larger than the model, too
+    if bad:
+        raise InvalidRequest(
+            f"prompt token ids {bad[:_SHOWN]} are outside the vocabulary (size {info.vocab_size})"
+        )
+    if len(ids) > info.max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(ids)} tokens, more than max_model_len ({info.max_model_len})"
+        )
 
 
 def sampling_options(request: generation_pb2.GenerateRequest) -> SamplingOptions:
@@ -75,12 +112,23 @@ def stop_conditions(
         )
     if st.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({st.min_tokens}) exceeds max_tokens ({max_tokens})")
+    if len(st.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"{len(st.stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
     if any(s == "" for s in st.stop):
         raise InvalidRequest("stop strings must not be empty")
+    longest = max((len(s) for s in st.stop), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise InvalidRequest(
+            f"a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} are allowed"
+        )
     bad_ids = [i for i in st.stop_token_ids if i >= info.vocab_size]
     if bad_ids:
-        raise InvalidRequest(f"stop_token_ids {bad_ids} are outside the vocabulary (size {info.vocab_size})")
+        raise InvalidRequest(
+            f"stop_token_ids {bad_ids[:_SHOWN]} are outside the vocabulary (size {info.vocab_size})"
+        )
     stop_ids = set(st.stop_token_ids)
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"{len(stop_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
     if not st.ignore_eos:
         stop_ids.update(info.eos_token_ids)
     return StopConditions(
@@ -144,28 +192,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return await self._encode(request.text)
         return list(request.token_ids.ids) if which == "token_ids" else []
 
-    def _check_prompt(self, ids: list[int], info: ExecutorInfo) -> None:
-        """Checks the prompt's token ids (from the text or the request) against the model."""
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        bad = [i for i in ids if i >= info.vocab_size]  # a tokenizer larger than the model, too
-        if bad:
-            raise InvalidRequest(
-                f"prompt token ids {bad[:8]} are outside the vocabulary (size {info.vocab_size})"
-            )
-        if len(ids) > info.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(ids)} tokens, more than max_model_len ({info.max_model_len})"
-            )
-
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            check_request_id(request.request_id)
             prompt_ids = await self._request_ids(request)
             info = self._info()  # after tokenizing: the executor may have changed meanwhile
-            self._check_prompt(prompt_ids, info)
+            check_prompt(prompt_ids, info)
             active = self.engine.submit(
                 request_id,
                 prompt_ids,
@@ -275,10 +310,16 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
 
 
-def public_server(generation: GenerationService, admin: AdminService | None = None) -> grpc.aio.Server:
-    """The server of the public API (ports not yet added); the hot-path bench serves through it too."""
+def public_server(
+    generation: GenerationService, admin: AdminService | None = None, throttle: ClientThrottle | None = None
+) -> grpc.aio.Server:
+    """The server of the public API (ports not yet added); the hot-path bench serves through it too.
+    With `throttle`, Generate and Tokenize wait for their client's turn (scheduler/throttle.py)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+    if throttle is not None:
+        interceptors.append(ThrottleInterceptor(throttle))
     # so_reuseport off: a second scheduler on a port in use fails instead of sharing it.
-    server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     if admin is not None:
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
@@ -293,16 +334,31 @@ def load_tokenizer(model: str):
 
 async def serve_async(config: ServiceConfig) -> None:
     """Serves the public API until SIGINT/SIGTERM; the engine attaches to the executor meanwhile."""
-    engine = Engine(config, load_tokenizer(config.model))
+    # The token and TLS files first: a bad one is an error at once, not after the tokenizer loaded.
+    security = ChannelSecurity.from_config(config)
+    tls = config.server_tls()
+    credentials = None if tls is None else tls.credentials()
+    warn_if_open(security.token, "scheduler")
+    engine = Engine(config, load_tokenizer(config.model), GrpcTransport(config.executor, security))
     # What is alive now (modules, the tokenizer) lives as long as the process: out of the cyclic
     # GC's sight, a full collection no longer scans ~300k objects and stalls a step (100+ ms).
     gc.collect()
     gc.freeze()
-    server = public_server(GenerationService(engine), AdminService(engine))
+    throttle = None
+    if config.client_rate_limit is not None:
+        throttle = ClientThrottle(config.client_rate_limit, max_waiting=config.max_queue_len)
+    server = public_server(GenerationService(engine), AdminService(engine), throttle)
     address = f"{config.host}:{config.port}"
-    listen(server, address)
+    listen(server, address, credentials)
     await server.start()
-    log.info("scheduler listening", address=address, executor=config.executor)
+    log.info(
+        "scheduler listening",
+        address=address,
+        executor=config.executor,
+        tls="mtls" if tls and tls.ca_certs else bool(tls),
+        executor_tls=security.tls is not None,
+        client_rate_limit=config.client_rate_limit,
+    )
     engine_task = asyncio.create_task(engine.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, fields
 
 from pagedserve.common.flags import exit_bad_flags
+from pagedserve.common.tls import ChannelTls, ServerTls
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,19 @@ class ServiceConfig:
     # take longer than the GPU's step and leave it waiting for the next plan.
     stream_interval: int = 1
     attach_timeout: float = 600.0  # seconds to wait for the executor at startup
+    # Per-client rate (requests per second, by x-client-id or peer address); None: off. See throttle.py.
+    client_rate_limit: int | None = None
+    # The token sent to the executor (PAGEDSERVE_INTERNAL_TOKEN when unset); see common/auth.py.
+    internal_token_file: str | None = None
+    # TLS of the public port (vLLM's names); ssl_ca_certs requires client certificates (mTLS).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    # TLS of the channel to the executor: the roots its certificate is checked against, and a
+    # client certificate for an executor that requires one. Any of them switches the channel to TLS.
+    executor_ssl_ca_certs: str | None = None
+    executor_ssl_certfile: str | None = None
+    executor_ssl_keyfile: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -51,12 +65,26 @@ class ServiceConfig:
             raise ValueError(f"max_queue_len must be positive, got {self.max_queue_len}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be positive, got {self.stream_interval}")
+        if self.client_rate_limit is not None and self.client_rate_limit < 1:
+            raise ValueError(f"client_rate_limit must be positive (requests/s), got {self.client_rate_limit}")
+        self.server_tls()  # TlsConfigError (a ValueError) for files that do not go together
+        self.executor_channel_tls()
+
+    def server_tls(self) -> ServerTls | None:
+        """The TLS of the public port (None: plaintext)."""
+        return ServerTls.from_flags(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
+
+    def executor_channel_tls(self) -> ChannelTls | None:
+        """The TLS of the channel to the executor (None: plaintext)."""
+        files = (self.executor_ssl_ca_certs, self.executor_ssl_certfile, self.executor_ssl_keyfile)
+        return None if files == (None, None, None) else ChannelTls(*files)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, shared_only: bool = False) -> None:
         """Adds the scheduler's flags. With shared_only, only those of the scheduler alone: `pagedserve
-        serve` adds model, host and port itself and takes the batch limits from the executor's flags
-        (the same names and defaults), forwarding them to both."""
+        serve` adds model, host and port itself and takes the batch limits and --internal-token-file
+        from the executor's flags (the same names and defaults), forwarding them to both; its
+        executor listens on loopback without TLS, so the --executor-ssl-* flags are left out too."""
         group = parser.add_argument_group("scheduler")
         if not shared_only:
             group.add_argument("--model", required=True, help="model directory (tokenizer files)")
@@ -67,6 +95,20 @@ class ServiceConfig:
             group.add_argument("--max-num-batched-tokens", type=int, default=8192)
             group.add_argument("--executor", default="127.0.0.1:50061", help="executor host:port")
             group.add_argument("--attach-timeout", type=float, default=600.0)
+            group.add_argument(
+                "--internal-token-file",
+                default=None,
+                help="file with the token sent to the executor (default: $PAGEDSERVE_INTERNAL_TOKEN)",
+            )
+            group.add_argument(
+                "--executor-ssl-ca-certs",
+                default=None,
+                help="PEM CAs of the executor's certificate; the executor channel uses TLS",
+            )
+            group.add_argument(
+                "--executor-ssl-certfile", default=None, help="PEM client certificate for an mTLS executor"
+            )
+            group.add_argument("--executor-ssl-keyfile", default=None, help="key of --executor-ssl-certfile")
         group.add_argument("--served-model-name", default=None)
         group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         group.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
@@ -74,6 +116,17 @@ class ServiceConfig:
         group.add_argument(
             "--stream-interval", type=int, default=1,
             help="tokens per streamed message (first and last token are sent at once)",
+        )  # fmt: skip
+        group.add_argument(
+            "--client-rate-limit",
+            type=int,
+            default=None,
+            help="requests per second per client (x-client-id metadata, else peer address); default off",
+        )
+        group.add_argument("--ssl-certfile", default=None, help="serve TLS with this PEM certificate")
+        group.add_argument("--ssl-keyfile", default=None, help="the PEM private key of --ssl-certfile")
+        group.add_argument(
+            "--ssl-ca-certs", default=None, help="require client certificates signed by these PEM CAs (mTLS)"
         )  # fmt: skip
 
     @classmethod

@@ -8,11 +8,15 @@ service split costs. Either way the engine sees only the protocol's messages.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 
+from pagedserve.common.auth import MetadataStub, bearer_metadata, read_internal_token
+from pagedserve.common.tls import ChannelTls
 from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
+from pagedserve.scheduler.service_config import ServiceConfig
 
 
 class StepStream(Protocol):
@@ -67,21 +71,47 @@ class _GrpcStepStream:
         return self._call.done()
 
 
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How the scheduler's channels to executors prove who sends (the internal token, on every
+    call) and check who answers (TLS against the executor's certificate, optionally with a client
+    certificate). The default is open plaintext."""
+
+    token: str | None = field(default=None, repr=False)  # never in a log line
+    tls: ChannelTls | None = None
+
+    @staticmethod
+    def from_config(config: ServiceConfig) -> ChannelSecurity:
+        """The token of --internal-token-file (else PAGEDSERVE_INTERNAL_TOKEN) and the
+        --executor-ssl-* files. Raises TokenError for an unreadable or empty token file."""
+        return ChannelSecurity(read_internal_token(config.internal_token_file), config.executor_channel_tls())
+
+
 class GrpcTransport:
     """The executor service at `address`, over one channel opened on first attach (inside the
     event loop that will use it)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ChannelSecurity = ChannelSecurity()) -> None:
         self.address = address
+        self._metadata = bearer_metadata(security.token)
+        # The files are read now: a missing one is an error at start, not at the first attach.
+        self._credentials = None if security.tls is None else security.tls.credentials()
         self._channel: grpc.aio.Channel | None = None
 
     def __str__(self) -> str:
         return self.address
 
     def _stub(self) -> executor_pb2_grpc.ExecutorStub:
+        """The stub every executor call goes through: the one place the channel is made, so TLS
+        and the `authorization` metadata apply to each RPC (Attach, Step, Heartbeat, ...)."""
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=wire.CHANNEL_OPTIONS)
-        return executor_pb2_grpc.ExecutorStub(self._channel)
+            if self._credentials is None:
+                self._channel = grpc.aio.insecure_channel(self.address, options=wire.CHANNEL_OPTIONS)
+            else:
+                self._channel = grpc.aio.secure_channel(
+                    self.address, self._credentials, options=wire.CHANNEL_OPTIONS
+                )
+        return MetadataStub(executor_pb2_grpc.ExecutorStub(self._channel), self._metadata)
 
     async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
         return await self._stub().Attach(

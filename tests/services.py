@@ -30,8 +30,8 @@ from pagedserve.protos import (
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 def free_port() -> int:
@@ -177,9 +177,14 @@ class Services:
     scheduler: subprocess.Popen
     log_dir: Path
     executor_cmd: list[str]
+    env: dict[str, str] | None = None  # extra environment of both processes
+    credentials: grpc.ChannelCredentials | None = None  # the public port's TLS; None: plaintext
 
     def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        address = f"127.0.0.1:{self.port}"
+        if self.credentials is None:
+            return grpc.insecure_channel(address)
+        return grpc.secure_channel(address, self.credentials)
 
     def executor_stats(self) -> executor_pb2.ExecutorStats:
         with grpc.insecure_channel(f"127.0.0.1:{self.executor_port}") as ch:
@@ -197,7 +202,7 @@ class Services:
         self.executor.wait(timeout=10)
         log = open(self.log_dir / "executor.log", "a")  # noqa: SIM115 - closed with the process
         self.executor = subprocess.Popen(
-            self.executor_cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO
+            self.executor_cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(self.env), cwd=REPO
         )
 
 
@@ -228,8 +233,11 @@ def running_services(
     log_dir: Path,
     executor_args: tuple[str, ...] = (),
     scheduler_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> Iterator[Services]:
-    """Runs docker-compose.yml's two commands as processes (CPU, float32), plus extra flags."""
+    """Runs docker-compose.yml's two commands as processes (CPU, float32), plus extra flags and
+    environment; `credentials` are the TLS a client of the public port needs."""
     commands = compose_commands()
     port, executor_port = free_port(), free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -242,8 +250,10 @@ def running_services(
     try:
         for name, cmd in cmds.items():
             log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO))
-        services = Services(port, executor_port, procs[0], procs[1], log_dir, cmds["executor"])
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(env), cwd=REPO))
+        services = Services(
+            port, executor_port, procs[0], procs[1], log_dir, cmds["executor"], env, credentials
+        )
         wait_until_ready(services)
         yield services
     finally:

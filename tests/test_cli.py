@@ -96,6 +96,14 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
             "--max-num-seqs",
             "64",
             "--no-enable-prefix-caching",
+            "--internal-token-file",
+            "token",
+            "--client-rate-limit",
+            "5",
+            "--ssl-certfile",
+            "public.pem",
+            "--ssl-keyfile",
+            "public.key",
         ]
     )
     full_executor_parser = add_cli_args(argparse.ArgumentParser())
@@ -111,6 +119,11 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
     service = ServiceConfig.from_args(full_scheduler_parser.parse_args(["--model", "m", *scheduler_argv]))
     assert (executor.step_trace, executor.max_num_seqs) == (trace, 64)
     assert (service.stream_interval, service.max_num_seqs, service.enable_prefix_caching) == (4, 64, False)
+    # The token file goes to both; the public TLS and the throttle to the scheduler alone.
+    assert executor.internal_token_file == service.internal_token_file == "token"
+    assert service.client_rate_limit == 5
+    assert (service.ssl_certfile, service.ssl_keyfile) == ("public.pem", "public.key")
+    assert executor.ssl_certfile is None
 
 
 def test_serve_checks_its_flags_before_starting_anything(tmp_path, monkeypatch, capsys):

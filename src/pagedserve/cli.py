@@ -48,8 +48,9 @@ def scheduler_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The batch limits and --max-model-len are defined by the executor's flags and go to both children.
-SHARED_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
+# The batch limits, --max-model-len and the internal token file are defined by the executor's flags
+# and go to both children.
+SHARED_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "internal_token_file")
 
 
 def forwarded_flags(

@@ -1,1 +1,2 @@
-"""Helpers the services and the tools share (flags, logs, tables): the lowest layer, no torch or grpc."""
+"""Helpers the services and the tools share: flags, logs and tables (no torch or grpc imports, so
+the CLI stays light), and the internal token (auth) and TLS credentials (tls), which use grpc."""

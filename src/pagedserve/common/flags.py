@@ -7,11 +7,13 @@ import argparse
 import re
 import sys
 from collections.abc import Iterable
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 
 class _Server(Protocol):
     def add_insecure_port(self, address: str) -> int: ...
+
+    def add_secure_port(self, address: str, server_credentials: Any) -> int: ...
 
 
 def exit_bad_flags(
@@ -30,10 +32,14 @@ def exit_bad_flags(
     raise SystemExit(2)
 
 
-def listen(server: _Server, address: str) -> int:
-    """`server.add_insecure_port(address)` (grpc or grpc.aio), with grpc's bare "Failed to bind"
-    turned into an OSError that names the flag to change; the entry points print it in one line."""
+def listen(server: _Server, address: str, credentials: Any = None) -> int:
+    """`server.add_insecure_port(address)` (grpc or grpc.aio), or `add_secure_port` with
+    `credentials` (grpc.ServerCredentials: TLS only, plaintext refused), with grpc's bare "Failed
+    to bind" turned into an OSError that names the flag to change; the entry points print it in
+    one line."""
     try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
         return server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {address} ({exc}); is --port in use?") from None
