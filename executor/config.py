@@ -16,6 +16,8 @@ from pagedserve.common.flags import exit_bad_flags
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = (None, "fp8")  # = executor.quantization's (not imported: this module stays light)
+KV_CACHE_DTYPES = ("auto", "fp8")
 DEFAULT_PORT = 50061
 _GIB = 1 << 30
 
@@ -41,6 +43,10 @@ class ExecutorConfig:
         enforce_eager: run every step eagerly; otherwise steps on CUDA replay CUDA graphs captured
             at startup, per padded batch size (decode) or token count (mixed; see executor.cuda_graphs).
         step_trace: file to write one JSON line of timing per step to (see executor.step_trace).
+        quantization: None, or "fp8": e4m3 weights with per-channel scales (quantized at load, or
+            an FP8 checkpoint as is) and per-token activations (see executor.quantization).
+        kv_cache_dtype: "auto" (the model dtype) or "fp8" (e4m3 with per-layer scales: about twice
+            the blocks in the same memory).
     """
 
     model: str
@@ -58,6 +64,8 @@ class ExecutorConfig:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     step_trace: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,6 +93,10 @@ class ExecutorConfig:
             problems.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.quantization not in QUANTIZATIONS:
+            problems.append(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
 
@@ -157,4 +169,16 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
     group.add_argument("--step-trace", default=None, help="write per-step timing (JSON lines) to this file")
+    group.add_argument(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q],
+        default=None,
+        help="fp8: e4m3 weights (per-channel scales) and per-token activations; needs Hopper (sm90)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8: store the KV cache in e4m3 with per-layer scales (~2x the blocks); needs sm89+",
+    )
     return parser

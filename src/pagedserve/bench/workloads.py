@@ -1,5 +1,5 @@
 """Benchmark workloads: request lengths, token-id prompts and arrival times (W1, W2, W3 of
-shared/bench/WORKLOADS.md are presets of these)."""
+shared/bench/WORKLOADS.md are presets of these; W5 is the KV-bound FP8 KV cache workload)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,9 @@ PRESETS: dict[str, dict] = {
         request_rate="inf",
     ),
     "W3": dict(dataset="random", num_prompts=512, input_len="128:1024", output_len="64:512"),
+    # KV-bound: every request at once, far more KV than a bf16 pool holds on one H200 (the FP8
+    # KV cache comparison; needs --max-model-len >= 12512 on the executor).
+    "W5": dict(dataset="random", num_prompts=128, input_len="12000", output_len="512", request_rate="inf"),
 }
 DEFAULTS = dict(
     dataset="random", num_prompts=100, input_len="128", output_len="128", prefix_len=0, request_rate="inf"
