@@ -127,8 +127,8 @@ def fp8_linear(
         weight_scale: [N] float32, one scale per output channel.
         bias: optional [N] in out_dtype.
 
-    On CUDA one `torch._scaled_mm` with row-wise scales (float32 accumulation); elsewhere the
-    float32 reference.
+    On CUDA one `torch._scaled_mm` with row-wise scales (float32 accumulation; row-wise scaling
+    writes bf16 only, so other model dtypes get a cast); elsewhere the float32 reference.
     """
     if x.data.is_cuda:
         out = torch._scaled_mm(
@@ -136,8 +136,9 @@ def fp8_linear(
             weight.t(),
             scale_a=x.scale,
             scale_b=weight_scale.view(1, -1),
-            out_dtype=out_dtype,
+            out_dtype=torch.bfloat16,
         )
+        out = out if out_dtype == torch.bfloat16 else out.to(out_dtype)
         return out if bias is None else out.add_(bias)
     return fp8_linear_reference(x, weight, weight_scale, bias, out_dtype)
 

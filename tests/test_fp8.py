@@ -297,6 +297,80 @@ def test_executor_refuses_fp8_flags_on_the_cpu_at_start(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------- #
+# Checkpoints that already carry FP8 weights and KV scales
+# --------------------------------------------------------------------------------------------- #
+
+
+def _write_fp8_checkpoint(src, dst) -> dict[str, torch.Tensor]:
+    """The compressed-tensors / vLLM "fp8" layout of `src`'s tiny model: e4m3 projection weights
+    with weight_scale (per channel, [N, 1]; q_proj per tensor), a static input_scale (ignored by
+    us), KV scales as vLLM names them (layer 0) and as output scales (layer 1)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith("proj.weight"):
+            stem = name.removesuffix(".weight")
+            if ".q_proj." in name:
+                scale = t.float().abs().amax() / 448
+                out[name] = (t.float() / scale).to(torch.float8_e4m3fn)
+                out[stem + ".weight_scale"] = scale.reshape(())
+            else:
+                q, scale = fp8.quantize_weight(t)
+                out[name], out[stem + ".weight_scale"] = q, scale[:, None]
+            out[stem + ".input_scale"] = torch.tensor(0.01)
+        else:
+            out[name] = t
+    out["model.layers.0.self_attn.k_scale"] = torch.tensor(0.03)
+    out["model.layers.0.self_attn.v_scale"] = torch.tensor(0.02)
+    out["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([0.05])
+    out["model.layers.1.self_attn.v_proj.output_scale"] = torch.tensor([0.04])
+    save_file(out, str(dst / "model.safetensors"))
+    return out
+
+
+def test_fp8_checkpoint_loads_directly_with_its_scales(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_FP8_REFERENCE", "1")
+    src = write_tiny_model(tmp_path / "bf16", TinyModelSpec())
+    saved = _write_fp8_checkpoint(src, tmp_path / "fp8")
+    base = dict(device="cpu", num_gpu_blocks_override=8, max_model_len=128, quantization="fp8")
+    direct = ModelRunner.create(ExecutorConfig(model=str(tmp_path / "fp8"), kv_cache_dtype="fp8", **base))
+    at_load = ModelRunner.create(ExecutorConfig(model=str(src), **base))
+    layer, ref = direct.model.layers[1], at_load.model.layers[1]
+    # per-channel checkpoints hold what quantizing at load computes
+    assert torch.equal(
+        layer.mlp.down_proj.weight.view(torch.uint8), ref.mlp.down_proj.weight.view(torch.uint8)
+    )
+    torch.testing.assert_close(layer.mlp.down_proj.weight_scale, ref.mlp.down_proj.weight_scale)
+    # a per-tensor scale covers its rows of the fused qkv weight; k/v rows keep their own scales
+    spec = direct.model.spec
+    qkv_scale = layer.self_attn.qkv_proj.weight_scale
+    assert qkv_scale[: spec.q_size].eq(saved["model.layers.1.self_attn.q_proj.weight_scale"]).all()
+    k_rows = saved["model.layers.1.self_attn.k_proj.weight_scale"].view(-1)
+    torch.testing.assert_close(qkv_scale[spec.q_size : spec.q_size + spec.kv_size], k_rows)
+    # KV scales from the checkpoint: no calibration step
+    assert direct.model.kv_scales_loaded and not direct.calibrate_kv_scales
+    assert direct.model.layers[0].self_attn.k_scale.item() == pytest.approx(0.03)
+    assert layer.self_attn.v_scale.item() == pytest.approx(0.04)
+    prompts = {1: list(range(3, 30))}
+    assert len(_greedy(direct, prompts, 4)[1]) == 4
+
+
+def test_fp8_checkpoint_without_the_flag_is_a_clear_error(tmp_path):
+    src = write_tiny_model(tmp_path / "bf16", TinyModelSpec())
+    _write_fp8_checkpoint(src, tmp_path / "fp8")
+    config = ExecutorConfig(
+        model=str(tmp_path / "fp8"), device="cpu", num_gpu_blocks_override=8, max_model_len=128
+    )
+    with pytest.raises(UnsupportedModelError, match="--quantization fp8"):
+        ModelRunner.create(config)
+
+
+# --------------------------------------------------------------------------------------------- #
 # Whole runs (the references on the CPU, with PAGEDSERVE_FP8_REFERENCE=1)
 # --------------------------------------------------------------------------------------------- #
 
