@@ -252,8 +252,9 @@ def write_kv_kernel(
         k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d * stride_kd, mask=dmask)
         v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d * stride_vd, mask=dmask)
         if KV_FP8:
-            k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -448.0, 448.0)
-            v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
+            # IEEE division, as the reference (`/` compiles to an approximate one)
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
         k_dst = k_cache_ptr + block_id * stride_ckb + offset * stride_ckt + head * stride_ckh
         v_dst = v_cache_ptr + block_id * stride_cvb + offset * stride_cvt + head * stride_cvh
         tl.store(k_dst + d * stride_ckd, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
