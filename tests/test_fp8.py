@@ -11,6 +11,8 @@ mismatches. CUDA-only tests at the end compare the compiled kernels and an FP8 r
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -493,3 +495,13 @@ def test_fp8_cuda_greedy_tokens_vs_bf16(tmp_path_factory, quantization, kv_cache
     if kv_cache_dtype == "fp8":
         assert runner.model.layers[0].self_attn.k_scale.item() != 1.0
     print(f"CUDA greedy agreement {quantization}/{kv_cache_dtype} vs bf16: {_agreement(got, full):.2f}")
+
+
+def test_w5_preset_is_the_kv_bound_workload():
+    """W5 (the FP8 KV comparison): 128 prompts of 12,000 tokens and 512 outputs, all at t=0."""
+    from pagedserve import bench
+
+    w5, rates = bench.resolve(bench.build_parser().parse_args(["--workload", "W5"]))
+    requests = bench.generate_requests(w5, vocab_size=128256, max_model_len=12544)
+    assert rates == [math.inf] and len(requests) == 128
+    assert all(len(r.prompt) == 12000 and r.output_len == 512 for r in requests)
