@@ -233,6 +233,49 @@ def test_triton_attention_over_fp8_caches_matches_reference(dtype, q_lens, conte
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(decode_config="looping", num_splits=3),
+        dict(decode_config="single", num_splits=5),
+        dict(decode_config="looping", num_splits=1),
+        dict(prefill_config="big"),
+    ],
+    ids=["split-looping", "split-single-tile", "unsplit", "big-prefill-tiles"],
+)
+def test_triton_fp8_attention_launch_variants(overrides):
+    """Every launch shape applies the scales: splits (v_scale before the partials are merged), one
+    tile per program, no split, and the tall prefill tiles."""
+    from pagedserve.kernels import triton_attention as ta
+
+    dtype = torch.bfloat16
+    kw = dict(overrides)
+    if kw.get("decode_config") == "looping":
+        kw["decode_config"] = ta.DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+    elif kw.get("decode_config") == "single":
+        kw["decode_config"] = ta.DecodeConfig(block_n=128, num_warps=8, num_stages=2)
+    if kw.get("prefill_config") == "big":
+        kw["prefill_config"] = ta.big_prefill_config()
+    q_lens, contexts = ([1, 1, 1], [40, 600, 70]) if "decode_config" in kw else ([70, 1, 33], [90, 50, 33])
+    batch = _batch(q_lens, contexts, dtype, seed=6)
+    ks = torch.tensor([0.02], device=DEVICE)
+    vs = torch.tensor([0.005], device=DEVICE)
+    k8, v8 = _fp8_caches(batch, ks, vs)
+    args = (
+        batch["q"],
+        k8,
+        v8,
+        batch["block_tables"],
+        batch["seq_lens"],
+        batch["cu_seqlens_q"],
+        batch["scale"],
+    )
+    want = reference.paged_attention(*args, None, ks, vs)
+    got = ta.paged_attention(*args, k_scale=ks, v_scale=vs, **kw)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_triton
 def test_triton_write_kv_fp8_matches_reference():
     from pagedserve.kernels import triton_attention
 
