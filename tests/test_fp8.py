@@ -548,3 +548,19 @@ def test_w5_preset_is_the_kv_bound_workload():
     requests = bench.generate_requests(w5, vocab_size=128256, max_model_len=12544)
     assert rates == [math.inf] and len(requests) == 128
     assert all(len(r.prompt) == 12000 and r.output_len == 512 for r in requests)
+
+
+def test_executor_process_exits_with_one_line_on_the_cpu(tmp_path, monkeypatch):
+    """The real `pagedserve executor` process: exit status 1 and the reason, no traceback."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("PAGEDSERVE_FP8_REFERENCE", raising=False)
+    model_dir = write_tiny_model(tmp_path / "m", TinyModelSpec())
+    argv = ["--model", str(model_dir), "--device", "cpu", "--port", "0", "--quantization", "fp8"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedserve.executor", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    assert "--quantization fp8 needs an NVIDIA GPU with FP8 support" in done.stderr
+    assert "Traceback" not in done.stderr
