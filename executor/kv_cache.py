@@ -138,9 +138,8 @@ class KVCache:
         if not src_cpu_blocks:
             return
         shape = self.layout.cpu_pool_shape(len(src_cpu_blocks))
-        blocks = torch.empty(
-            shape, dtype=self.layout.storage_dtype, device=self.device
-        )  # block-major, as copied
+        # block-major, as copied
+        blocks = torch.empty(shape, dtype=self.layout.storage_dtype, device=self.device)
         for start, cpu_block, length in _runs(src_cpu_blocks):
             blocks[start : start + length].copy_(
                 self.cpu_pool[cpu_block : cpu_block + length], non_blocking=True
