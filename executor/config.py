@@ -18,6 +18,8 @@ from pagedserve.executor.lease import DEFAULT_LEASE_TIMEOUT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = (None, "fp8")  # = executor.quantization's (not imported: this module stays light)
+KV_CACHE_DTYPES = ("auto", "fp8")
 DEFAULT_PORT = 50061
 _GIB = 1 << 30
 
@@ -49,6 +51,10 @@ class ExecutorConfig:
             when unset; neither: open). See pagedserve.common.auth.
         ssl_certfile, ssl_keyfile: serve TLS only, with this certificate and key.
         ssl_ca_certs: also require client certificates signed by these CAs (mTLS).
+        quantization: None, or "fp8": e4m3 weights with per-channel scales (quantized at load, or
+            an FP8 checkpoint as is) and per-token activations (see executor.quantization).
+        kv_cache_dtype: "auto" (the model dtype) or "fp8" (e4m3 with per-layer scales: about twice
+            the blocks in the same memory).
     """
 
     model: str
@@ -71,6 +77,8 @@ class ExecutorConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -104,6 +112,10 @@ class ExecutorConfig:
             self.server_tls()
         except TlsConfigError as exc:
             problems.append(str(exc))
+        if self.quantization not in QUANTIZATIONS:
+            problems.append(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
 
@@ -197,4 +209,16 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
         "--internal-token-file", default=None,
         help="file with the token every RPC must carry (default: $PAGEDSERVE_INTERNAL_TOKEN; none: open)",
     )  # fmt: skip
+    group.add_argument(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q],
+        default=None,
+        help="fp8: e4m3 weights (per-channel scales) and per-token activations; needs Hopper (sm90)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8: store the KV cache in e4m3 with per-layer scales (~2x the blocks); needs sm89+",
+    )
     return parser

@@ -5,6 +5,11 @@ head_dim]; `layer_caches()` hands the kernels each layer's contiguous K and V vi
 block-major, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], and pinned on CUDA, so
 each CPU block is one contiguous span: a swap is one gather or scatter on the device plus one
 asynchronous copy per run of consecutive CPU blocks, and never makes the host wait for the GPU.
+
+An FP8 pool (`--kv-cache-dtype fp8`) has one-byte elements, so `bytes_per_block` halves and the
+same memory holds about twice the blocks (the swap pool too). Both pools are then allocated as
+uint8 and the kernels get float8_e4m3fn views: the gathers, scatters and copies of swapping move
+bytes and need no float8 support from torch.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ class KVCacheLayout:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """What the pools are allocated as: uint8 for float8 layouts (see the module doc)."""
+        return torch.uint8 if self.dtype.is_floating_point and self.dtype.itemsize == 1 else self.dtype
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The device pool's shape: per layer, K and V of all blocks."""
@@ -107,17 +117,20 @@ class KVCache:
         self.num_cpu_blocks = num_cpu_blocks
         # Zeroed so kernels that read a partly filled block's tail (masked later) never see NaNs.
         self.device_pool = torch.zeros(
-            layout.pool_shape(num_device_blocks), dtype=layout.dtype, device=device
+            layout.pool_shape(num_device_blocks), dtype=layout.storage_dtype, device=device
         )
         # Pinned on CUDA so block copies are asynchronous and run at full PCIe bandwidth; only
         # swapped-out blocks are ever read back, so no need to initialise it.
         self.cpu_pool = torch.empty(
-            layout.cpu_pool_shape(num_cpu_blocks), dtype=layout.dtype, pin_memory=device.type == "cuda"
+            layout.cpu_pool_shape(num_cpu_blocks),
+            dtype=layout.storage_dtype,
+            pin_memory=device.type == "cuda",
         )
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V), each a contiguous [num_blocks, block_size, num_kv_heads, head_dim] view."""
-        return [(self.device_pool[i, 0], self.device_pool[i, 1]) for i in range(self.layout.num_layers)]
+        pool = self.device_pool.view(self.layout.dtype)
+        return [(pool[i, 0], pool[i, 1]) for i in range(self.layout.num_layers)]
 
     def swap_out(self, src_device_blocks: list[int], dst_cpu_blocks: list[int]) -> None:
         """Copies device blocks to CPU blocks, all layers at once, queued behind the steps already
@@ -136,7 +149,8 @@ class KVCache:
         if not src_cpu_blocks:
             return
         shape = self.layout.cpu_pool_shape(len(src_cpu_blocks))
-        blocks = torch.empty(shape, dtype=self.layout.dtype, device=self.device)  # block-major, as copied
+        # block-major, as copied
+        blocks = torch.empty(shape, dtype=self.layout.storage_dtype, device=self.device)
         for start, cpu_block, length in _runs(src_cpu_blocks):
             blocks[start : start + length].copy_(
                 self.cpu_pool[cpu_block : cpu_block + length], non_blocking=True

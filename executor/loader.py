@@ -198,6 +198,13 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# (module, tensor) names of per-layer KV cache scales: vLLM's, and compressed-tensors' output scales.
+_KV_SCALES = {
+    ("self_attn", "k_scale"): "k_scale",
+    ("self_attn", "v_scale"): "v_scale",
+    ("self_attn.k_proj", "output_scale"): "k_scale",
+    ("self_attn.v_proj", "output_scale"): "v_scale",
+}
 
 
 def _destination(spec: ModelSpec, name: str) -> tuple[str, int, int] | None:
@@ -226,8 +233,11 @@ def _destination(spec: ModelSpec, name: str) -> tuple[str, int, int] | None:
         "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
     }
     module, _, kind = rest.rpartition(".")
-    if module == "self_attn.rotary_emb":
+    if module == "self_attn.rotary_emb" or kind == "input_scale":
+        # input_scale: a static activation scale of FP8 checkpoints; we quantize per token instead.
         return None
+    if (module, kind) in _KV_SCALES:  # FP8 checkpoints' KV cache scales (buffers, not parameters)
+        return f"{prefix}self_attn.{_KV_SCALES[module, kind]}", 0, -1
     if module in fused:
         target, offset, rows = fused[module]
         return f"{prefix}{target}.{kind}", offset, rows
@@ -239,22 +249,55 @@ def _destination(spec: ModelSpec, name: str) -> tuple[str, int, int] | None:
 def load_weights(model: torch.nn.Module, spec: ModelSpec, model_dir: str | Path) -> None:
     """Copies the checkpoint into `model`'s (already allocated) parameters, checking completeness.
 
+    With `--quantization fp8` (the model's linear layers are `Fp8Linear`) full-precision weights
+    are quantized as they are copied and FP8 checkpoints are copied as they are (see
+    `executor.quantization`). KV cache scales in the checkpoint fill the layers' k_scale / v_scale
+    buffers when those exist (`--kv-cache-dtype fp8`) and are skipped otherwise; the model's
+    `kv_scales_loaded` says whether every layer got both.
+
     Raises:
         UnsupportedModelError: on unknown tensors, shape mismatches, or parameters left unloaded.
     """
+    from pagedserve.executor import quantization
+
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     filled: dict[str, int] = dict.fromkeys(params, 0)
+    kv_scales_seen: set[str] = set()
     with torch.no_grad():
         for name, tensor in iter_checkpoint(model_dir):
             dest = _destination(spec, name)
             if dest is None:
                 continue
             target, offset, rows = dest
+            if target.endswith(("k_scale", "v_scale")):
+                if target in buffers:
+                    buffers[target].copy_(tensor.reshape(-1)[:1].float())
+                    kv_scales_seen.add(target)
+                continue
             if target not in params:
+                if tensor.dtype == torch.float8_e4m3fn or target.endswith(".weight_scale"):
+                    raise UnsupportedModelError(
+                        f"checkpoint tensor {name!r} is FP8 ({tensor.dtype}); run with --quantization fp8"
+                    )
                 raise UnsupportedModelError(
                     f"checkpoint tensor {name!r} has no place in the model ({target})"
                 )
             param = params[target]
+            if quantization.is_fp8_weight(param):
+                scale_name = target.removesuffix(".weight") + ".weight_scale"
+                try:
+                    quantization.load_weight_slice(param, params[scale_name], offset, rows, tensor)
+                except UnsupportedModelError as exc:
+                    raise UnsupportedModelError(f"{name}: {exc}") from None
+                filled[target] += param.numel() if rows == -1 else rows * param.shape[1]
+                if tensor.dtype != torch.float8_e4m3fn:
+                    filled[scale_name] += param.shape[0] if rows == -1 else rows
+                continue
+            if target.endswith(".weight_scale"):
+                quantization.load_scale_slice(param, offset, rows, tensor)
+                filled[target] += param.numel() if rows == -1 else rows
+                continue
             view = param if rows == -1 else param.narrow(0, offset, rows)
             if view.shape != tensor.shape:
                 raise UnsupportedModelError(
@@ -262,6 +305,9 @@ def load_weights(model: torch.nn.Module, spec: ModelSpec, model_dir: str | Path)
                 )
             view.copy_(tensor)
             filled[target] += view.numel()
+    model.kv_scales_loaded = bool(kv_scales_seen) and len(kv_scales_seen) == sum(
+        n.endswith(("k_scale", "v_scale")) for n in buffers
+    )
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing[:8])}")

@@ -6,6 +6,11 @@ chunks and decode tokens share the same matmuls. Attention writes the new K/V in
 what it sees travels in an explicit `AttentionMetadata`, never in module globals. The elementwise
 work of a layer (RMSNorm with the residual add fused in, rotary, SiLU-and-mul) runs as one kernel
 each (`kernels.layers`).
+
+With `quantization="fp8"` the four projections of each layer are `executor.quantization.Fp8Linear`
+and the kernels before them hand over per-token FP8 activations (the norms and SiLU-and-mul quantize
+in the same kernel: `kernels.fp8`). With an FP8 KV pool each layer's k_scale / v_scale buffers
+travel with its caches to `write_kv` and the attention kernels.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from torch import nn
 
 from pagedserve import kernels
 from pagedserve.executor.loader import ModelSpec, RopeConfig
-from pagedserve.kernels import layers
+from pagedserve.executor.quantization import QUANTIZATIONS, Fp8Linear, kv_scale_from_amax
+from pagedserve.kernels import fp8, layers
 
 
 @dataclass(frozen=True)
@@ -89,14 +95,17 @@ class RMSNorm(nn.Module):
     (normed, new residual): see `kernels.layers.rms_norm`.
     """
 
-    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, size: int, eps: float, device: torch.device, dtype: torch.dtype, quantize: bool = False
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.quantize = quantize  # output per-token FP8 activations (for an Fp8Linear after it)
         self.weight = _param(size, device=device, dtype=dtype)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.quantize:
+            return fp8.rms_norm_quant(x, self.weight, self.eps, residual)
         return layers.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -110,6 +119,14 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+def _linear(
+    rows: int, cols: int, bias: bool, device: torch.device, dtype: torch.dtype, quantization: str | None
+) -> Linear | Fp8Linear:
+    if quantization == "fp8":
+        return Fp8Linear(rows, cols, bias, device, dtype)
+    return Linear(rows, cols, bias, device, dtype)
 
 
 class Embedding(nn.Module):
@@ -126,14 +143,27 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     """GQA/MHA self-attention with fused q/k/v projection over the paged KV pool."""
 
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        rotary: RotaryEmbedding,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.scale = spec.head_dim**-0.5
         self.rotary = rotary
-        self.qkv_proj = Linear(self.q_size + 2 * self.kv_size, spec.hidden_size, spec.qkv_bias, device, dtype)
-        self.o_proj = Linear(spec.hidden_size, self.q_size, spec.o_bias, device, dtype)
+        qkv_rows = self.q_size + 2 * self.kv_size
+        self.qkv_proj = _linear(qkv_rows, spec.hidden_size, spec.qkv_bias, device, dtype, quantization)
+        self.o_proj = _linear(spec.hidden_size, self.q_size, spec.o_bias, device, dtype, quantization)
+        # Scales of an FP8 KV pool (ignored by the kernels for other pools); 1.0 until the loader
+        # or the first step's calibration sets them.
+        self.register_buffer("k_scale", torch.ones(1, device=device), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, device=device), persistent=False)
+        self.calibrate_kv_scales = False  # set for one eager step by the runner (executor.quantization)
 
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -143,23 +173,31 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         self.rotary(meta.positions, q, k)  # in place: q and k are views of this step's qkv output
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.calibrate_kv_scales:
+            self.k_scale.copy_(kv_scale_from_amax(k))
+            self.v_scale.copy_(kv_scale_from_amax(v))
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = kernels.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale
-        )
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
     """SwiGLU with gate and up fused into one matmul."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(2 * spec.intermediate_size, spec.hidden_size, False, device, dtype)
-        self.down_proj = Linear(spec.hidden_size, spec.intermediate_size, False, device, dtype)
+        inter, hidden = spec.intermediate_size, spec.hidden_size
+        self.gate_up_proj = _linear(2 * inter, hidden, False, device, dtype, quantization)
+        self.down_proj = _linear(hidden, inter, False, device, dtype, quantization)
+        self.act = fp8.silu_and_mul_quant if quantization == "fp8" else layers.silu_and_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(layers.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -170,12 +208,20 @@ class DecoderLayer(nn.Module):
     each add costs no kernel of its own.
     """
 
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        rotary: RotaryEmbedding,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+    ):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
-        self.self_attn = Attention(spec, rotary, device, dtype)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
-        self.mlp = MLP(spec, device, dtype)
+        quant = quantization == "fp8"
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, quant)
+        self.self_attn = Attention(spec, rotary, device, dtype, quantization)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, quant)
+        self.mlp = MLP(spec, device, dtype, quantization)
 
     def forward(
         self,
@@ -207,18 +253,36 @@ class LlamaModel(nn.Module):
     `executor.loader` maps checkpoint tensors onto.
     """
 
-    def __init__(self, spec: ModelSpec, max_model_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+    ):
         super().__init__()
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.spec = spec
+        self.quantization = quantization
+        self.kv_scales_loaded = False  # the loader sets it when the checkpoint carried KV scales
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, device, dtype)
         rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_model_len, device)
-        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, device, dtype) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, rotary, device, dtype, quantization) for _ in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
         self.lm_head = (
             None
             if spec.tie_word_embeddings
             else _param(spec.vocab_size, spec.hidden_size, device=device, dtype=dtype)
         )
+
+    def set_kv_calibration(self, on: bool) -> None:
+        """While on, every layer sets its KV scales from the step's keys and values (eager only)."""
+        for layer in self.layers:
+            layer.self_attn.calibrate_kv_scales = on
 
     @torch.inference_mode()
     def forward(

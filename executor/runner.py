@@ -35,6 +35,7 @@ from pagedserve.executor.loader import ModelSpec, UnsupportedModelError, load_mo
 from pagedserve.executor.model import LlamaModel
 from pagedserve.executor.plan_check import PlanError, PlanLimits, validate_plan
 from pagedserve.executor.profiling import memory_in_use, profile_cuda
+from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
 from pagedserve.executor.sampler import SamplingParams, sample
 from pagedserve.executor.step_inputs import (
     HostBatch,
@@ -164,6 +165,7 @@ class ModelRunner:
         self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
         self.tracer: StepTracer | None = None  # from_model sets it for --step-trace
         self.graphs: StepGraphs | None = None
+        self.calibrate_kv_scales = False  # the next step sets the FP8 KV scales (eagerly)
         if cuda_graphs:
             self.graphs = StepGraphs(
                 model, self._layer_caches, self.slots, decode_graph_sizes(max_num_seqs),
@@ -175,11 +177,14 @@ class ModelRunner:
     def create(cls, config: ExecutorConfig) -> ModelRunner:
         """Loads the model, then `from_model`."""
         device = config.torch_device()
+        check_fp8_support(config.quantization, config.kv_cache_dtype, device)
         in_use_at_start = 0
         if device.type == "cuda" and config.num_gpu_blocks_override is None:
             in_use_at_start = memory_in_use(device)[0]
         spec = load_model_spec(config.model)
-        model = LlamaModel(spec, resolve_max_model_len(config, spec), device, config.torch_dtype(device))
+        model = LlamaModel(
+            spec, resolve_max_model_len(config, spec), device, config.torch_dtype(device), config.quantization
+        )
         load_weights(model, spec, config.model)
         return cls.from_model(config, model, in_use_at_start=in_use_at_start)
 
@@ -196,8 +201,10 @@ class ModelRunner:
         """
         spec = model.spec
         device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+        check_fp8_support(model.quantization, config.kv_cache_dtype, device)
         max_model_len = resolve_max_model_len(config, spec)
-        layout = KVCacheLayout(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, dtype)
+        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        layout = KVCacheLayout(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
         cuda_graphs = device.type == "cuda" and not config.enforce_eager
         graph_reserve = 0
         if config.num_gpu_blocks_override is not None:
@@ -229,6 +236,8 @@ class ModelRunner:
             architecture=spec.architecture,
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
+            quantization=model.quantization,
+            kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
             max_model_len=max_model_len,
             block_size=config.block_size,
             num_gpu_blocks=num_blocks,
@@ -250,6 +259,8 @@ class ModelRunner:
         runner.graph_reserve_bytes = graph_reserve
         if config.step_trace:
             runner.tracer = StepTracer(config.step_trace, device)
+        # An FP8 pool without scales from the checkpoint takes them from the first real step.
+        runner.calibrate_kv_scales = config.kv_cache_dtype == "fp8" and not model.kv_scales_loaded
         if runner.graphs is not None and graph_reserve and runner.graphs.device_bytes > graph_reserve:
             log.warning(
                 "executor.graph_reserve_exceeded",
@@ -382,7 +393,8 @@ class ModelRunner:
         sampling = [s.state for s in scheduled if s.state.num_computed + s.num_new == s.state.num_tokens]
         for s in scheduled:
             s.state.num_computed += s.num_new
-        graph = self.graphs is not None and self.graphs.can_run(batch)
+        calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
+        graph = not calibrate and self.graphs is not None and self.graphs.can_run(batch)
         if pending.trace is not None:
             self.tracer.forward_starts(pending.trace, batch, graph)
         if graph:
@@ -391,7 +403,11 @@ class ModelRunner:
         else:
             inputs = stage_batch(batch, self.slots)
             indices = None if batch.decode_only else inputs.logits_indices
+            if calibrate:
+                self.model.set_kv_calibration(True)
             logits = self.model(inputs.input_ids, inputs.meta, self._layer_caches, indices)
+            if calibrate:
+                self.model.set_kv_calibration(False)
             sample_rows = inputs.sample_rows
         if not sampling:
             return

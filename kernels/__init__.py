@@ -23,22 +23,23 @@ def _use_triton(t: torch.Tensor) -> bool:
     return choice == "triton" or t.is_cuda
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=None):
-    """See `kernels.reference.paged_attention` for the contract."""
+def paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=None, k_scale=None, v_scale=None
+):
+    """See `kernels.reference.paged_attention` for the contract (k_scale/v_scale: FP8 caches)."""
+    args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
     if _use_triton(q):
         from pagedserve.kernels import triton_attention
 
-        return triton_attention.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out
-        )
-    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
+        return triton_attention.paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
+    return reference.paged_attention(*args, k_scale, v_scale)
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """See `kernels.reference.write_kv` for the contract."""
+def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """See `kernels.reference.write_kv` for the contract (k_scale/v_scale: FP8 caches)."""
     if _use_triton(key):
         from pagedserve.kernels import triton_attention
 
-        triton_attention.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        triton_attention.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

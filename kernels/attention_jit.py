@@ -102,6 +102,7 @@ def _attend_block(
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over the keys k0 .. k0 + BLOCK_N - 1 of one sequence and KV head.
 
@@ -110,6 +111,8 @@ def _attend_block(
     their loads carry no masks. K and V are both requested before the first product needs K.
     Scores stay in the log2 domain; the scale (which includes log2(e)) is applied inside the exponent
     (one fused multiply-add per score instead of a multiply and a subtract).
+    KV_FP8: the caches hold e4m3; K and V are widened to q's dtype in registers (exact) and their
+    scales are applied outside the products (k_scale inside qk_scale, v_scale to the result).
     """
     kpos = k0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_PAD)
@@ -136,6 +139,9 @@ def _attend_block(
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    elif KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if BOUNDS:
         scores = tl.where((kpos < kv_end)[None, :], scores, float("-inf"))
@@ -178,6 +184,7 @@ def _attend_range(
     CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """The keys kv_start .. kv_end - 1: whole tiles up to full_end without any mask, the rest with the
     length mask (and the causal one if CAUSAL). Each tile loads its block ids in the loop, which
@@ -187,14 +194,14 @@ def _attend_range(
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
             stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, DOT_PREC, DOT_FP32,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, DOT_PREC, DOT_FP32, KV_FP8,
         )  # fmt: skip
     for k0 in range(full_end, kv_end, BLOCK_N):
         block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
             stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, DOT_PREC, DOT_FP32,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, DOT_PREC, DOT_FP32, KV_FP8,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -211,6 +218,8 @@ def write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -228,8 +237,10 @@ def write_kv_kernel(
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    """Copies one token's key and value of one KV head into its cache slot; slot < 0 is padding."""
+    """Copies one token's key and value of one KV head into its cache slot; slot < 0 is padding.
+    KV_FP8: quantizes them to e4m3 with the layer's scales first (saturating, as the reference)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -240,6 +251,10 @@ def write_kv_kernel(
         dmask = d < HEAD_DIM
         k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d * stride_kd, mask=dmask)
         v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d * stride_vd, mask=dmask)
+        if KV_FP8:
+            # IEEE division, as the reference (`/` compiles to an approximate one)
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
         k_dst = k_cache_ptr + block_id * stride_ckb + offset * stride_ckt + head * stride_ckh
         v_dst = v_cache_ptr + block_id * stride_cvb + offset * stride_cvt + head * stride_cvh
         tl.store(k_dst + d * stride_ckd, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
@@ -262,6 +277,8 @@ def decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     cu_seqlens_q_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     num_seqs,
     num_splits,
@@ -294,6 +311,7 @@ def decode_kernel(
     BY_SEQ: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One decode token x one KV head group x one context partition (split).
 
@@ -356,6 +374,8 @@ def decode_kernel(
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
+        if KV_FP8:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
         context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
 
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
@@ -369,7 +389,7 @@ def decode_kernel(
                 acc, m_i, l_i = _attend_block(
                     acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, kv_start, kv_end, rows, k_head_off, v_head_off,
                     stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-                    BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, False, DOT_PREC, DOT_FP32,
+                    BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, False, DOT_PREC, DOT_FP32, KV_FP8,
                 )  # fmt: skip
         else:
             full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
@@ -377,8 +397,10 @@ def decode_kernel(
                 acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
                 kv_start, full_end, kv_end, rows, k_head_off, v_head_off,
                 stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, DOT_FP32,
+                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, DOT_FP32, KV_FP8,
             )  # fmt: skip
+        if KV_FP8:
+            acc = acc * tl.load(v_scale_ptr)
 
         if SPLIT:
             # Partial rows: (grid row * num_q_heads + q_head) * num_splits + split, each D_PAD fp32,
@@ -453,6 +475,8 @@ def varlen_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     cu_seqlens_q_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     num_seqs,
     num_tiles,
@@ -481,6 +505,7 @@ def varlen_kernel(
     SEQS_PAD: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Causal attention of BLOCK_Q new tokens x the G_PAD query heads of one KV head (one tile).
 
@@ -525,6 +550,8 @@ def varlen_kernel(
         q = tl.load(q_ptr + q_rows[:, None] + d[None, :] * stride_qd, mask=q_mask, other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
+        if KV_FP8:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
         q_pos = cached + q_tok
 
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
@@ -537,8 +564,10 @@ def varlen_kernel(
             0, (first_pos // BLOCK_N) * BLOCK_N, kv_end, q_pos,
             kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
             stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, DOT_FP32,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, DOT_FP32, KV_FP8,
         )  # fmt: skip
+        if KV_FP8:
+            acc = acc * tl.load(v_scale_ptr)
 
         result = acc / l_i[:, None]
         o_rows = (q_start + q_tok).to(tl.int64) * stride_ot + q_heads * stride_oh

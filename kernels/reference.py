@@ -3,11 +3,40 @@
 They define what the Triton kernels must compute, and they are the executor's attention on the CPU.
 They favour clarity over speed: the paged KV of each sequence is gathered through its block table
 and attended to with an explicit causal mask, in float32.
+
+FP8 KV caches (`--kv-cache-dtype fp8`): the caches hold float8_e4m3fn, and `k_scale` / `v_scale`
+(float32 tensors of one element, per layer) say what one unit of the cache is worth: `write_kv`
+stores clamp(key / k_scale, -448, 448) rounded to e4m3, and attention reads cache * k_scale. With
+caches in the model dtype the scales are ignored. The scales live in device memory, not in Python
+floats, so a CUDA graph captured before they are calibrated still reads their current values.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_KV_DTYPE
+
+
+def _to_cache(x: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if not is_fp8(cache):
+        return x.to(cache.dtype)
+    unit = 1.0 if scale is None else scale.float()
+    return (x.float() / unit).clamp(-_FP8_MAX, _FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """cache[blocks] in float32, dequantized (float8 tensors are indexed through a uint8 view:
+    torch has no float8 gather on every backend)."""
+    if not is_fp8(cache):
+        return cache[blocks].float()
+    raw = cache.view(torch.uint8)[blocks].view(FP8_KV_DTYPE).float()
+    return raw if scale is None else raw * scale.float()
 
 
 def write_kv(
@@ -16,20 +45,28 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Stores each token's key and value at its slot (block_id * block_size + offset).
 
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place; the
+            model dtype, or float8_e4m3fn (quantized with k_scale / v_scale, see the module doc).
         slot_mapping: [num_tokens] int64; a negative slot marks padding and is skipped.
+        k_scale, v_scale: float32 [1]; only read for float8 caches (None there means 1.0).
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    k_new, v_new = _to_cache(key[keep], k_cache, k_scale), _to_cache(value[keep], v_cache, v_scale)
+    if is_fp8(k_cache):
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k_new, v_new = k_new.view(torch.uint8), v_new.view(torch.uint8)
+    k_cache[blocks, offsets] = k_new
+    v_cache[blocks, offsets] = v_new
 
 
 def paged_attention(
@@ -41,6 +78,8 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
@@ -52,6 +91,7 @@ def paged_attention(
         cu_seqlens_q: [num_seqs + 1] int32.
         scale: softmax scale, usually head_dim ** -0.5.
         out: optional [num_tokens, num_q_heads, head_dim] buffer to write into.
+        k_scale, v_scale: float32 [1], the float8 caches' scales (ignored for other dtypes).
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in q's dtype. The j-th new token of sequence i sits at
@@ -69,8 +109,8 @@ def paged_attention(
             continue
         num_blocks = (context_len + block_size - 1) // block_size
         blocks = block_tables[i, :num_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:context_len].float()  # [L, kv_heads, D]
-        v = v_cache[blocks].flatten(0, 1)[:context_len].float()
+        k = _gather(k_cache, blocks, k_scale).flatten(0, 1)[:context_len]  # [L, kv_heads, D] fp32
+        v = _gather(v_cache, blocks, v_scale).flatten(0, 1)[:context_len]
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         qi = q[q_start:q_end].float()  # [q_len, heads, D]

@@ -54,6 +54,14 @@ they must run one after another (one stream, as the executor does). A graph capt
 eager call of a large enough shape gets a buffer of its own from the graph's pool: warm up eagerly
 before capturing.
 
+FP8 caches
+----------
+Caches of float8_e4m3fn (`--kv-cache-dtype fp8`) go through the same kernels with `KV_FP8`: K/V
+tiles are loaded as bytes (half the traffic), widened to q's dtype in registers, and the per-layer
+scales are read from device memory once per program: k_scale folds into the softmax scale, v_scale
+multiplies the accumulator before it is stored (or stored as a split partial). `write_kv`
+quantizes. Launch choices are the bf16 ones (decode configs were tuned on bf16).
+
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
 """
@@ -73,6 +81,7 @@ __all__ = ["paged_attention", "write_kv", "DecodeConfig", "PrefillConfig"]
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = torch.float8_e4m3fn
 # Read once: @triton.jit chose the interpreter or the compiler at import time as well.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
@@ -461,7 +470,8 @@ def _check_attention_inputs(
     assert q.shape[2] == k_cache.shape[3], "q and the caches disagree on head_dim"
     assert q.shape[1] % k_cache.shape[2] == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert q.dtype in _SUPPORTED_DTYPES, f"unsupported dtype {q.dtype}"
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q and the caches must share a dtype"
+    assert k_cache.dtype == v_cache.dtype, "the k and v caches must share a dtype"
+    assert k_cache.dtype in (q.dtype, _FP8), "the caches must be q's dtype or float8_e4m3fn"
     assert block_tables.dim() == 2 and block_tables.shape[0] == seq_lens.shape[0]
     assert cu_seqlens_q.shape == (seq_lens.shape[0] + 1,), "cu_seqlens_q must be [num_seqs + 1]"
     device = q.device
@@ -486,10 +496,13 @@ def paged_attention(
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; see `kernels.reference.paged_attention`.
 
-    The keyword-only arguments override the shape-based choices (for tests and tuning).
+    The keyword-only arguments override the shape-based choices (for tests and tuning);
+    k_scale / v_scale are the FP8 caches' scales (float32 [1] on q's device).
     """
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
     if out is None:
@@ -497,13 +510,30 @@ def paged_attention(
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     decode_batch = q.shape[0] == seq_lens.shape[0]
+    scales = _kv_scales(k_cache, k_scale, v_scale, q.device)
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
     # A mixed batch: the decode kernel takes its sequences of one new token, the varlen kernel the
     # others (it is slower at decodes).
-    _launch_decode(*args, decode_config, num_splits, by_seq=not decode_batch)
+    _launch_decode(*args, decode_config, num_splits, by_seq=not decode_batch, scales=scales)
     if not decode_batch:
-        _launch_varlen(*args, prefill_config)
+        _launch_varlen(*args, prefill_config, scales=scales)
     return out
+
+
+def _kv_scales(
+    cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale pointers a launch passes: the FP8 caches' (one float32 each, 1.0 when absent), or
+    any device tensor for other caches (never read there)."""
+    if cache.dtype != _FP8:
+        return cache, cache
+    one = None
+    if k_scale is None or v_scale is None:
+        one = torch.ones(1, dtype=torch.float32, device=device)
+    k_scale, v_scale = (one if k_scale is None else k_scale), (one if v_scale is None else v_scale)
+    for t in (k_scale, v_scale):
+        assert t.dtype == torch.float32 and t.numel() == 1 and t.device == device, "scales: float32 [1]"
+    return k_scale, v_scale
 
 
 def decode_plan(
@@ -543,7 +573,9 @@ def _launch_decode(
     config: DecodeConfig | None,
     num_splits: int | None,
     by_seq: bool,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    scales = scales or _kv_scales(k_cache, None, None, q.device)
     plan = decode_plan(q, k_cache, block_tables, config, num_splits, by_seq)
     part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out  # unread unsplit
     decode_kernel[plan.grid](
@@ -555,6 +587,7 @@ def _launch_decode(
         block_tables,
         seq_lens,
         cu_seqlens_q,
+        *scales,
         scale * _LOG2E,
         seq_lens.shape[0],
         plan.num_splits,
@@ -567,6 +600,7 @@ def _launch_decode(
         *out.stride(),
         block_tables.stride(0),
         **plan.meta,
+        KV_FP8=k_cache.dtype == _FP8,
     )
     if plan.part_rows:
         merge_kernel[plan.grid[0], q.shape[1]](
@@ -584,7 +618,9 @@ def _launch_varlen(
     scale: float,
     out: torch.Tensor,
     config: PrefillConfig | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    scales = scales or _kv_scales(k_cache, None, None, q.device)
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if config is None:
@@ -604,6 +640,7 @@ def _launch_varlen(
         block_tables,
         seq_lens,
         cu_seqlens_q,
+        *scales,
         scale * _LOG2E,
         num_seqs,
         num_tiles,
@@ -613,6 +650,7 @@ def _launch_varlen(
         *out.stride(),
         block_tables.stride(0),
         **meta,
+        KV_FP8=k_cache.dtype == _FP8,
     )
 
 
@@ -622,6 +660,8 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Stores each token's key and value at its slot; see `kernels.reference.write_kv`."""
     assert key.dim() == 3 and key.shape == value.shape, "key/value must be [num_tokens, kv_heads, head_dim]"
@@ -638,6 +678,7 @@ def write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        *_kv_scales(k_cache, k_scale, v_scale, key.device),
         *key.stride(),
         *value.stride(),
         *k_cache.stride(),
@@ -645,5 +686,6 @@ def write_kv(
         PAGE_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
         D_PAD=_pow2_at_least(head_dim, 16),
+        KV_FP8=k_cache.dtype == _FP8,
         num_warps=1,
     )

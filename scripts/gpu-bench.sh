@@ -10,6 +10,10 @@
 #   w2         W2 with prefix caching on vs off
 #   w3         W3 at three Poisson rates
 #   pressure   W1 in a KV pool of 4,096 and 8,192 blocks (W1 peaks near 20,400): recompute vs swap
+#   fp8-kernels python -m pagedserve.bench.fp8 (FP8 linear vs bf16, fused quantizing kernels, K1
+#              decode with an FP8 KV cache)
+#   w1-fp8     W1 with the throughput flags: bf16, --quantization fp8, and both FP8 flags
+#   w5-fp8     W5 (128 x 12,000-token prompts, 512 outputs) with bf16 vs FP8 KV (weights FP8 in both)
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
@@ -49,7 +53,8 @@ if wants step; then
   run step 150 python3 -m pagedserve.bench.step --layers 32 --init-on-device --batches 256 --steps 20 \
     --mixed-prompt 512 --service
 fi
-if wants w1 || wants w1-default || wants w2 || wants w3; then
+if wants fp8-kernels; then run fp8-kernels 200 python3 -m pagedserve.bench.fp8 --result-file "$OUT/fp8-kernels.json"; fi
+if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
@@ -72,6 +77,18 @@ else
   fi
   if wants w2; then bench w2 150 --workload W2 --num-warmups 8 --compare-prefix-caching; fi
   if wants w3; then bench w3 150 --workload W3 --num-warmups 8 --num-prompts 48 --request-rates 2,8,32; fi
+  if wants w1-fp8; then
+    for variant in "bf16:" "fp8:--quantization fp8" "fp8-kv8:--quantization fp8 --kv-cache-dtype fp8"; do
+      bench "w1-${variant%%:*}" 240 --workload W1 --num-warmups 8 \
+        --executor-args "$W1_EXECUTOR_FLAGS ${variant#*:}" --scheduler-args "$W1_SCHEDULER_FLAGS"
+    done
+  fi
+  if wants w5-fp8; then
+    for variant in "kv-auto:" "kv-fp8:--kv-cache-dtype fp8"; do
+      bench "w5-${variant%%:*}" 300 --workload W5 --num-warmups 0 --scheduler-args "--max-num-seqs 128" \
+        --executor-args "--max-num-seqs 128 --max-model-len 12544 --quantization fp8 ${variant#*:}"
+    done
+  fi
   if wants pressure; then
     for blocks in 4096 8192; do for mode in recompute swap; do
       bench "pressure-$blocks-$mode" 200 --workload W1 --num-warmups 8 \

@@ -1,5 +1,6 @@
 """Benchmark workloads: request lengths, token-id prompts and arrival times (W1, W2, W3 of
-shared/bench/WORKLOADS.md are presets of these; W4, issue 13's data-parallel workload, too)."""
+the README's Workloads section are presets of these: W4 compares routing over several executors,
+W5 is the KV-bound workload of the FP8 KV cache)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,9 @@ PRESETS: dict[str, dict] = {
         output_len="64",
         request_rate="inf",
     ),
+    # KV-bound: every request at once, far more KV than a bf16 pool holds on one H200 (the FP8
+    # KV cache comparison; needs --max-model-len >= 12512 on the executor).
+    "W5": dict(dataset="random", num_prompts=128, input_len="12000", output_len="512", request_rate="inf"),
 }
 DEFAULTS = dict(
     dataset="random",

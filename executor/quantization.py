@@ -1,0 +1,159 @@
+"""FP8 on Hopper: `--quantization fp8` (e4m3 weights, per-token activations) and
+`--kv-cache-dtype fp8` (an e4m3 KV pool with per-layer scales).
+
+Weights. `Fp8Linear` holds an e4m3 [N, K] weight and one float32 scale per output row. A bf16/fp16
+checkpoint is quantized at load, tensor by tensor on the device (`load_weight_slice`), so the full
+precision model never exists there; a checkpoint that already carries FP8 weights (the
+compressed-tensors / vLLM "fp8" layout: `weight` in float8_e4m3fn plus `weight_scale`, per tensor
+or per channel) is copied as is. Its activations arrive quantized per token by the kernel that
+made them (`kernels.fp8.rms_norm_quant`, `silu_and_mul_quant`) or are quantized in one pass
+(`quantize_per_token`, the attention output before o_proj). Embeddings, norms and the LM head stay
+in the model dtype.
+
+KV cache. The pool stores e4m3; each layer's `Attention` owns k_scale / v_scale (float32 [1] on the
+device, read by the kernels through a pointer so CUDA graphs captured before calibration see the
+final values). They come from the checkpoint (`...self_attn.k_scale` / `v_scale`, or
+compressed-tensors' `k_proj.output_scale` / `v_proj.output_scale`) or, failing that, from the first
+real step (`kv_scale_from_amax`, as vLLM's calculate_kv_scales): the runner runs that step eagerly
+with calibration on.
+
+Hardware. Both need FP8 support: `_scaled_mm` with row-wise scales needs sm90 (Hopper) for the
+weights; the e4m3 casts of the KV kernels need sm89+. Elsewhere the flags fail at start
+(`check_fp8_support`). Tests run the plain-torch references on the CPU by setting
+PAGEDSERVE_FP8_REFERENCE=1 (slow, float32 math: a correctness path, not a serving one).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from pagedserve.executor.loader import UnsupportedModelError
+from pagedserve.kernels import fp8
+
+QUANTIZATIONS = (None, "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_KV_DTYPE = torch.float8_e4m3fn
+REFERENCE_ENV = "PAGEDSERVE_FP8_REFERENCE"
+# Calibrated KV scales leave this factor of headroom over the first step's largest |k| and |v|: later
+# tokens may be larger than the first prompt's (vLLM divides by 200 for K and 100 for V instead of
+# 448, i.e. 2.2x and 4.5x headroom). e4m3 keeps its 3-bit mantissa over ~17 binades, so headroom
+# costs precision only for the tiniest values.
+KV_SCALE_HEADROOM = 2.0
+# ...and never a scale below this (a first step of near-zero keys must not make every later key
+# saturate): |values| up to 1 are always representable.
+MIN_KV_SCALE = 1.0 / fp8.FP8_MAX
+
+
+class Fp8UnsupportedError(UnsupportedModelError):
+    """An FP8 flag on hardware without FP8 support."""
+
+
+def check_fp8_support(quantization: str | None, kv_cache_dtype: str, device: torch.device) -> None:
+    """Fails with a message naming the flag and the device when FP8 cannot run there.
+
+    PAGEDSERVE_FP8_REFERENCE=1 lets the CPU run the plain-torch references (tests).
+    """
+    wanted = []
+    if quantization == "fp8":
+        wanted.append(("--quantization fp8", (9, 0), "row-wise scaled FP8 matmuls (torch._scaled_mm)"))
+    if kv_cache_dtype == "fp8":
+        wanted.append(("--kv-cache-dtype fp8", (8, 9), "e4m3 conversions in the attention kernels"))
+    if not wanted:
+        return
+    if device.type != "cuda":
+        if os.environ.get(REFERENCE_ENV) == "1":
+            return
+        flags = " and ".join(flag for flag, _, _ in wanted)
+        raise Fp8UnsupportedError(
+            f"{flags} needs an NVIDIA GPU with FP8 support (Hopper, compute capability 9.0, for "
+            f"--quantization; 8.9+ for the KV cache), but the executor runs on the {device.type}; "
+            "drop the flag (or, for tests only, set PAGEDSERVE_FP8_REFERENCE=1 to run the slow "
+            "plain-torch reference)"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    for flag, needed, why in wanted:
+        if capability < needed:
+            raise Fp8UnsupportedError(
+                f"{flag} needs compute capability {needed[0]}.{needed[1]}+ ({why}); "
+                f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
+            )
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return FP8_KV_DTYPE if kv_cache_dtype == "fp8" else model_dtype
+
+
+def kv_scale_from_amax(x: torch.Tensor) -> torch.Tensor:
+    """float32 [1]: max(|x|) * headroom / 448, at least MIN_KV_SCALE; stays on x's device."""
+    amax = x.detach().abs().amax().float().view(1)
+    return (amax * (KV_SCALE_HEADROOM / fp8.FP8_MAX)).clamp(min=MIN_KV_SCALE)
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T (+ b) with W in e4m3 and per-output-channel scales; x quantized per token.
+
+    Parameters: `weight` [rows, cols] float8_e4m3fn, `weight_scale` [rows] float32, optional `bias`
+    [rows] in the model dtype; uninitialised until the loader fills them (see
+    `load_weight_slice`).
+    """
+
+    def __init__(self, rows: int, cols: int, bias: bool, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_dtype = dtype
+        self.weight = nn.Parameter(
+            torch.empty(rows, cols, device=device, dtype=fp8.FP8_DTYPE), requires_grad=False
+        )
+        self.weight_scale = nn.Parameter(
+            torch.empty(rows, device=device, dtype=torch.float32), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(rows, device=device, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
+        if not isinstance(x, fp8.QuantizedActivation):
+            x = fp8.quantize_per_token(x)
+        return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+
+
+def is_fp8_weight(param: torch.Tensor) -> bool:
+    return param.dtype == fp8.FP8_DTYPE
+
+
+def load_weight_slice(
+    weight: torch.Tensor, weight_scale: torch.Tensor, offset: int, rows: int, tensor: torch.Tensor
+) -> None:
+    """Fills rows [offset, offset + rows) of an Fp8Linear from a checkpoint tensor.
+
+    A float8 tensor is copied as is (its scale arrives separately, see `load_scale_slice`); any
+    other dtype is quantized per output row on the weight's device.
+    """
+    view = weight if rows == -1 else weight.narrow(0, offset, rows)
+    scale_view = weight_scale if rows == -1 else weight_scale.narrow(0, offset, rows)
+    if view.shape != tensor.shape:
+        raise UnsupportedModelError(f"checkpoint shape {tuple(tensor.shape)} != expected {tuple(view.shape)}")
+    if tensor.dtype == fp8.FP8_DTYPE:
+        view.view(torch.uint8).copy_(tensor.view(torch.uint8))
+        return
+    q, scale = fp8.quantize_weight(tensor.to(view.device))
+    view.view(torch.uint8).copy_(q.view(torch.uint8))
+    scale_view.copy_(scale)
+
+
+def load_scale_slice(weight_scale: torch.Tensor, offset: int, rows: int, tensor: torch.Tensor) -> None:
+    """Fills the scales of rows [offset, offset + rows) from a checkpoint `weight_scale`: one value
+    (per tensor) or one per row ([rows] or [rows, 1])."""
+    view = weight_scale if rows == -1 else weight_scale.narrow(0, offset, rows)
+    flat = tensor.reshape(-1).float()
+    if flat.numel() == 1:
+        view.fill_(flat.item())
+    elif flat.numel() == view.numel():
+        view.copy_(flat)
+    else:
+        raise UnsupportedModelError(
+            f"weight_scale of {tuple(tensor.shape)} fits neither per-tensor nor per-channel "
+            f"scaling of {view.numel()} rows (block-wise FP8 checkpoints are not supported)"
+        )

@@ -1,0 +1,220 @@
+"""FP8 kernel benchmark, side by side with bf16 in one run (on a GPU).
+
+    python -m pagedserve.bench.fp8 [--result-file bench-results/fp8.json]
+
+1. Linear layers of Llama-3.1-8B (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
+   4096x14336) at M = 64, 256, 2048, 8192 rows: bf16 `F.linear` against `torch._scaled_mm` with
+   row-wise scales, alone and with the activation quantization (separate torch ops, or the
+   single-pass Triton kernel). TFLOP/s count 2*M*N*K; the error is the relative Frobenius norm
+   of the FP8 output minus the bf16 output (random normal activations, weights ~ N(0, 0.02)).
+2. The fused quantizing kernels against what they replace: RMSNorm (with residual) + quantize
+   vs the bf16 RMSNorm kernel followed by torch-op quantization or the Triton quantize, at
+   hidden 4096; SiLU-and-mul + quantize at intermediate 14336.
+3. K1 decode shapes with an FP8 KV cache against the bf16 cache (same kernel, same tables): time
+   and KV bytes read per second (bf16 reads 2 bytes per element, FP8 one).
+
+Times are medians of `triton.testing.do_bench` (L2 flushed before each repetition), eager calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from pagedserve.kernels import fp8, layers, triton_fp8
+from pagedserve.kernels import triton_attention as ta
+
+LINEAR_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (64, 256, 2048, 8192)
+K1_SHAPES = [(1, 4096), (8, 4096), (64, 1024), (64, 4096), (256, 1024), (32, 16384)]
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def _ms(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def torch_quant(x: torch.Tensor) -> fp8.QuantizedActivation:
+    """Per-token quantization as separate torch ops (what the fused kernels replace)."""
+    return fp8.quantize_per_token_reference(x)
+
+
+def bench_linear() -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in LINEAR_SHAPES.items():
+        w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        wq, ws = fp8.quantize_weight(w)
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+            xq = triton_fp8.quantize_per_token(x)
+            ref = F.linear(x, w)
+            out = fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            flop = 2 * m * n * k
+            t_bf16 = _ms(lambda x=x, w=w: F.linear(x, w))
+            t_mm = _ms(lambda xq=xq, wq=wq, ws=ws: fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16))
+            t_triton_q = _ms(
+                lambda x=x, wq=wq, ws=ws: fp8.fp8_linear(
+                    triton_fp8.quantize_per_token(x), wq, ws, None, torch.bfloat16
+                )
+            )
+            t_torch_q = _ms(
+                lambda x=x, wq=wq, ws=ws: fp8.fp8_linear(torch_quant(x), wq, ws, None, torch.bfloat16)
+            )
+            row = dict(
+                layer=name, m=m, n=n, k=k, bf16_us=t_bf16 * 1e3, fp8_mm_us=t_mm * 1e3,
+                fp8_triton_quant_us=t_triton_q * 1e3, fp8_torch_quant_us=t_torch_q * 1e3,
+                bf16_tflops=flop / t_bf16 / 1e9, fp8_tflops=flop / t_mm / 1e9,
+                speedup_mm=t_bf16 / t_mm, speedup_with_quant=t_bf16 / t_triton_q,
+                speedup_torch_quant=t_bf16 / t_torch_q, rel_fro_error=err,
+            )  # fmt: skip
+            rows.append(row)
+            print(
+                f"linear {name:8s} M={m:5d}: bf16 {row['bf16_tflops']:6.0f} TFLOP/s, fp8 mm "
+                f"{row['fp8_tflops']:6.0f} ({row['speedup_mm']:.2f}x), "
+                f"+triton quant {row['speedup_with_quant']:.2f}x, "
+                f"+torch quant {row['speedup_torch_quant']:.2f}x; rel err {err:.4f}",
+                flush=True,
+            )
+    return rows
+
+
+def _fused_cases(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, gu: torch.Tensor) -> dict:
+    """What each fused kernel replaces, as callables over one set of inputs."""
+    return {
+        "norm_bf16": lambda: layers.rms_norm(x, w, 1e-5, res),
+        "norm_quant_fused": lambda: fp8.rms_norm_quant(x, w, 1e-5, res),
+        "norm_then_triton_quant": lambda: triton_fp8.quantize_per_token(layers.rms_norm(x, w, 1e-5, res)[0]),
+        "norm_then_torch_quant": lambda: torch_quant(layers.rms_norm(x, w, 1e-5, res)[0]),
+        "silu_bf16": lambda: layers.silu_and_mul(gu),
+        "silu_quant_fused": lambda: fp8.silu_and_mul_quant(gu),
+        "silu_then_triton_quant": lambda: triton_fp8.quantize_per_token(layers.silu_and_mul(gu)),
+        "silu_then_torch_quant": lambda: torch_quant(layers.silu_and_mul(gu)),
+    }
+
+
+def linear_errors(device: str, rows: tuple[int, ...]) -> list[dict]:
+    """Relative Frobenius error of the FP8 linear's output against bf16's, per layer and M, with
+    activations like the layer's real inputs: unit-RMS normal rows (what RMSNorm hands qkv and
+    gate_up, and roughly the attention output), and for down_proj SiLU(gate) * up of such a
+    product. On the CPU the FP8 product is the float32 reference; the GPU's `_scaled_mm` differs
+    from it only in accumulation order and the final bf16 rounding."""
+    out = []
+    gen = torch.Generator(device=device).manual_seed(3)
+    for name, (n, k) in LINEAR_SHAPES.items():
+        w = torch.randn(n, k, device=device, generator=gen, dtype=torch.bfloat16) * 0.02
+        wq, ws = fp8.quantize_weight(w)
+        for m in rows:
+            if name == "down":
+                w_gu = torch.randn(2 * k, 4096, device=device, generator=gen, dtype=torch.bfloat16) * 0.02
+                h = torch.randn(m, 4096, device=device, generator=gen, dtype=torch.bfloat16)
+                x = layers.silu_and_mul(F.linear(h, w_gu))
+            else:
+                x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
+            ref = F.linear(x, w).float()
+            got = fp8.fp8_linear(fp8.quantize_per_token(x), wq, ws, None, torch.bfloat16).float()
+            err = ((got - ref).norm() / ref.norm()).item()
+            out.append(dict(layer=name, m=m, n=n, k=k, rel_fro_error=err))
+            print(f"error {name:8s} M={m:5d} ({n}x{k}): {err:.4f}", flush=True)
+    return out
+
+
+def bench_fused() -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for m in ROWS:
+        x = torch.randn(m, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+        res = torch.randn_like(x)
+        w = torch.randn(4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+        gu = torch.randn(m, 2 * 14336, device="cuda", generator=gen, dtype=torch.bfloat16)
+        row = {"m": m} | {name: _ms(fn) * 1e3 for name, fn in _fused_cases(x, res, w, gu).items()}
+        rows.append(row)
+        print(
+            f"fused M={m:5d}: " + ", ".join(f"{k} {v:.1f} us" for k, v in row.items() if k != "m"), flush=True
+        )
+    return rows
+
+
+def _decode_case(batch: int, context: int, kv_dtype: torch.dtype, gen: torch.Generator):
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq + 64
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    if kv_dtype != torch.bfloat16:
+        k, v = (k / 0.02).to(kv_dtype), (v / 0.02).to(kv_dtype)  # |x| < 448: no NaNs
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen)[: batch * blocks_per_seq]
+    tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+    q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    return q, k, v, tables, seq_lens, cu
+
+
+def bench_decode() -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    scale = torch.full((1,), 0.02, device="cuda")
+    for batch, context in K1_SHAPES:
+        row: dict = {"batch": batch, "context": context}
+        for label, dtype, config in (
+            ("bf16", torch.bfloat16, None),
+            ("fp8", torch.float8_e4m3fn, None),
+            ("fp8_bn128", torch.float8_e4m3fn, ta.DecodeConfig(128, 4, 2)),
+        ):
+            q, k, v, tables, seq_lens, cu = _decode_case(batch, context, dtype, gen)
+            kw = {} if dtype == torch.bfloat16 else dict(k_scale=scale, v_scale=scale)
+            if config is not None:
+                kw["decode_config"] = config
+            t = _ms(lambda q=q, k=k, v=v, t=tables, s=seq_lens, c=cu, kw=kw: ta.paged_attention(
+                q, k, v, t, s, c, HEAD_DIM**-0.5, **kw))  # fmt: skip
+            kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * k.element_size()
+            row[f"{label}_us"] = t * 1e3
+            row[f"{label}_gbps"] = kv_bytes / t / 1e6
+            del q, k, v
+        row["fp8_bw_ratio"] = max(row["fp8_gbps"], row["fp8_bn128_gbps"]) / row["bf16_gbps"]
+        rows.append(row)
+        print(
+            f"decode ({batch}, {context}): bf16 {row['bf16_us']:.1f} us {row['bf16_gbps']:.0f} GB/s; fp8 "
+            f"{row['fp8_us']:.1f} us {row['fp8_gbps']:.0f} GB/s; fp8 bn128 {row['fp8_bn128_us']:.1f} us "
+            f"{row['fp8_bn128_gbps']:.0f} GB/s; bw ratio {row['fp8_bw_ratio']:.2f}",
+            flush=True,
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--result-file", default=None)
+    parser.add_argument("--parts", default="linear,fused,decode", help="any of linear,fused,decode,errors")
+    parser.add_argument("--error-rows", default="64,256,2048,8192", help="M values of the errors part")
+    parser.add_argument("--device", default="cuda", help="errors part only: cpu runs the references")
+    args = parser.parse_args(argv)
+    result = {}
+    parts = args.parts.split(",")
+    if "errors" in parts:
+        rows = tuple(int(r) for r in args.error_rows.split(","))
+        result["errors"] = linear_errors(args.device, rows)
+    if args.device == "cuda":
+        print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if "linear" in parts:
+        result["linear"] = bench_linear()
+    if "fused" in parts:
+        result["fused"] = bench_fused()
+    if "decode" in parts:
+        result["decode"] = bench_decode()
+    if args.result_file:
+        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_file).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
