@@ -29,7 +29,9 @@ for o in outputs: print(o.prompt, o.outputs[0].text)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", num_gpu_blocks_override=256, swap_space=0.01)
+    llm = LLM(
+        str(tiny_model_dir), device="cpu", dtype="float32", num_gpu_blocks_override=256, swap_space=0.01
+    )
     yield llm
     llm.shutdown()
 
@@ -62,15 +64,17 @@ def test_generate_single_prompt_stop_logprobs_and_reuse(llm):
     assert 1 <= len(out.outputs[0].token_ids) <= 16
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ids = llm.generate("The quick brown fox", greedy, use_tqdm=False)[0].outputs[0].token_ids
-    stop_at = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[ids[3]], logprobs=1)
+    stop_at = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[ids[3]], logprobs=1
+    )
     [stopped] = llm.generate("The quick brown fox", stop_at, use_tqdm=True)
     completion = stopped.outputs[0]
     assert completion.finish_reason == "stop"
     assert completion.token_ids == ids[: ids.index(ids[3]) + 1]
     assert len(completion.logprobs) == len(completion.token_ids)
-    assert all(list(lp) == [t] and lp[t].logprob <= 0 for lp, t in zip(completion.logprobs, completion.token_ids))
-    assert completion.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(
-        completion.logprobs, completion.token_ids)))  # fmt: skip
+    pairs = list(zip(completion.logprobs, completion.token_ids, strict=True))
+    assert all(list(lp) == [t] and lp[t].logprob <= 0 for lp, t in pairs)
+    assert completion.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in pairs))
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     a, b = llm.generate(["Numbers: 1 2 3", "Numbers: 1 2 3"], seeded, use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -111,7 +115,11 @@ def test_bad_prompts_raise_value_error_and_nothing_runs(llm):
     cases = [
         ([{"prompt_token_ids": []}], ok, "prompt 0 is empty"),
         (["fine", {"prompt_token_ids": [1, 100_000]}], ok, "prompt 1.*vocabulary"),
-        (["fine", {"prompt_token_ids": [5] * 1020}], SamplingParams(max_tokens=10), "prompt 1.*max_model_len"),
+        (
+            ["fine", {"prompt_token_ids": [5] * 1020}],
+            SamplingParams(max_tokens=10),
+            "prompt 1.*max_model_len",
+        ),
         ([42], ok, "prompt 0: expected a string"),
         (["a", "b"], [ok], "sampling_params: 1 given for 2 prompts"),
         (["a"], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),

@@ -1,4 +1,4 @@
-"""The `pagedserve` command: serve, scheduler, executor, generate, health.
+"""The `pagedserve` command: serve, scheduler, executor, openai, generate, health.
 
 `pagedserve serve` is the embedded default: it starts one executor and one scheduler as two
 processes on loopback (the same topology as docker-compose.yml) and stops both when either stops.
@@ -81,6 +81,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="public address to bind")
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port")
     parser.add_argument("--executor-port", type=int, default=None, help="internal port (default: port + 10)")
+    parser.add_argument(
+        "--openai-port", type=int, default=None, help="also start the OpenAI-compatible gateway on this port"
+    )
     for child in (executor_parser(), scheduler_parser()):
         for group in child._action_groups:
             actions = [a for a in group._group_actions if a.option_strings]
@@ -119,6 +122,9 @@ def serve(args: argparse.Namespace) -> int:
         *forwarded_flags(args, executor_parser(), only=SHARED_FLAGS),
     ]  # fmt: skip
     children = [subprocess.Popen(executor_cmd), subprocess.Popen(scheduler_cmd)]
+    gateway_cmd = openai_gateway_command(args, model)
+    if gateway_cmd:
+        children.append(subprocess.Popen(gateway_cmd))
     stopping = False
 
     def stop(signum: int, _frame: object) -> None:
@@ -144,6 +150,16 @@ def serve(args: argparse.Namespace) -> int:
         return 0
     code = first.returncode
     return 128 - code if code < 0 else code or 1  # killed by signal N: 128 + N, as a shell says
+
+
+def openai_gateway_command(args: argparse.Namespace, model: Path) -> list[str] | None:
+    """`serve --openai-port P`: the gateway as one more child, in front of serve's scheduler."""
+    if args.openai_port is None:
+        return None
+    return [
+        sys.executable, "-m", "pagedserve.entrypoints.openai", "--host", args.host,
+        "--port", str(args.openai_port), "--scheduler", f"127.0.0.1:{args.port}", "--tokenizer", str(model),
+    ]  # fmt: skip
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -215,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("executor", help="the executor service alone", add_help=False)
     sub.add_parser("bench", help="benchmark a server over gRPC (see `pagedserve bench -h`)", add_help=False)
     sub.add_parser("make-model", help="write a benchmark model directory (random weights)", add_help=False)
+    sub.add_parser(
+        "openai", help="OpenAI-compatible HTTP gateway (see `pagedserve openai -h`)", add_help=False
+    )
 
     gen = sub.add_parser("generate", help="stream one completion from a running server")
     gen.add_argument("prompt")
@@ -240,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "openai":
+        from pagedserve.entrypoints.openai.api_server import main as openai_main
+
+        return openai_main(argv[1:])
     if argv and argv[0] == "make-model":
         from pagedserve.model_shapes import main as make_model_main
 
