@@ -249,3 +249,23 @@ def test_serve_openai_port_starts_the_gateway_in_front_of_its_scheduler(monkeypa
     assert "--port" in gateway and gateway[gateway.index("--port") + 1] == "8123"
     assert gateway[gateway.index("--scheduler") + 1] == "127.0.0.1:6000"
     assert pagedserve_cli.openai_gateway_command(parser.parse_args(["--model", "m"]), Path("m")) is None
+
+
+def test_bench_compare_openai_runs_the_same_requests_through_the_gateway(tiny_model_dir, tmp_path, capsys):
+    """`pagedserve bench --launch --compare-openai` (the GPU measurement of issue 15) on the CPU:
+    gRPC, then through a launched gateway streamed and not; greedy outputs identical in all three."""
+    import json
+
+    from pagedserve import bench
+
+    result = tmp_path / "bench.json"
+    cpu = "--device cpu --dtype float32 --num-gpu-blocks-override 128 --swap-space 0.01"
+    argv = ["--launch", "--model", str(tiny_model_dir), "--compare-openai", "--num-prompts", "6",
+            "--input-len", "8:40", "--output-len", "4:12", "--no-plot", "--result-file", str(result),
+            "--executor-args", cpu]  # fmt: skip
+    assert bench.main(argv) == 0
+    report = json.loads(result.read_text())
+    assert [r["completed"] for r in report["runs"]] == [6, 6, 6]
+    comparison = report["comparison"]
+    assert comparison["greedy outputs identical (stream)"] and comparison["greedy outputs identical (plain)"]
+    assert "gateway cost, stream (1 - openai/gRPC)" in capsys.readouterr().out

@@ -144,6 +144,8 @@ def build_app(gateway: Gateway) -> FastAPI:
 
         usage = await generation.collect(on_message)
         choice = CompletionChoice(text="".join(text), finish_reason=generation.finish_reason)
+        if body.return_token_ids:
+            choice.token_ids = token_ids
         if want_logprobs:
             choice.logprobs = await _completion_logprobs(gateway, token_ids, logprobs, 0)
         return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(usage))
@@ -220,6 +222,8 @@ async def _completion_events(
         if not message.text and not message.token_ids and finish is None:
             return []
         choice = CompletionChoice(text=message.text, finish_reason=finish)
+        if body.return_token_ids:
+            choice.token_ids = list(message.token_ids)
         if tokenizer is not None:
             tokens = [tokenizer.decode([t]) for t in message.token_ids]
             offsets = []

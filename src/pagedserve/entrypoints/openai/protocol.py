@@ -115,6 +115,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool = False  # vLLM's extra: each choice (and chunk) carries its token ids
 
     @field_validator("prompt")
     @classmethod
@@ -238,6 +239,7 @@ class CompletionChoice(OpenAIModel):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class CompletionResponse(OpenAIModel):
