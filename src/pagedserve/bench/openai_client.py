@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -87,11 +88,13 @@ async def _run_pass(
     label: str,
     stream: bool,
 ) -> PassResult:
-    import httpx
     import openai
 
-    # As many connections as requests in flight (the client's default pool holds 1,000).
-    limits = httpx.Limits(max_connections=max(1000, len(requests)), max_keepalive_connections=len(requests))
+    # A connection per request in flight, kept alive between passes (the client's default pool
+    # holds 1,000, and keeps 100 alive). The Limits class is that of the client's HTTP library.
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
+        max_connections=max(1000, len(requests)), max_keepalive_connections=len(requests)
+    )
     async with openai.AsyncOpenAI(
         base_url=f"{url.rstrip('/')}/v1", api_key="unused", max_retries=0,
         http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=None),
@@ -132,8 +135,6 @@ def run_openai_pass(
 @contextlib.contextmanager
 def launched_gateway(scheduler: str, log_dir: Path, timeout: float = 60.0) -> Iterator[str]:
     """`pagedserve openai` in front of `scheduler`, as a process; yields its URL once it is healthy."""
-    import httpx
-
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -156,8 +157,8 @@ def launched_gateway(scheduler: str, log_dir: Path, timeout: float = 60.0) -> It
             if proc.poll() is not None:
                 tail = (log_dir / "gateway.log").read_text(errors="replace")[-4000:]
                 raise LaunchError(f"gateway exited with {proc.returncode}; its log ends:\n{tail}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            with contextlib.suppress(OSError):  # refused, or 503 (HTTPError) until the scheduler answers
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
                     break
             if time.monotonic() > deadline:
                 raise LaunchError(f"gateway not healthy after {timeout:.0f} s; see {log_dir}")
