@@ -239,7 +239,7 @@ class CompletionChoice(OpenAIModel):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)  # with return_token_ids
 
 
 class CompletionResponse(OpenAIModel):
@@ -301,7 +301,7 @@ class ChatCompletionChunk(OpenAIModel):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
+    usage: UsageInfo | None = Field(None, exclude_if=lambda v: v is None)  # the include_usage chunk
 
 
 class CompletionChunk(OpenAIModel):
@@ -310,7 +310,7 @@ class CompletionChunk(OpenAIModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+    usage: UsageInfo | None = Field(None, exclude_if=lambda v: v is None)  # the include_usage chunk
 
 
 class ModelCard(OpenAIModel):
