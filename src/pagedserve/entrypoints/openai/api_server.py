@@ -18,11 +18,13 @@ import argparse
 import contextlib
 import sys
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from pagedserve.entrypoints.chat_utils import ChatTemplateError, load_chat_template
 from pagedserve.entrypoints.openai.metrics import GatewayMetrics
@@ -58,11 +60,12 @@ from pagedserve.entrypoints.openai.serving import (
 )
 from pagedserve.protos import generation_pb2
 
+BodyT = TypeVar("BodyT", bound=BaseModel)
 DEFAULT_PORT = 8000
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _validation_error(exc: RequestValidationError) -> GatewayError:
+def _validation_error(exc: RequestValidationError | ValidationError) -> GatewayError:
     """pydantic's first complaint, naming the field (`messages.0.role`), as OpenAI's 400."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -71,6 +74,27 @@ def _validation_error(exc: RequestValidationError) -> GatewayError:
     if first.get("type") == "json_invalid":
         return GatewayError(400, "the body is not valid JSON", "invalid_request_error")
     return GatewayError(400, f"{param}: {message}" if param else message, "invalid_request_error", param)
+
+
+async def _parse(raw: Request, model: type[BodyT]) -> BodyT:
+    """The request body as `model`, parsed and validated in one pass by pydantic's JSON parser: for a
+    prompt of token ids several times faster than FastAPI's json.loads-then-validate, which
+    dominated the gateway's time per request under load."""
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _request_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI description of a body the handler parses itself (see `_parse`)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"content": {"application/json": {"schema": schema}}, "required": True}}
+
+
+def _json(body: BaseModel) -> Response:
+    """A response model as JSON, serialized by pydantic (FastAPI's jsonable_encoder costs ~1 ms)."""
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def _logprob_tokens(gateway: Gateway, token_ids: list[int]) -> list[str]:
@@ -109,16 +133,19 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models() -> ModelList:
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> Response:
         info = await gateway.model_info()
         name = await gateway.model_name()
-        return ModelList(data=[ModelCard(id=name, root=info.model, max_model_len=info.max_model_len)])
+        return _json(ModelList(data=[ModelCard(id=name, root=info.model, max_model_len=info.max_model_len)]))
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, raw: Request) -> CompletionResponse | StreamingResponse:
+    @app.post(
+        "/v1/completions", response_model=CompletionResponse, openapi_extra=_request_body(CompletionRequest)
+    )
+    async def completions(raw: Request) -> Response:
         endpoint = "/v1/completions"
         with counted(gateway.metrics, endpoint):
+            body = await _parse(raw, CompletionRequest)
             model = await gateway.check_model(body.model)
             request_id = new_id("cmpl")
             want_logprobs = body.logprobs is not None
@@ -148,14 +175,19 @@ def build_app(gateway: Gateway) -> FastAPI:
             choice.token_ids = token_ids
         if want_logprobs:
             choice.logprobs = await _completion_logprobs(gateway, token_ids, logprobs, 0)
-        return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(usage))
+        return _json(
+            CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(usage))
+        )
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(
-        body: ChatCompletionRequest, raw: Request
-    ) -> ChatCompletionResponse | StreamingResponse:
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        openapi_extra=_request_body(ChatCompletionRequest),
+    )
+    async def chat_completions(raw: Request) -> Response:
         endpoint = "/v1/chat/completions"
         with counted(gateway.metrics, endpoint):
+            body = await _parse(raw, ChatCompletionRequest)
             model = await gateway.check_model(body.model)
             request_id = new_id("chatcmpl")
             _, prompt_ids = await gateway.chat_prompt([m.as_template_input() for m in body.messages])
@@ -183,7 +215,9 @@ def build_app(gateway: Gateway) -> FastAPI:
         )
         if body.logprobs:
             choice.logprobs = await _chat_logprobs(gateway, token_ids, logprobs)
-        return ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(usage))
+        return _json(
+            ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(usage))
+        )
 
     return app
 

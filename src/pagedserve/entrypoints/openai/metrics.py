@@ -45,8 +45,18 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self._children: dict[tuple, object] = {}
+
+    def _child(self, metric, *labels: str):
+        """`metric.labels(*labels)`, remembered: prometheus_client's lookup costs per call."""
+        key = (metric._name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def first_token(self, endpoint: str, seconds: float) -> None:
-        self.ttft.labels(endpoint).observe(seconds)
+        self._child(self.ttft, endpoint).observe(seconds)
         self.in_flight.inc()
 
     def finished(
@@ -57,13 +67,13 @@ class GatewayMetrics:
         usage: generation_pb2.Usage | None,
         started: bool = True,
     ) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
-        self.latency.labels(endpoint).observe(seconds)
+        self._child(self.requests, endpoint, str(status)).inc()
+        self._child(self.latency, endpoint).observe(seconds)
         if started:
             self.in_flight.dec()
         if usage is not None:
-            self.tokens.labels("prompt").inc(usage.prompt_tokens)
-            self.tokens.labels("completion").inc(usage.completion_tokens)
+            self._child(self.tokens, "prompt").inc(usage.prompt_tokens)
+            self._child(self.tokens, "completion").inc(usage.completion_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -126,7 +126,7 @@ class CompletionRequest(SamplingRequest):
             prompt = prompt[0]
         if not prompt:
             raise ValueError("the prompt is empty")
-        if isinstance(prompt, list) and any(i < 0 for i in prompt):
+        if isinstance(prompt, list) and min(prompt) < 0:
             raise ValueError("prompt token ids must be integers >= 0")
         return prompt
 
