@@ -201,6 +201,23 @@ def test_no_scheduler_is_503_and_no_chat_template_is_400(tiny_model_dir, tmp_pat
         assert "no chat template" in info.value.body["message"] and info.value.body["param"] == "messages"
 
 
+def test_round_robin_skips_a_scheduler_that_is_down(stack, tmp_path):
+    """Two --scheduler addresses, one with nothing behind it: every request is served (the dead
+    one is tried first for half of them, answers UNAVAILABLE, and the next one takes the request)."""
+    services, _ = stack
+    dead = f"127.0.0.1:{free_port()}"
+    args = (f"--scheduler={dead}", f"--scheduler=127.0.0.1:{services.port}")
+    with running_gateway(tmp_path / "gateway.log", *args) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert httpx.get(f"{url}/health").status_code == 200
+        for _ in range(4):
+            assert (
+                client.completions.create(model="tiny-chat", prompt="hi", max_tokens=2)
+                .choices[0]
+                .finish_reason
+            )
+
+
 def test_client_disconnect_cancels_the_request_and_frees_its_blocks(stack):
     """A streamed and a non-streamed request dropped by their clients: the scheduler holds no block
     and no request afterwards, and neither ran to its max_tokens."""

@@ -104,6 +104,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     executor_port = args.executor_port or args.port + 10
     ExecutorConfig.from_args(args, parser=parser, model=model, host="127.0.0.1", port=executor_port)
     ServiceConfig.from_args(args, parser=parser, model=model)
+    if args.openai_port is not None and not 0 < args.openai_port < 65536:
+        parser.error(f"--openai-port must be in 1..65535, got {args.openai_port}")
 
 
 def serve(args: argparse.Namespace) -> int:
