@@ -12,7 +12,7 @@ import json
 import pytest
 
 from pagedserve import bench
-from pagedserve.bench.inprocess import InProcessTransport
+from pagedserve.entrypoints.inprocess import InProcessTransport
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.runner import ModelRunner
 from pagedserve.scheduler.completion import Delta, StopConditions

@@ -81,7 +81,7 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    own = {"help", "model", "host", "port", "executor_port", "data_parallel_size"}
+    own = {"help", "model", "host", "port", "executor_port", "data_parallel_size", "openai_port"}
     accepted = {action.dest for action in parser._actions} - own
     children = {a.dest for child in (executor_parser(), scheduler_parser()) for a in child._actions}
     assert accepted == children

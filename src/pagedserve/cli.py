@@ -1,4 +1,4 @@
-"""The `pagedserve` command: serve, scheduler, executor, generate, health.
+"""The `pagedserve` command: serve, scheduler, executor, openai, generate, health.
 
 `pagedserve serve` is the embedded default: it starts `--data-parallel-size` executors and one
 scheduler as processes on loopback (the same topology as docker-compose.yml), restarts an executor
@@ -99,6 +99,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization is the flag's value divided by the number of executors on that "
         "GPU (they start one after another). On the CPU each gets cores/N threads.",
     )
+    parser.add_argument(
+        "--openai-port", type=int, default=None, help="also start the OpenAI-compatible gateway on this port"
+    )
     for child in (executor_parser(), scheduler_parser()):
         for group in child._action_groups:
             actions = [a for a in group._group_actions if a.option_strings]
@@ -123,6 +126,8 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"--executor-port {executor_port} + --data-parallel-size leaves the port range")
     ExecutorConfig.from_args(args, parser=parser, model=model, host="127.0.0.1", port=executor_port)
     ServiceConfig.from_args(args, parser=parser, model=model)
+    if args.openai_port is not None and not 0 < args.openai_port < 65536:
+        parser.error(f"--openai-port must be in 1..65535, got {args.openai_port}")
 
 
 def _executor_ready(port: int) -> bool:
@@ -172,6 +177,9 @@ def serve_children(args: argparse.Namespace, model: Path) -> list[ChildSpec]:
         *forwarded_flags(args, executor_parser(), only=SHARED_FLAGS),
     ]  # fmt: skip
     children.append(ChildSpec("scheduler", scheduler_argv))
+    gateway_argv = openai_gateway_command(args, model)
+    if gateway_argv:  # in front of the scheduler, restarted like the executors
+        children.append(ChildSpec("openai", gateway_argv, restart=True))
     return children
 
 
@@ -192,6 +200,16 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         supervisor.stop()
     return 0 if status is None else status
+
+
+def openai_gateway_command(args: argparse.Namespace, model: Path) -> list[str] | None:
+    """`serve --openai-port P`: the gateway as one more child, in front of serve's scheduler."""
+    if args.openai_port is None:
+        return None
+    return [
+        sys.executable, "-m", "pagedserve.entrypoints.openai", "--host", args.host,
+        "--port", str(args.openai_port), "--scheduler", f"127.0.0.1:{args.port}", "--tokenizer", str(model),
+    ]  # fmt: skip
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -263,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("executor", help="the executor service alone", add_help=False)
     sub.add_parser("bench", help="benchmark a server over gRPC (see `pagedserve bench -h`)", add_help=False)
     sub.add_parser("make-model", help="write a benchmark model directory (random weights)", add_help=False)
+    sub.add_parser(
+        "openai", help="OpenAI-compatible HTTP gateway (see `pagedserve openai -h`)", add_help=False
+    )
 
     gen = sub.add_parser("generate", help="stream one completion from a running server")
     gen.add_argument("prompt")
@@ -288,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "openai":
+        from pagedserve.entrypoints.openai.api_server import main as openai_main
+
+        return openai_main(argv[1:])
     if argv and argv[0] == "make-model":
         from pagedserve.model_shapes import main as make_model_main
 

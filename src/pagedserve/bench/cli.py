@@ -161,6 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --launch: the gRPC services first, then in-process; reports the service split cost",
     )
+    gateway = p.add_argument_group("through the OpenAI-compatible gateway (the openai async client)")
+    gateway.add_argument(
+        "--through-openai", metavar="URL", default=None,
+        help="send the requests through the gateway at URL (--host/--port: its scheduler, for counters)",
+    )  # fmt: skip
+    gateway.add_argument(
+        "--compare-openai",
+        action="store_true",
+        help="with --launch: over gRPC, then through a launched gateway streamed and not; reports its cost",
+    )
     base = p.add_argument_group("Hugging Face baselines (run after the pagedserve pass)")
     base.add_argument("--baseline", action="append", choices=("hf-static", "hf-cb"), default=[])
     base.add_argument(
@@ -263,6 +273,30 @@ def _measure_in_process(
     return run_in_process(executor, service, workload, rates, send_options(args), args.num_warmups)
 
 
+def _measure_openai(
+    url: str,
+    scheduler: str,
+    workload: Workload,
+    rates: Sequence[float],
+    args: argparse.Namespace,
+    stream: bool,
+) -> list[PassResult]:
+    """`_measure`'s passes, the same requests, sent through the gateway at `url`."""
+    from pagedserve.bench.openai_client import run_openai_pass
+
+    info = get_model_info(scheduler)
+    options = send_options(args)
+    tag = f"openai {'stream' if stream else 'plain'}"
+    if args.num_warmups:
+        warmup = warmup_requests(args.num_warmups, info.vocab_size, info.max_model_len)
+        run_openai_pass(url, scheduler, warmup, math.inf, options, "warmup", stream)
+    passes = []
+    for p in plan_passes(workload, list(rates), info.vocab_size, info.max_model_len or None, tag):
+        passes.append(run_openai_pass(url, scheduler, p.requests, p.request_rate, options, p.label, stream))
+        passes[-1].seed = p.seed
+    return passes
+
+
 def run_pagedserve(
     args: argparse.Namespace, workload: Workload, rates: Sequence[float]
 ) -> tuple[list[BenchRequest], list[PassResult]]:
@@ -270,6 +304,10 @@ def run_pagedserve(
     compare caching; then in-process to compare with it)."""
     if args.in_process:
         return _measure_in_process(args, workload, rates)
+    if args.through_openai and not args.launch:
+        address = f"{args.host}:{args.port}"
+        requests = plan_passes(workload, list(rates), *_vocab_and_len(address))[0].requests
+        return requests, _measure_openai(args.through_openai, address, workload, rates, args, stream=True)
     if not args.launch:
         return _measure(f"{args.host}:{args.port}", workload, rates, args)
     log_dir = args.log_dir or args.result_file.parent / "logs"
@@ -280,6 +318,8 @@ def run_pagedserve(
         device=executor.device,
         gpu_memory_utilization=executor.gpu_memory_utilization,
     )
+    if args.compare_openai:  # the same prompts go three times: none may find the others' KV cached
+        scheduler_args = [*scheduler_args, "--no-enable-prefix-caching"]
     settings = [(None, scheduler_args)]
     if args.compare_prefix_caching:
         settings = [(True, scheduler_args), (False, [*scheduler_args, "--no-enable-prefix-caching"])]
@@ -292,7 +332,15 @@ def run_pagedserve(
             with launched_server(
                 args.model, sub_dir, executor_args, sched, args.launch_timeout, **placement
             ) as address:
-                requests, results = _measure(address, workload, rates, args, tag)
+                requests, results = _measure(
+                    address, workload, rates, args, "gRPC" if args.compare_openai else tag
+                )
+                if args.compare_openai:  # the same requests through a gateway, streamed then not
+                    from pagedserve.bench.openai_client import launched_gateway
+
+                    with launched_gateway(address, sub_dir) as url:
+                        for stream in (True, False):
+                            results += _measure_openai(url, address, workload, rates, args, stream)
         except LaunchError as exc:  # its message carries the failing service's log
             raise SystemExit(f"pagedserve bench: {exc}") from None
         for result in results:
@@ -301,6 +349,26 @@ def run_pagedserve(
     if args.compare_in_process:  # the launched services have stopped: the device is free again
         passes += _measure_in_process(args, workload, rates)[1]
     return requests, passes
+
+
+def _vocab_and_len(address: str) -> tuple[int, int | None]:
+    info = get_model_info(address)
+    return info.vocab_size, info.max_model_len or None
+
+
+def openai_comparison(grpc_pass: PassResult, stream: PassResult, plain: PassResult, greedy: bool) -> dict:
+    """Issue 15's report: output throughput through the OpenAI gateway (streamed and not) against
+    the same requests straight over gRPC, on the same services; the gateway should cost <= 5%."""
+    runs = [summarize(p) for p in (grpc_pass, stream, plain)]
+    grpc_tps = runs[0]["output_throughput"]
+    comparison = {"output tok/s (gRPC)": grpc_tps}
+    for name, run, result in (("stream", runs[1], stream), ("plain", runs[2], plain)):
+        tps = run["output_throughput"]
+        comparison[f"output tok/s (openai {name})"] = tps
+        comparison[f"gateway cost, {name} (1 - openai/gRPC)"] = 1 - tps / grpc_tps if grpc_tps else None
+        outputs = compare_outputs(grpc_pass, result)
+        comparison[f"greedy outputs identical ({name})"] = outputs["identical"] if greedy else None
+    return comparison
 
 
 def caching_comparison(on: PassResult, off: PassResult, greedy: bool) -> dict:
@@ -363,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pagedserve bench: --in-process needs --model DIR (and no --launch)")
     if args.compare_in_process and (not args.launch or args.compare_prefix_caching):
         raise SystemExit("pagedserve bench: --compare-in-process needs --launch (and no other comparison)")
+    if args.compare_openai and (not args.launch or args.compare_prefix_caching or args.compare_in_process):
+        raise SystemExit("pagedserve bench: --compare-openai needs --launch (and no other comparison)")
+    if args.through_openai and (args.launch or args.in_process):
+        raise SystemExit("pagedserve bench: --through-openai URL goes to a running gateway (no --launch)")
     if args.in_process or args.launch:  # bad service flags fail now, not in a launched process
         _in_process_configs(args)
     # Written after the run: a path that cannot be a file fails now, not after minutes of load.
@@ -379,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_prefix_caching:  # passes: [on at each rate..., off at each rate...]
         comparison = caching_comparison(passes[0], passes[len(passes) // 2], args.temperature == 0)
         title = "prefix caching on vs off"
+    elif args.compare_openai:  # passes: [gRPC..., openai stream..., openai plain...] at each rate
+        n = len(rates)
+        comparison = openai_comparison(passes[0], passes[n], passes[2 * n], args.temperature == 0)
+        title = "gRPC vs through the OpenAI gateway (first rate)"
     elif args.compare_in_process:  # passes: [gRPC at each rate..., in-process at each rate...]
         comparison = split_comparison(passes[0], passes[len(passes) // 2], args.temperature == 0)
         title = "gRPC services vs in-process (first rate)"

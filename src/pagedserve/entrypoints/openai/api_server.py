@@ -1,0 +1,379 @@
+"""`pagedserve openai`: an OpenAI-compatible HTTP gateway in front of pagedserve schedulers.
+
+    pagedserve openai --port 8000 --scheduler 127.0.0.1:50051 [--scheduler ADDR ...]
+    pagedserve openai --scheduler dns:///scheduler:50051 --served-model-name llama
+
+It is stateless: each request becomes one `Generate` stream on the public gRPC API of a scheduler
+(round robin, UNAVAILABLE ones skipped), and any number of gateways can run side by side.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
+`stream: true` as server-sent events), GET /health, GET /metrics. Errors have OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`: 400 bad request, 404 unknown model, 429 the
+scheduler's queue is full, 503 no scheduler serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from pagedserve.entrypoints.chat_utils import ChatTemplateError, load_chat_template
+from pagedserve.entrypoints.openai.metrics import GatewayMetrics
+from pagedserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatLogProbs,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+)
+from pagedserve.entrypoints.openai.schedulers import SchedulerPool
+from pagedserve.entrypoints.openai.serving import (
+    FINISH_REASONS,
+    Gateway,
+    GatewayError,
+    Generation,
+    counted,
+    from_rpc_error,
+    generate_request,
+    new_id,
+    usage_info,
+)
+from pagedserve.protos import generation_pb2
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+DEFAULT_PORT = 8000
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _validation_error(exc: RequestValidationError | ValidationError) -> GatewayError:
+    """pydantic's first complaint, naming the field (`messages.0.role`), as OpenAI's 400."""
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        return GatewayError(400, "the body is not valid JSON", "invalid_request_error")
+    return GatewayError(400, f"{param}: {message}" if param else message, "invalid_request_error", param)
+
+
+async def _parse(raw: Request, model: type[BodyT]) -> BodyT:
+    """The request body as `model`, parsed and validated in one pass by pydantic's JSON parser: for a
+    prompt of token ids several times faster than FastAPI's json.loads-then-validate, which
+    dominated the gateway's time per request under load."""
+    try:
+        return model.model_validate_json(await raw.body())
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _request_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI description of a body the handler parses itself (see `_parse`)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"content": {"application/json": {"schema": schema}}, "required": True}}
+
+
+def _json(body: BaseModel) -> Response:
+    """A response model as JSON, serialized by pydantic (FastAPI's jsonable_encoder costs ~1 ms)."""
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _logprob_tokens(gateway: Gateway, token_ids: list[int]) -> list[str]:
+    tokenizer = await gateway.tokenizer()
+    return [tokenizer.decode([t]) for t in token_ids]
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.pool.start()
+        yield
+        await gateway.pool.close()
+
+    app = FastAPI(title="pagedserve OpenAI-compatible gateway", lifespan=lifespan)
+
+    @app.exception_handler(GatewayError)
+    async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = _validation_error(exc)
+        gateway.metrics.finished(request.url.path, 400, 0.0, None, started=False)
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await gateway.pool.model_info(timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            return JSONResponse(from_rpc_error(exc).body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> Response:
+        info = await gateway.model_info()
+        name = await gateway.model_name()
+        return _json(ModelList(data=[ModelCard(id=name, root=info.model, max_model_len=info.max_model_len)]))
+
+    @app.post(
+        "/v1/completions", response_model=CompletionResponse, openapi_extra=_request_body(CompletionRequest)
+    )
+    async def completions(raw: Request) -> Response:
+        endpoint = "/v1/completions"
+        with counted(gateway.metrics, endpoint):
+            body = await _parse(raw, CompletionRequest)
+            model = await gateway.check_model(body.model)
+            request_id = new_id("cmpl")
+            want_logprobs = body.logprobs is not None
+            request = generate_request(body, body.prompt, body.max_tokens, want_logprobs, request_id)
+            if want_logprobs:
+                await gateway.tokenizer()  # fail before the request runs, not after
+            generation = Generation(gateway, endpoint, raw)
+            await generation.begin(request)
+        if body.stream:
+            return StreamingResponse(
+                _completion_events(gateway, generation, body, model, request_id),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        text: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+
+        def on_message(message: generation_pb2.GenerateResponse) -> None:
+            text.append(message.text)
+            token_ids.extend(message.token_ids)
+            logprobs.extend(message.logprobs)
+
+        usage = await generation.collect(on_message)
+        choice = CompletionChoice(text="".join(text), finish_reason=generation.finish_reason)
+        if body.return_token_ids:
+            choice.token_ids = token_ids
+        if want_logprobs:
+            choice.logprobs = await _completion_logprobs(gateway, token_ids, logprobs, 0)
+        return _json(
+            CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(usage))
+        )
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        openapi_extra=_request_body(ChatCompletionRequest),
+    )
+    async def chat_completions(raw: Request) -> Response:
+        endpoint = "/v1/chat/completions"
+        with counted(gateway.metrics, endpoint):
+            body = await _parse(raw, ChatCompletionRequest)
+            model = await gateway.check_model(body.model)
+            request_id = new_id("chatcmpl")
+            _, prompt_ids = await gateway.chat_prompt([m.as_template_input() for m in body.messages])
+            request = generate_request(body, prompt_ids, body.max_new_tokens, body.logprobs, request_id)
+            generation = Generation(gateway, endpoint, raw, prompt_param="messages")
+            await generation.begin(request)
+        if body.stream:
+            return StreamingResponse(
+                _chat_events(gateway, generation, body, model, request_id),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        text: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+
+        def on_message(message: generation_pb2.GenerateResponse) -> None:
+            text.append(message.text)
+            token_ids.extend(message.token_ids)
+            logprobs.extend(message.logprobs)
+
+        usage = await generation.collect(on_message)
+        choice = ChatChoice(
+            message=ChatMessageOut(content="".join(text)), finish_reason=generation.finish_reason
+        )
+        if body.logprobs:
+            choice.logprobs = await _chat_logprobs(gateway, token_ids, logprobs)
+        return _json(
+            ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(usage))
+        )
+
+    return app
+
+
+async def _completion_logprobs(
+    gateway: Gateway, token_ids: list[int], logprobs: list[float], offset: int
+) -> CompletionLogProbs:
+    tokens = await _logprob_tokens(gateway, token_ids)
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogProbs(tokens=tokens, token_logprobs=logprobs, top_logprobs=None, text_offset=offsets)
+
+
+async def _chat_logprobs(gateway: Gateway, token_ids: list[int], logprobs: list[float]) -> ChatLogProbs:
+    tokens = await _logprob_tokens(gateway, token_ids)
+    return ChatLogProbs(
+        content=[
+            ChatLogProb(token=t, logprob=lp, bytes=list(t.encode()))
+            for t, lp in zip(tokens, logprobs, strict=True)
+        ]
+    )
+
+
+async def _completion_events(
+    gateway: Gateway, generation: Generation, body: CompletionRequest, model: str, request_id: str
+) -> AsyncIterator[str]:
+    created = int(generation.created)
+    tokenizer = await gateway.tokenizer() if body.logprobs is not None else None
+    offset = 0
+
+    def chunks(message: generation_pb2.GenerateResponse) -> list[str]:
+        nonlocal offset
+        finish = FINISH_REASONS.get(message.finish_reason)
+        if not message.text and not message.token_ids and finish is None:
+            return []
+        choice = CompletionChoice(text=message.text, finish_reason=finish)
+        if body.return_token_ids:
+            choice.token_ids = list(message.token_ids)
+        if tokenizer is not None:
+            tokens = [tokenizer.decode([t]) for t in message.token_ids]
+            offsets = []
+            for token in tokens:
+                offsets.append(offset)
+                offset += len(token)
+            choice.logprobs = CompletionLogProbs(
+                tokens=tokens, token_logprobs=list(message.logprobs), text_offset=offsets
+            )
+        out = [
+            CompletionChunk(id=request_id, created=created, model=model, choices=[choice]).model_dump_json()
+        ]
+        if finish is not None and body.include_usage:
+            usage = usage_info(message.usage)
+            out.append(
+                CompletionChunk(
+                    id=request_id, created=created, model=model, choices=[], usage=usage
+                ).model_dump_json()
+            )
+        return out
+
+    async for event in generation.sse(chunks):
+        yield event
+
+
+async def _chat_events(
+    gateway: Gateway, generation: Generation, body: ChatCompletionRequest, model: str, request_id: str
+) -> AsyncIterator[str]:
+    created = int(generation.created)
+    tokenizer = await gateway.tokenizer() if body.logprobs else None
+    first = True
+
+    def chunk(delta: DeltaMessage, finish: str | None = None, logprobs: ChatLogProbs | None = None) -> str:
+        choice = ChatStreamChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
+        return ChatCompletionChunk(
+            id=request_id, created=created, model=model, choices=[choice]
+        ).model_dump_json()
+
+    def chunks(message: generation_pb2.GenerateResponse) -> list[str]:
+        nonlocal first
+        out = []
+        if first:  # OpenAI's first chunk names the role
+            out.append(chunk(DeltaMessage(role="assistant", content="")))
+            first = False
+        finish = FINISH_REASONS.get(message.finish_reason)
+        logprobs = None
+        if tokenizer is not None and message.token_ids:
+            logprobs = ChatLogProbs(
+                content=[
+                    ChatLogProb(token=(t := tokenizer.decode([i])), logprob=lp, bytes=list(t.encode()))
+                    for i, lp in zip(message.token_ids, message.logprobs, strict=True)
+                ]
+            )
+        if message.text or logprobs is not None or finish is not None:
+            out.append(chunk(DeltaMessage(content=message.text or None), finish, logprobs))
+        if finish is not None and body.include_usage:
+            usage = usage_info(message.usage)
+            out.append(
+                ChatCompletionChunk(
+                    id=request_id, created=created, model=model, choices=[], usage=usage
+                ).model_dump_json()
+            )
+        return out
+
+    async for event in generation.sse(chunks):
+        yield event
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagedserve openai",
+        description="OpenAI-compatible HTTP gateway in front of pagedserve schedulers",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--scheduler", action="append", default=None, metavar="ADDR",
+        help="a scheduler's public address host:port, or dns:///name:port (every address of the "
+        "name, round robin); repeatable (default 127.0.0.1:50051)",
+    )  # fmt: skip
+    p.add_argument("--served-model-name", default=None, help="the model's name (default: its directory's)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    p.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    from pagedserve.common.logs import configure_logging
+
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except ChatTemplateError as exc:
+        parser.error(f"--chat-template: {exc}")
+    configure_logging("openai")
+    gateway = Gateway(
+        pool=SchedulerPool(args.scheduler or ["127.0.0.1:50051"]),
+        metrics=GatewayMetrics(),
+        served_model_name=args.served_model_name,
+        tokenizer_dir=args.tokenizer,
+        chat_template=chat_template,
+    )
+    uvicorn.run(
+        build_app(gateway), host=args.host, port=args.port, log_level=args.log_level, access_log=False
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

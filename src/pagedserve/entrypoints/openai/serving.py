@@ -1,0 +1,298 @@
+"""OpenAI requests to `GenerateRequest`s and the schedulers' deltas back to OpenAI responses.
+
+A request reaches a scheduler before any byte of the response is sent, so every refusal (a bad
+field, an unknown model, no scheduler, a full queue) is an HTTP status with OpenAI's error body,
+streamed or not. A client that goes away cancels its gRPC stream: the scheduler aborts the request
+and frees its KV blocks at once, whether or not a token was due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from starlette.requests import Request
+
+from pagedserve.client import make_request
+from pagedserve.entrypoints.chat_utils import ChatTemplateError, render_chat
+from pagedserve.entrypoints.openai.metrics import GatewayMetrics
+from pagedserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from pagedserve.entrypoints.openai.schedulers import NoScheduler, SchedulerPool
+from pagedserve.protos import generation_pb2
+
+FINISH_REASONS = {
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_ABORT: "abort",
+}
+# A scheduler's status for a request, as HTTP status and OpenAI error type.
+_RPC_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+_REQUEST_FIELDS = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+}
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an error: OpenAI's body and an HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, type: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", param)
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, prompt_param: str = "prompt") -> GatewayError:
+    """The scheduler's status as the gateway's error; INVALID_ARGUMENT keeps the scheduler's message,
+    with `param` the first request field it names (else the prompt, if it names that)."""
+    status, kind = _RPC_STATUS.get(exc.code(), (500, "server_error"))
+    message = exc.details() or exc.code().name
+    param = None
+    if status == 400:
+        words = re.findall(r"\w+", message)
+        named = [w for w in words if w in _REQUEST_FIELDS]
+        param = named[0] if named else prompt_param if "prompt" in words else None
+    if status == 503:
+        message = f"no scheduler is serving: {message}"
+    return GatewayError(status, message, kind, param, exc.code().name)
+
+
+def no_scheduler(exc: Exception) -> GatewayError:
+    return GatewayError(503, f"no scheduler is serving: {exc}", "service_unavailable_error")
+
+
+@dataclass
+class Gateway:
+    """What every handler shares: the schedulers, the model's names, its tokenizer, the metrics."""
+
+    pool: SchedulerPool
+    metrics: GatewayMetrics
+    served_model_name: str | None = None
+    tokenizer_dir: str | None = None
+    chat_template: str | None = None
+    _info: generation_pb2.ModelInfo | None = None
+    _tokenizer: Any = None
+    _tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def model_info(self) -> generation_pb2.ModelInfo:
+        """The schedulers' model (asked once, then remembered: a gateway serves one model)."""
+        if self._info is None:
+            try:
+                self._info = await self.pool.model_info()
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc) from None
+        return self._info
+
+    async def model_name(self) -> str:
+        """--served-model-name, else the name of the model directory the schedulers serve."""
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename((await self.model_info()).model.rstrip("/")) or "default"
+
+    async def check_model(self, requested: str | None) -> str:
+        name = await self.model_name()
+        if requested is not None and requested != name:
+            raise GatewayError(
+                404, f"The model `{requested}` does not exist (this server serves `{name}`).",
+                "invalid_request_error", "model", "model_not_found",
+            )  # fmt: skip
+        return name
+
+    async def tokenizer(self) -> Any:
+        """The model's tokenizer (chat templates, logprob tokens): --tokenizer, else the model
+        directory GetModelInfo names; loaded once, off the event loop."""
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                source = self.tokenizer_dir or (await self.model_info()).model
+                try:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, source)
+                except Exception as exc:
+                    raise GatewayError(
+                        500, f"the gateway cannot load the tokenizer of {source!r} ({exc}); start it with "
+                        "--tokenizer DIR", "server_error",
+                    ) from None  # fmt: skip
+            return self._tokenizer
+
+    async def chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        tokenizer = await self.tokenizer()
+        try:
+            return await asyncio.to_thread(render_chat, tokenizer, messages, self.chat_template)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
+
+
+def generate_request(
+    body: SamplingRequest, prompt: str | list[int], max_tokens: int | None, logprobs: bool, request_id: str
+) -> generation_pb2.GenerateRequest:
+    top_k = None if body.top_k is None else max(body.top_k, 0)  # vLLM's -1 = off
+    return make_request(
+        prompt,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=top_k,
+        seed=body.seed,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        priority=body.priority,
+        return_logprobs=logprobs,
+        request_id=request_id,
+    )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage_info(usage: generation_pb2.Usage) -> UsageInfo:
+    from pagedserve.entrypoints.openai.protocol import PromptTokensDetails
+
+    return UsageInfo(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+    )
+
+
+class Generation:
+    """One request's gRPC stream, from its first message to its last, cancelled if the HTTP client
+    goes away (a watcher on the ASGI receive channel) or the handler ends early."""
+
+    def __init__(self, gateway: Gateway, endpoint: str, raw: Request, prompt_param: str = "prompt") -> None:
+        self.gateway, self.endpoint, self.raw, self.prompt_param = gateway, endpoint, raw, prompt_param
+        self.start = time.perf_counter()
+        self.created = time.time()
+        self.finish_reason: str | None = None
+        self.call: grpc.aio.UnaryStreamCall | None = None
+        self.first: generation_pb2.GenerateResponse | None = None
+        self.disconnected = False
+        self._watcher: asyncio.Task | None = None
+
+    async def begin(self, request: generation_pb2.GenerateRequest) -> None:
+        try:
+            self.call, self.first = await self.gateway.pool.generate(request)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, self.prompt_param) from None
+        except NoScheduler as exc:
+            raise no_scheduler(exc) from None
+        self.gateway.metrics.first_token(self.endpoint, time.perf_counter() - self.start)
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self.raw.receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        if self.call is not None:
+            self.call.cancel()  # the scheduler aborts the request and frees its blocks
+
+    async def messages(self) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """Every message of the stream, the first included, until the one with a finish reason.
+        Raises GatewayError for a status mid-stream, CancelledError once the client has gone."""
+        assert self.call is not None and self.first is not None
+        message = self.first
+        while True:
+            if message.finish_reason:
+                self.finish_reason = FINISH_REASONS.get(message.finish_reason, "stop")
+            yield message
+            if message.finish_reason:
+                return
+            try:
+                message = await self.call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc, self.prompt_param) from None
+            if message is grpc.aio.EOF:
+                raise GatewayError(502, "the scheduler ended the stream early", "server_error")
+
+    def close(self, status: int, usage: generation_pb2.Usage | None = None) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.call is not None:
+            self.call.cancel()  # no-op once finished
+        self.call = None
+        self.gateway.metrics.finished(self.endpoint, status, time.perf_counter() - self.start, usage)
+
+    async def collect(
+        self, on_message: Callable[[generation_pb2.GenerateResponse], None]
+    ) -> generation_pb2.Usage:
+        """Reads the whole stream (non-streamed responses); returns its usage."""
+        status, usage = 500, None
+        try:
+            async for message in self.messages():
+                on_message(message)
+            usage, status = message.usage, 200
+            return usage
+        except asyncio.CancelledError:
+            status = 499
+            if self.disconnected:
+                raise GatewayError(499, "the client closed the request", "client_closed_request") from None
+            raise
+        except GatewayError as exc:
+            status = exc.status
+            raise
+        finally:
+            self.close(status, usage)
+
+    async def sse(self, chunks: Callable[[generation_pb2.GenerateResponse], list[str]]) -> AsyncIterator[str]:
+        """The stream as server-sent events: `chunks` turns each message into JSON payloads; an
+        error mid-stream is sent as an event with OpenAI's error body; then `data: [DONE]`."""
+        status, usage = 500, None
+        try:
+            async for message in self.messages():
+                for payload in chunks(message):
+                    yield f"data: {payload}\n\n"
+            usage, status = message.usage, 200
+        except GatewayError as exc:
+            status = exc.status
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        except asyncio.CancelledError:
+            status = 499
+            if not self.disconnected:
+                raise
+            return
+        finally:
+            self.close(status, usage)
+        yield "data: [DONE]\n\n"
+
+
+@contextlib.contextmanager
+def counted(metrics: GatewayMetrics, endpoint: str):
+    """Counts a request refused before it reached a scheduler."""
+    start = time.perf_counter()
+    try:
+        yield
+    except GatewayError as exc:
+        metrics.finished(endpoint, exc.status, time.perf_counter() - start, None, started=False)
+        raise
