@@ -41,6 +41,7 @@ class ExecutorConfig:
         enforce_eager: run every step eagerly; otherwise steps on CUDA replay CUDA graphs captured
             at startup, per padded batch size (decode) or token count (mixed; see executor.cuda_graphs).
         step_trace: file to write one JSON line of timing per step to (see executor.step_trace).
+        metrics_port: serve Prometheus metrics over HTTP on this port (on `host`); None: not served.
     """
 
     model: str
@@ -58,6 +59,7 @@ class ExecutorConfig:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     step_trace: str | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -85,6 +87,8 @@ class ExecutorConfig:
             problems.append(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             problems.append(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            problems.append(f"metrics_port must be in 1..65535, got {self.metrics_port}")
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
 
@@ -157,4 +161,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
     group.add_argument("--step-trace", default=None, help="write per-step timing (JSON lines) to this file")
+    group.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="serve Prometheus metrics over HTTP on this port (default: not served)",
+    )  # fmt: skip
     return parser

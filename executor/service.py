@@ -11,6 +11,11 @@ runs them launches plan N+1 *before* waiting for step N's sampled tokens wheneve
 by then, so the GPU goes from one step straight into the next. It never waits for a plan while a
 step is finished: the scheduler, once it has nothing more to plan, waits for output N before it
 sends anything, so holding output N back for plan N+1 would deadlock. Outputs leave in plan order.
+
+Operations: grpc.health.v1 reports SERVING once the server starts (the model is loaded before), for
+"" and "pagedserve.v1.Executor"; `--metrics-port` serves Prometheus metrics (executor/metrics.py).
+On SIGTERM the executor goes NOT_SERVING, finishes the step in flight (its output is sent), ends
+its Step streams with UNAVAILABLE without launching another plan, and exits 0.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from concurrent import futures
 
 import grpc
 import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagedserve.common.flags import listen
+from pagedserve.common.metrics_http import serve_metrics
 from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.metrics import executor_registry
 from pagedserve.executor.runner import ModelRunner, PendingStep, PlanError
 from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
 
@@ -37,6 +45,7 @@ THROUGHPUT_LOG_SECONDS = 10.0
 POLL_SECONDS = 0.0002
 _END = object()  # the plan stream ended (closed, cancelled or broken)
 _STEP_DONE = object()  # the pending step finished before another plan arrived
+_WAKE = object()  # the service is shutting down: look at it
 
 
 class _PlanReader:
@@ -56,6 +65,10 @@ class _PlanReader:
             log.debug("executor.plan_stream_broken", error=type(e).__name__)
         finally:
             self._plans.put(_END)
+
+    def wake(self) -> None:
+        """Makes a waiting `next` return `_WAKE` (the service is shutting down)."""
+        self._plans.put(_WAKE)
 
     def next(self, pending: PendingStep | None) -> object:
         """The next plan (or _END); with a step pending, _STEP_DONE as soon as it finished first."""
@@ -129,6 +142,16 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self._lock = threading.Lock()
         self._epoch = 0  # 0 = nobody attached yet
         self._throughput = _ThroughputLog(runner)
+        self._shutting_down = threading.Event()
+        self._readers: set[_PlanReader] = set()  # of the open Step streams
+
+    def shut_down(self) -> None:
+        """Refuses new work: each Step stream finishes its step in flight, then ends with UNAVAILABLE."""
+        self._shutting_down.set()
+        with self._lock:
+            readers = list(self._readers)
+        for reader in readers:
+            reader.wake()
 
     @property
     def epoch(self) -> int:
@@ -136,6 +159,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     def Attach(self, request: executor_pb2.AttachRequest, context: grpc.ServicerContext):
         runner = self._runner
+        if self._shutting_down.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
         with self._lock:
             # Epochs grow across restarts too (wall-clock microseconds), so a stream fenced by an
             # earlier executor process can never match by accident.
@@ -151,6 +176,17 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         epoch = self._stream_epoch(context)
         self._check_lease(epoch, context)
         plans = _PlanReader(request_iterator)
+        with self._lock:
+            self._readers.add(plans)
+        try:
+            yield from self._run_steps(plans, epoch, context)
+        finally:
+            with self._lock:
+                self._readers.discard(plans)
+
+    def _run_steps(
+        self, plans: _PlanReader, epoch: int, context: grpc.ServicerContext
+    ) -> Iterator[executor_pb2.StepOutput]:
         pending: PendingStep | None = None  # launched, output not sent yet
         while True:
             item = plans.next(pending)
@@ -158,10 +194,14 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 yield self._finish(pending)
                 pending = None
                 continue
-            if item is _END:
-                if pending is not None:
+            if item is _END or self._shutting_down.is_set():
+                if pending is not None:  # the step in flight completes and its output goes out
                     yield self._finish(pending)
+                if item is not _END:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                 return
+            if item is _WAKE:
+                continue
             launched, error = self._launch(item, epoch, context)
             if pending is not None:  # step N's output goes out after step N+1 is queued
                 yield self._finish(pending)
@@ -236,6 +276,9 @@ class ExecutorServer:
             options=wire.SERVER_OPTIONS,
         )
         executor_pb2_grpc.add_ExecutorServicer_to_server(self.service, self._server)
+        self._stop_metrics = None
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         address = f"{config.host}:{config.port}"
         if ":" in config.host and not config.host.startswith("["):
             address = f"[{config.host}]:{config.port}"
@@ -243,13 +286,24 @@ class ExecutorServer:
         self.address = address.rsplit(":", 1)[0] + f":{self.port}"
 
     def start(self) -> ExecutorServer:
+        """Starts serving (the model is loaded by now: SERVING), and the metrics if asked."""
+        if self.config.metrics_port is not None:
+            registry = executor_registry(self.runner, self.config.model)
+            self._stop_metrics = serve_metrics(registry, self.config.host, self.config.metrics_port)
+        for service in ("", wire.EXECUTOR_HEALTH_SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._server.start()
-        log.info("executor.serving", address=self.address)
+        log.info("executor.serving", address=self.address, metrics_port=self.config.metrics_port)
         return self
 
     def stop(self, grace: float | None = 5.0) -> None:
-        """Stops accepting RPCs and waits up to `grace` seconds for running ones."""
+        """NOT_SERVING, every Step stream ended after its step in flight, then stops accepting RPCs
+        and waits up to `grace` seconds for running ones."""
+        self.health.enter_graceful_shutdown()
+        self.service.shut_down()
         self._server.stop(grace).wait()
+        if self._stop_metrics is not None:
+            self._stop_metrics()
         log.info("executor.stopped", address=self.address)
 
     def wait(self) -> None:

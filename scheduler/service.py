@@ -1,9 +1,14 @@
 """The public gRPC API (`pagedserve.v1.Generation`): validation, status codes and streaming.
 
 Every bad input is refused with INVALID_ARGUMENT and a message naming what was wrong (bytes that do
-not parse as the request message included); UNAVAILABLE when no executor is attached;
-RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. A client that cancels its stream
-aborts its request, whose blocks return to the pool at once.
+not parse as the request message included); UNAVAILABLE when no executor is attached or the
+scheduler is draining; RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. A client
+that cancels its stream, or whose deadline passes (grpc.aio cancels the handler then), aborts its
+request, whose blocks return to the pool at once.
+
+Beside Generation and Admin the port serves grpc.health.v1 (scheduler/monitor.py) and server
+reflection. On SIGTERM the scheduler drains: health NOT_SERVING, new streams refused, running ones
+given --shutdown-grace seconds to finish.
 """
 
 from __future__ import annotations
@@ -12,19 +17,26 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import inspect
 import math
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from pagedserve.common.flags import listen
+from pagedserve.common.metrics_http import serve_metrics
 from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from pagedserve.scheduler import monitor
 from pagedserve.scheduler.completion import Delta, StopConditions
 from pagedserve.scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
+from pagedserve.scheduler.metrics import SchedulerMetrics, StreamMetrics, engine_snapshot, read_on_loop
 from pagedserve.scheduler.request import SamplingOptions
 from pagedserve.scheduler.service_config import ServiceConfig
 
@@ -115,9 +127,30 @@ async def next_delta(queue: asyncio.Queue[Delta | Exception]) -> Delta:
     return merged
 
 
+class Draining(Exception):
+    """The scheduler is shutting down: it takes no new stream."""
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, metrics: SchedulerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics if metrics is not None else SchedulerMetrics(engine, model_name(engine.config))
+        self.draining = False
+        self._num_streams = 0  # Generate calls between submission and their end
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
+
+    @property
+    def num_streams(self) -> int:
+        return self._num_streams
+
+    async def wait_for_streams(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for every running stream to end; returns whether they did."""
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def _info(self) -> ExecutorInfo:
         if self.engine.info is None or self.engine.scheduler is None:
@@ -128,6 +161,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         code = {
             InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
             EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+            Draining: grpc.StatusCode.UNAVAILABLE,
             EngineFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
         }[type(exc)]
         await context.abort(code, str(exc))
@@ -161,8 +195,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            if self.draining:
+                raise Draining("the scheduler is draining (shutting down); retry on another one")
             prompt_ids = await self._request_ids(request)
             info = self._info()  # after tokenizing: the executor may have changed meanwhile
             self._check_prompt(prompt_ids, info)
@@ -173,26 +210,40 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 stop_conditions(request, len(prompt_ids), info),
                 priority=request.priority,
             )
-        except (InvalidRequest, EngineUnavailable, EngineFull) as exc:
+        except (InvalidRequest, EngineUnavailable, EngineFull, Draining) as exc:
             await self._abort(context, exc)
             return
+        self._num_streams += 1
+        self._no_streams.clear()
+        recorder = self.metrics.stream(arrival)
         try:
-            async for response in self._stream(active):
+            async for response in self._stream(active, recorder):
                 yield response
         except EngineUnavailable as exc:
             await self._abort(context, exc)
         finally:
             self.engine.abort(active)  # no-op once finished; frees the blocks of a cancelled stream
+            recorder.ended(active.request, None)  # no-op once recorded as finished
+            self._num_streams -= 1
+            if not self._num_streams:
+                self._no_streams.set()
 
-    async def _stream(self, active: ActiveRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _stream(
+        self, active: ActiveRequest, recorder: StreamMetrics | None = None
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The request's deltas as responses; each is counted by `recorder` as it goes out."""
+        if recorder is None:
+            recorder = self.metrics.stream(active.request.arrival_time)
         while True:
             item = await next_delta(active.deltas)
             response = to_response(active.request_id, item)
+            recorder.sent(len(item.token_ids), active.request)
             if item.finish_reason is not None:
                 request = active.request
                 response.usage.prompt_tokens = len(request.prompt_token_ids)
                 response.usage.completion_tokens = active.completion.num_tokens
                 response.usage.cached_prompt_tokens = request.num_cached_prompt_tokens
+                recorder.ended(request, item.finish_reason)
                 yield response
                 return
             yield response
@@ -257,6 +308,13 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             except DecodeError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
 
+        if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
+            writer = handler.unary_stream  # streams with context.write() (grpc.health.v1's Watch)
+
+            async def unary_stream_writer(data: bytes, context: grpc.aio.ServicerContext) -> None:
+                await writer(await parse(data, context), context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream_writer, response_serializer=serialize)
         if handler.unary_stream:
             behavior = handler.unary_stream
 
@@ -275,14 +333,30 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(unary_unary, response_serializer=serialize)
 
 
-def public_server(generation: GenerationService, admin: AdminService | None = None) -> grpc.aio.Server:
-    """The server of the public API (ports not yet added); the hot-path bench serves through it too."""
+def public_server(
+    generation: GenerationService,
+    admin: AdminService | None = None,
+    health: health_pb2_grpc.HealthServicer | None = None,
+) -> grpc.aio.Server:
+    """The server of the public API (ports not yet added), with server reflection listing its
+    services; the hot-path bench serves through it too."""
     # so_reuseport off: a second scheduler on a port in use fails instead of sharing it.
     server = grpc.aio.server(interceptors=[MalformedRequestInterceptor()], options=[("grpc.so_reuseport", 0)])
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+    services = [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
     if admin is not None:
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+        services.append(admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name)
+    if health is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    reflection.enable_server_reflection([*services, reflection.SERVICE_NAME], server)
     return server
+
+
+def model_name(config: ServiceConfig) -> str:
+    """The `model_name` label of the metrics: --served-model-name, else --model (as vLLM's)."""
+    return config.served_model_name or config.model
 
 
 def load_tokenizer(model: str):
@@ -292,29 +366,69 @@ def load_tokenizer(model: str):
 
 
 async def serve_async(config: ServiceConfig) -> None:
-    """Serves the public API until SIGINT/SIGTERM; the engine attaches to the executor meanwhile."""
+    """Serves the public API until SIGINT/SIGTERM, then drains; the engine attaches to the executor
+    meanwhile."""
     engine = Engine(config, load_tokenizer(config.model))
     # What is alive now (modules, the tokenizer) lives as long as the process: out of the cyclic
     # GC's sight, a full collection no longer scans ~300k objects and stalls a step (100+ ms).
     gc.collect()
     gc.freeze()
-    server = public_server(GenerationService(engine), AdminService(engine))
+    loop = asyncio.get_running_loop()
+    metrics = SchedulerMetrics(
+        engine,
+        model_name(config),
+        max_model_len=config.max_model_len,
+        snapshot=lambda: read_on_loop(loop, lambda: engine_snapshot(engine)),
+    )
+    generation = GenerationService(engine, metrics)
+    health = monitor.SchedulerHealth()
+    await health.publish(engine.is_serving)  # NOT_SERVING until an executor is attached
+    server = public_server(generation, AdminService(engine), health.servicer)
     address = f"{config.host}:{config.port}"
     listen(server, address)
+    stop_metrics = None
+    if config.metrics_port is not None:
+        stop_metrics = serve_metrics(metrics.registry, config.host, config.metrics_port)
     await server.start()
-    log.info("scheduler listening", address=address, executor=config.executor)
+    log.info(
+        "scheduler listening", address=address, executor=config.executor, metrics_port=config.metrics_port
+    )
     engine_task = asyncio.create_task(engine.run())
+    watcher = asyncio.create_task(monitor.watch(engine, health))
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([engine_task, stopped], return_when=asyncio.FIRST_COMPLETED)
-    log.info("scheduler stopping")
-    engine_task.cancel()
-    await server.stop(grace=2.0)
-    if engine_task.done() and not engine_task.cancelled() and engine_task.exception():
+    try:
+        if stop.is_set():
+            await drain(generation, health, config.shutdown_grace)
+    finally:
+        watcher.cancel()
+        stopped.cancel()
+        engine_task.cancel()  # streams still running end with UNAVAILABLE
+        await asyncio.wait([engine_task])
+        await engine.release_executors()
+        await server.stop(grace=2.0)
+        if stop_metrics is not None:
+            stop_metrics()
+        log.info("scheduler stopped")
+    if not engine_task.cancelled() and engine_task.exception():
         raise engine_task.exception()
+
+
+async def drain(generation: GenerationService, health: monitor.SchedulerHealth, grace: float) -> None:
+    """Graceful shutdown: health NOT_SERVING and new streams refused at once, then up to `grace`
+    seconds for the running streams to finish."""
+    generation.draining = True
+    await health.drain()
+    log.info("scheduler draining", streams=generation.num_streams, grace_s=grace)
+    if await generation.wait_for_streams(grace):
+        log.info("drained: every stream finished")
+    else:
+        log.warning(
+            "shutdown grace over: streams still running end with UNAVAILABLE", streams=generation.num_streams
+        )
 
 
 def serve(config: ServiceConfig) -> None:

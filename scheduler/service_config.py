@@ -32,6 +32,9 @@ class ServiceConfig:
     # take longer than the GPU's step and leave it waiting for the next plan.
     stream_interval: int = 1
     attach_timeout: float = 600.0  # seconds to wait for the executor at startup
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP on --host; None: not served
+    # On SIGTERM, how long running streams may take to finish before they end with UNAVAILABLE.
+    shutdown_grace: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -51,6 +54,12 @@ class ServiceConfig:
             raise ValueError(f"max_queue_len must be positive, got {self.max_queue_len}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be positive, got {self.stream_interval}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 1..65535, got {self.metrics_port}")
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port must differ from port ({self.port})")
+        if not self.shutdown_grace >= 0:
+            raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, shared_only: bool = False) -> None:
@@ -74,6 +83,14 @@ class ServiceConfig:
         group.add_argument(
             "--stream-interval", type=int, default=1,
             help="tokens per streamed message (first and last token are sent at once)",
+        )  # fmt: skip
+        group.add_argument(
+            "--metrics-port", type=int, default=None,
+            help="serve Prometheus metrics over HTTP on this port (default: not served)",
+        )  # fmt: skip
+        group.add_argument(
+            "--shutdown-grace", type=float, default=30.0,
+            help="seconds running streams get to finish on SIGTERM before they end with UNAVAILABLE",
         )  # fmt: skip
 
     @classmethod

@@ -81,7 +81,7 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    own = {"help", "model", "host", "port", "executor_port"}
+    own = {"help", "model", "host", "port", "executor_port", "executor_metrics_port"}
     accepted = {action.dest for action in parser._actions} - own
     children = {a.dest for child in (executor_parser(), scheduler_parser()) for a in child._actions}
     assert accepted == children
@@ -96,11 +96,17 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
             "--max-num-seqs",
             "64",
             "--no-enable-prefix-caching",
+            "--metrics-port",
+            "9100",
+            "--shutdown-grace",
+            "5",
         ]
     )
     full_executor_parser = add_cli_args(argparse.ArgumentParser())
     executor = ExecutorConfig.from_args(
-        full_executor_parser.parse_args(["--model", "m", *forwarded_flags(args, executor_parser())])
+        full_executor_parser.parse_args(
+            ["--model", "m", *forwarded_flags(args, executor_parser(), skip=("metrics_port",))]
+        )
     )
     full_scheduler_parser = argparse.ArgumentParser()
     ServiceConfig.add_cli_args(full_scheduler_parser)
@@ -111,6 +117,7 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
     service = ServiceConfig.from_args(full_scheduler_parser.parse_args(["--model", "m", *scheduler_argv]))
     assert (executor.step_trace, executor.max_num_seqs) == (trace, 64)
     assert (service.stream_interval, service.max_num_seqs, service.enable_prefix_caching) == (4, 64, False)
+    assert (service.metrics_port, service.shutdown_grace, executor.metrics_port) == (9100, 5.0, None)
 
 
 def test_serve_checks_its_flags_before_starting_anything(tmp_path, monkeypatch, capsys):
