@@ -150,7 +150,9 @@ class EngineCollector(Collector):
                 PREFIX + "executor_gpu_blocks_in_use", "GPU KV blocks in use on the executor.", labels=labels
             ),
             "steps": CounterMetricFamily(
-                PREFIX + "executor_steps", "Steps the executor ran for this scheduler.", labels=labels
+                PREFIX + "executor_scheduled_steps",
+                "Steps the executor ran for this scheduler (the executor's own executor_steps counts all).",
+                labels=labels,
             ),
             "busy_seconds": CounterMetricFamily(
                 PREFIX + "executor_step_seconds",

@@ -113,7 +113,7 @@ def test_metrics_exposition_names_types_and_labels():
     assert [s.value for s in queue if s.name.endswith("_sum")] == [0.25]
     generation = families["pagedserve:request_generation_tokens"].samples
     assert [s.value for s in generation if s.name.endswith("_sum")] == [3]
-    steps = families["pagedserve:executor_steps"].samples
+    steps = families["pagedserve:executor_scheduled_steps"].samples
     assert [(s.labels, s.value) for s in steps] == [
         ({"model_name": "tiny", "executor": "10.0.0.1:50061"}, 42)
     ]

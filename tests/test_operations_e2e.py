@@ -140,7 +140,7 @@ def test_metrics_count_exactly_and_deadline_frees_blocks(tiny_model_dir, tmp_pat
                 results = [probe, *pool.map(lambda r: generate(channel, r, timeout=120), requests)]
             wait_for_idle(services)
             m = scrape(metrics_port)
-            reasons = [r.finish_reason for r in results]
+            reasons = [r.finish_reason.removeprefix("FINISH_REASON_") for r in results]
             assert reasons.count("STOP") >= 1
             assert m['pagedserve:request_success_total{finished_reason="stop"}'] == reasons.count("STOP")
             assert m['pagedserve:request_success_total{finished_reason="length"}'] == reasons.count("LENGTH")
@@ -162,7 +162,7 @@ def test_metrics_count_exactly_and_deadline_frees_blocks(tiny_model_dir, tmp_pat
             assert m["pagedserve:prefix_cache_queries_total"] == stats.prefix_cache_query_tokens
             assert m["pagedserve:prefix_cache_hits_total"] == stats.prefix_cache_hit_tokens
             address = f'executor="127.0.0.1:{services.executor_port}"'
-            assert m[f"pagedserve:executor_steps_total{{{address}}}"] == stats.steps
+            assert m[f"pagedserve:executor_scheduled_steps_total{{{address}}}"] == stats.steps
             assert m[f"pagedserve:executor_num_gpu_blocks{{{address}}}"] == stats.num_gpu_blocks
             e = scrape(executor_metrics_port)
             assert e["pagedserve:executor_steps_total"] == stats.steps
