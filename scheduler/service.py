@@ -152,6 +152,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             return False
         return True
 
+    def _check_not_draining(self) -> None:
+        if self.draining:
+            raise Draining("the scheduler is draining (shutting down); retry on another one")
+
     def _info(self) -> ExecutorInfo:
         if self.engine.info is None or self.engine.scheduler is None:
             raise EngineUnavailable("no executor is attached")
@@ -198,9 +202,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            if self.draining:
-                raise Draining("the scheduler is draining (shutting down); retry on another one")
+            self._check_not_draining()
             prompt_ids = await self._request_ids(request)
+            self._check_not_draining()  # tokenizing takes time: the drain may have begun meanwhile
             info = self._info()  # after tokenizing: the executor may have changed meanwhile
             self._check_prompt(prompt_ids, info)
             active = self.engine.submit(
