@@ -169,3 +169,41 @@ def test_health_watch_through_the_public_interceptor():
 
     status = health_pb2.HealthCheckResponse
     assert asyncio.run(run()) == [status.NOT_SERVING, status.SERVING, status.NOT_SERVING, status.NOT_SERVING]
+
+
+def test_engine_core_counters_keep_growing_across_reattaches():
+    """Each attach starts a fresh scheduling core; the engine's core_stats keeps the counters of
+    the lost ones (Prometheus counters must never decrease) while the gauges are the new core's."""
+    from pagedserve.scheduler.config import SchedulerConfig
+    from pagedserve.scheduler.core import Scheduler
+    from pagedserve.scheduler.engine import Engine
+    from pagedserve.scheduler.service_config import ServiceConfig
+
+    def core(preemptions: int, hits: int) -> Scheduler:
+        scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=8, max_model_len=64))
+        scheduler._num_preemptions, scheduler._prefix_hit_tokens = preemptions, hits
+        return scheduler
+
+    engine = Engine(ServiceConfig(model="m"), tokenizer=None, transport="10.0.0.1:50061")  # type: ignore[arg-type]
+    assert not engine.is_serving and engine.model_info() is None
+    assert engine.core_stats().num_gpu_blocks == 0
+    assert engine.executor_statuses()[0].state == "attaching"
+    engine.scheduler = core(3, 5)
+    engine._attached.set()
+    assert engine.is_serving
+    (status,) = engine.executor_statuses()
+    assert (status.address, status.attached, status.state, status.num_gpu_blocks) == (
+        "10.0.0.1:50061",
+        True,
+        "attached",
+        8,
+    )
+    engine._attached.clear()
+    engine._retire_core()  # the executor is lost
+    stats = engine.core_stats()
+    assert (stats.num_preemptions, stats.prefix_cache_hit_tokens, stats.num_gpu_blocks) == (3, 5, 0)
+    assert engine.executor_statuses()[0].state == "lost"
+    engine.scheduler = core(2, 1)  # re-attached
+    engine._attached.set()
+    stats = engine.core_stats()
+    assert (stats.num_preemptions, stats.prefix_cache_hit_tokens, stats.num_gpu_blocks) == (5, 6, 8)
