@@ -62,7 +62,8 @@ def scrape(port: int) -> dict[str, float]:
 def test_health_watch_reflection_and_executor_sigterm(tiny_model_dir, tmp_path):
     """Health follows the executor (Check and Watch): SERVING, NOT_SERVING once it is killed,
     SERVING again once it is back; reflection lists the public services; the executor on SIGTERM
-    exits 0 and the scheduler goes NOT_SERVING."""
+    in the middle of a stream exits 0 (the stream ends with UNAVAILABLE) and the scheduler goes
+    NOT_SERVING."""
     with running_services(tiny_model_dir, tmp_path) as services:
         wait_for_status(services.port, SERVING)
         assert check(services.port) == SERVING
@@ -106,10 +107,17 @@ def test_health_watch_reflection_and_executor_sigterm(tiny_model_dir, tmp_path):
                 time.sleep(0.05)
             assert seen == [SERVING, NOT_SERVING, SERVING]
 
-            assert generate(channel, make_request([5, 6, 7], max_tokens=2), timeout=30).token_ids
+            # SIGTERM mid-stream: the executor finishes its step, ends the stream, exits 0.
+            responses = stream(channel, make_request([9] * 10, max_tokens=900, ignore_eos=True))
+            next(responses)
             services.executor.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in responses:
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert services.executor.wait(timeout=30) == 0
-            assert "executor.stopped" in services.executor_log()
+            log = services.executor_log()
+            assert "executor.stopped" in log and "step_failed" not in log
             wait_for_status(services.port, NOT_SERVING)
         finally:
             watch.cancel()

@@ -46,6 +46,9 @@ def scheduler_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# How long a child may take to exit after SIGTERM (the scheduler: its --shutdown-grace on top).
+CHILD_STOP_MARGIN_S = 15.0
+
 # The batch limits and --max-model-len are defined by the executor's flags and go to both children.
 SHARED_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
 
@@ -158,15 +161,19 @@ def serve(args: argparse.Namespace) -> int:
         time.sleep(0.2)
     # The child that stopped first is why serve stops; the other one's code is our SIGTERM's.
     first = next((child for child in children if child.poll() is not None), None)
-    for child in reversed(children):  # scheduler first, so clients get a clean shutdown
+    # The scheduler first, and alone until it exits: it drains its streams (up to --shutdown-grace)
+    # on the executor, which must keep running meanwhile.
+    for child, grace in (
+        (children[1], args.shutdown_grace + CHILD_STOP_MARGIN_S),
+        (children[0], CHILD_STOP_MARGIN_S),
+    ):
         if child.poll() is None:
             child.terminate()
-    deadline = time.monotonic() + 15
-    for child in reversed(children):
         try:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            child.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             child.kill()
+            child.wait()
     if stopping or first is None:
         return 0
     code = first.returncode
