@@ -36,7 +36,7 @@ from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generat
 from pagedserve.scheduler import monitor
 from pagedserve.scheduler.completion import Delta, StopConditions
 from pagedserve.scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
-from pagedserve.scheduler.metrics import SchedulerMetrics, StreamMetrics, engine_snapshot, read_on_loop
+from pagedserve.scheduler.metrics import SchedulerMetrics, StreamMetrics, read_on_loop
 from pagedserve.scheduler.request import SamplingOptions
 from pagedserve.scheduler.service_config import ServiceConfig
 
@@ -382,7 +382,7 @@ async def serve_async(config: ServiceConfig) -> None:
         engine,
         model_name(config),
         max_model_len=config.max_model_len,
-        snapshot=lambda: read_on_loop(loop, lambda: engine_snapshot(engine)),
+        on_loop=lambda read: read_on_loop(loop, read),  # scrapes run on prometheus_client's thread
     )
     generation = GenerationService(engine, metrics)
     health = monitor.SchedulerHealth()

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedserve.scheduler.completion import FinishReason
 from pagedserve.scheduler.core import SchedulerStats
 from pagedserve.scheduler.engine import ExecutorStatusView
-from pagedserve.scheduler.metrics import EngineSnapshot, SchedulerMetrics, token_buckets
+from pagedserve.scheduler.metrics import SchedulerMetrics, token_buckets
 from pagedserve.scheduler.monitor import PreemptionWarning
 from pagedserve.scheduler.request import Request, SeqId
 
@@ -45,19 +45,34 @@ def test_token_buckets_follow_vllm_1_2_5():
     assert token_buckets(64)[-1] == 50
 
 
-def _snapshot() -> EngineSnapshot:
-    stats = SchedulerStats(
-        num_waiting=2, num_running=3, num_swapped=1, num_preemptions=7, num_gpu_blocks=100,
-        gpu_blocks_in_use=25, peak_gpu_blocks_in_use=30, cached_free_blocks=4, slot_utilization=0.9,
-        peak_slot_utilization=0.95, prompt_tokens_computed=500, prefix_cache_hit_tokens=64,
-        prefix_cache_query_tokens=256,
-    )  # fmt: skip
-    executor = ExecutorStatusView(
-        address="10.0.0.1:50061", attached=True, lease_epoch=5, num_running=3, num_waiting=2,
-        num_gpu_blocks=100, gpu_blocks_in_use=25, requests_routed=9, prefix_cache_hit_tokens=64,
-        state="attached", steps=42, busy_seconds=1.5,
-    )  # fmt: skip
-    return EngineSnapshot(stats, [executor])
+class FakeEngine:
+    """The engine's operator interface, with fixed answers."""
+
+    def core_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_waiting=2, num_running=3, num_swapped=1, num_preemptions=7, num_gpu_blocks=100,
+            gpu_blocks_in_use=25, peak_gpu_blocks_in_use=30, cached_free_blocks=4, slot_utilization=0.9,
+            peak_slot_utilization=0.95, prompt_tokens_computed=500, prefix_cache_hit_tokens=64,
+            prefix_cache_query_tokens=256,
+        )  # fmt: skip
+
+    def executor_statuses(self) -> list[ExecutorStatusView]:
+        return [
+            ExecutorStatusView(
+                address="10.0.0.1:50061",
+                attached=True,
+                lease_epoch=5,
+                num_running=3,
+                num_waiting=2,
+                num_gpu_blocks=100,
+                gpu_blocks_in_use=25,
+                requests_routed=9,
+                prefix_cache_hit_tokens=64,
+                state="attached",
+                steps=42,
+                busy_seconds=1.5,
+            )  # fmt: skip
+        ]
 
 
 def _families(metrics: SchedulerMetrics) -> dict:
@@ -66,7 +81,7 @@ def _families(metrics: SchedulerMetrics) -> dict:
 
 
 def test_metrics_exposition_names_types_and_labels():
-    metrics = SchedulerMetrics(None, "tiny", max_model_len=256, snapshot=_snapshot)  # type: ignore[arg-type]
+    metrics = SchedulerMetrics(FakeEngine(), "tiny", max_model_len=256)  # type: ignore[arg-type]
     request = Request(SeqId(1), [1, 2, 3, 4], max_tokens=8)
     request.first_scheduled_time = request.arrival_time + 0.25
     recorder = metrics.stream(request.arrival_time)
@@ -111,6 +126,8 @@ def test_metrics_exposition_names_types_and_labels():
         assert sample.value == count, name
     queue = families["pagedserve:request_queue_time_seconds"].samples
     assert [s.value for s in queue if s.name.endswith("_sum")] == [0.25]
+    cumulative = {s.labels["le"]: s.value for s in queue if s.name.endswith("_bucket")}
+    assert (cumulative["0.1"], cumulative["0.3"], cumulative["+Inf"]) == (0, 1, 1)  # le is inclusive
     generation = families["pagedserve:request_generation_tokens"].samples
     assert [s.value for s in generation if s.name.endswith("_sum")] == [3]
     steps = families["pagedserve:executor_scheduled_steps"].samples
