@@ -55,6 +55,7 @@ class ExecutorConfig:
             an FP8 checkpoint as is) and per-token activations (see executor.quantization).
         kv_cache_dtype: "auto" (the model dtype) or "fp8" (e4m3 with per-layer scales: about twice
             the blocks in the same memory).
+        metrics_port: serve Prometheus metrics over HTTP on this port (on `host`); None: not served.
     """
 
     model: str
@@ -79,6 +80,7 @@ class ExecutorConfig:
     ssl_ca_certs: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -116,6 +118,8 @@ class ExecutorConfig:
             problems.append(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            problems.append(f"metrics_port must be in 1..65535, got {self.metrics_port}")
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
 
@@ -221,4 +225,8 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
         default="auto",
         help="fp8: store the KV cache in e4m3 with per-layer scales (~2x the blocks); needs sm89+",
     )
+    group.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="serve Prometheus metrics over HTTP on this port (default: not served)",
+    )  # fmt: skip
     return parser

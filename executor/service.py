@@ -15,6 +15,11 @@ runs them launches plan N+1 *before* waiting for step N's sampled tokens wheneve
 by then, so the GPU goes from one step straight into the next. It never waits for a plan while a
 step is finished: the scheduler, once it has nothing more to plan, waits for output N before it
 sends anything, so holding output N back for plan N+1 would deadlock. Outputs leave in plan order.
+
+Operations: grpc.health.v1 reports SERVING once the server starts (the model is loaded before), for
+"" and "pagedserve.v1.Executor"; `--metrics-port` serves Prometheus metrics (executor/metrics.py).
+On SIGTERM the executor goes NOT_SERVING, finishes the step in flight (its output is sent), ends
+its Step streams with UNAVAILABLE without launching another plan, and exits 0.
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from concurrent import futures
 
 import grpc
 import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagedserve.common.auth import BearerTokenInterceptor, read_internal_token, warn_if_open
 from pagedserve.common.flags import listen
+from pagedserve.common.metrics_http import serve_metrics
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.lease import DEFAULT_LEASE_TIMEOUT_S, Lease, LeaseHeld, StaleLease
+from pagedserve.executor.metrics import executor_registry
 from pagedserve.executor.runner import ModelRunner, PendingStep, PlanError
 from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
 
@@ -43,6 +51,7 @@ THROUGHPUT_LOG_SECONDS = 10.0
 POLL_SECONDS = 0.0002
 _END = object()  # the plan stream ended (closed, cancelled or broken)
 _STEP_DONE = object()  # the pending step finished before another plan arrived
+_WAKE = object()  # the service is shutting down: look at it
 # How often, at most, the service looks for an expired lease (a fraction of the timeout, so a lease
 # ends within a few percent of --lease-timeout).
 LEASE_CHECK_MAX_PERIOD_S = 0.25
@@ -69,6 +78,10 @@ class _PlanReader:
     def fence(self, message: str) -> None:
         """Ends the stream (at once if it is idle) with FAILED_PRECONDITION and `message`."""
         self._plans.put(_Fenced(message))
+
+    def wake(self) -> None:
+        """Makes a waiting `next` return `_WAKE` (the service is shutting down)."""
+        self._plans.put(_WAKE)
 
     def _read(self) -> None:
         try:
@@ -161,6 +174,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self._lease = Lease(lease_timeout_s)
         self._streams: set[_PlanReader] = set()
         self._throughput = _ThroughputLog(runner)
+        self._shutting_down = threading.Event()
         self._closed = threading.Event()
         period = min(LEASE_CHECK_MAX_PERIOD_S, lease_timeout_s / 20)
         threading.Thread(
@@ -179,8 +193,18 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     def close(self) -> None:
         self._closed.set()
 
+    def shut_down(self) -> None:
+        """Refuses new work: each Step stream finishes its step in flight, then ends with UNAVAILABLE."""
+        self._shutting_down.set()
+        with self._lock:
+            streams = list(self._streams)
+        for stream in streams:
+            stream.wake()
+
     def Attach(self, request: executor_pb2.AttachRequest, context: grpc.ServicerContext):
         peer = context.peer()
+        if self._shutting_down.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
         if not request.scheduler_id:
             message = "AttachRequest.scheduler_id is empty: it names the lease holder"
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
@@ -263,10 +287,14 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 yield self._finish(pending, epoch)
                 pending = None
                 continue
-            if item is _END:
-                if pending is not None:
+            if item is _END or self._shutting_down.is_set():
+                if pending is not None:  # the step in flight completes and its output goes out
                     yield self._finish(pending, epoch)
+                if item is not _END:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
                 return
+            if item is _WAKE:
+                continue
             if isinstance(item, _Fenced):  # the runner forgot the pending step's requests already
                 log.info("executor.stream_fenced", lease_epoch=epoch, reason=item.message)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, item.message)
@@ -358,16 +386,32 @@ class ExecutorServer:
         self.port = listen(self._server, address, credentials)
         self.tls = tls is not None
         self.address = address.rsplit(":", 1)[0] + f":{self.port}"
+        self._stop_metrics = None
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
 
     def start(self) -> ExecutorServer:
+        """Starts serving (the model is loaded by now: SERVING), and the metrics if asked."""
+        if self.config.metrics_port is not None:
+            registry = executor_registry(self.runner, self.config.model)
+            self._stop_metrics = serve_metrics(registry, self.config.host, self.config.metrics_port)
+        for service in ("", wire.EXECUTOR_HEALTH_SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._server.start()
-        log.info("executor.serving", address=self.address, tls=self.tls)
+        log.info(
+            "executor.serving", address=self.address, tls=self.tls, metrics_port=self.config.metrics_port
+        )
         return self
 
     def stop(self, grace: float | None = 5.0) -> None:
-        """Stops accepting RPCs and waits up to `grace` seconds for running ones."""
+        """NOT_SERVING, every Step stream ended after its step in flight, then stops accepting RPCs
+        and waits up to `grace` seconds for running ones."""
+        self.health.enter_graceful_shutdown()
+        self.service.shut_down()
         self._server.stop(grace).wait()
         self.service.close()
+        if self._stop_metrics is not None:
+            self._stop_metrics()
         log.info("executor.stopped", address=self.address)
 
     def wait(self) -> None:

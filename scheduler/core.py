@@ -24,6 +24,7 @@ Order within a step:
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -343,6 +344,8 @@ class Scheduler:
     def _start_running(self, request: Request, num_new: int, step: _Step) -> None:
         """Moves an admitted or resumed request (its blocks allocated) into running and the plan."""
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         bisect.insort(self._running, request, key=_sort_key)
         step.admitted.add(request.seq_id)
         step.plan.new_requests.append(

@@ -25,7 +25,7 @@ from asyncio_throttle import Throttler
 from pagedserve.protos import executor_pb2
 from pagedserve.scheduler.completion import Completion, Delta, StopConditions
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.core import Scheduler, StepPlan
+from pagedserve.scheduler.core import Scheduler, SchedulerStats, StepPlan
 from pagedserve.scheduler.request import Request, SamplingOptions, SeqId
 from pagedserve.scheduler.service_config import ServiceConfig
 from pagedserve.scheduler.transport import ExecutorTransport, GrpcTransport
@@ -62,6 +62,35 @@ class ExecutorInfo:
     num_cpu_blocks: int
     eos_token_ids: tuple[int, ...]
     device: str
+
+
+@dataclass(frozen=True)
+class ExecutorStatusView:
+    """One executor as operators see it: admin.proto's ExecutorStatus fields, plus the step count and
+    the executor's busy time (the sum of its StepOutput.step_seconds) for the metrics."""
+
+    address: str
+    attached: bool
+    lease_epoch: int
+    num_running: int
+    num_waiting: int
+    num_gpu_blocks: int
+    gpu_blocks_in_use: int
+    requests_routed: int
+    prefix_cache_hit_tokens: int
+    state: str  # "attached", "attaching", "lost"
+    steps: int
+    busy_seconds: float
+
+
+# The core's counters (the rest of SchedulerStats are gauges): `Engine.core_stats` keeps them
+# growing across the fresh core each re-attach starts.
+CORE_COUNTERS = (
+    "num_preemptions",
+    "prompt_tokens_computed",
+    "prefix_cache_hit_tokens",
+    "prefix_cache_query_tokens",
+)
 
 
 @dataclass(eq=False)
@@ -162,6 +191,10 @@ class Engine:
         self._attached = asyncio.Event()
         self.steps = 0
         self.tokens_generated = 0
+        self.busy_seconds = 0.0  # sum of the executor's StepOutput.step_seconds
+        self.requests_routed = 0
+        self._retired = dict.fromkeys(CORE_COUNTERS, 0)  # counters of the cores of earlier attaches
+        self._lost = False
 
     # ---- attach -------------------------------------------------------------------------------
 
@@ -235,6 +268,7 @@ class Engine:
         active = ActiveRequest(request_id, request, Completion(self.tokenizer, prompt_token_ids, stop))
         self._active[seq_id] = active
         self.scheduler.add_request(request)
+        self.requests_routed += 1
         self._wakeup.set()
         return active
 
@@ -268,7 +302,7 @@ class Engine:
                 details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 log.error("executor lost", error=details)
                 self._fail_all(EngineUnavailable(f"executor lost: {details}"))
-                self.scheduler = None
+                self._retire_core()
 
     async def _step_loop(self) -> None:
         assert self.info is not None and self.scheduler is not None
@@ -316,6 +350,7 @@ class Engine:
         if output.step_id != plan.step_id:
             raise RuntimeError(f"step output {output.step_id} arrived for plan {plan.step_id}")
         self.steps += 1
+        self.busy_seconds += output.step_seconds
         seq_ids, token_ids = list(output.seq_ids), list(output.token_ids)
         self.scheduler.process_output(output.step_id, seq_ids, token_ids)
         logprobs = output.logprobs
@@ -349,3 +384,60 @@ class Engine:
                 tokens=self.tokens_generated,
                 **dataclasses.asdict(self.scheduler.stats),
             )
+
+    # ---- the interface operators' tools read (health, metrics, drain) -------------------------
+
+    @property
+    def is_serving(self) -> bool:
+        """Whether an executor is attached, so that requests can be submitted."""
+        return self.scheduler is not None and self._attached.is_set()
+
+    def model_info(self) -> ExecutorInfo | None:
+        """What the attached executor reported; None while none is attached."""
+        return self.info if self.is_serving else None
+
+    def core_stats(self) -> SchedulerStats:
+        """The scheduling core's stats; its counters keep growing across re-attaches (each attach
+        starts a fresh core), its gauges are those of the core now (zero while none is attached)."""
+        if self.scheduler is not None:
+            stats = self.scheduler.stats
+        else:
+            stats = SchedulerStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0)
+        for name, retired in self._retired.items():
+            setattr(stats, name, getattr(stats, name) + retired)
+        return stats
+
+    def executor_statuses(self) -> list[ExecutorStatusView]:
+        """One row per executor: here the one this engine drives."""
+        stats = self.core_stats()
+        attached = self.is_serving
+        state = "attached" if attached else "lost" if self._lost else "attaching"
+        return [
+            ExecutorStatusView(
+                address=str(self.transport),
+                attached=attached,
+                lease_epoch=self.info.lease_epoch if self.info is not None and attached else 0,
+                num_running=stats.num_running,
+                num_waiting=stats.num_waiting,
+                num_gpu_blocks=stats.num_gpu_blocks,
+                gpu_blocks_in_use=stats.gpu_blocks_in_use,
+                requests_routed=self.requests_routed,
+                prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
+                state=state,
+                steps=self.steps,
+                busy_seconds=self.busy_seconds,
+            )
+        ]
+
+    async def release_executors(self) -> None:
+        """Gives the executors' leases up (a draining scheduler's last step). With one executor and
+        no lease expiry yet, nothing to do: the executor takes the next Attach."""
+
+    def _retire_core(self) -> None:
+        """Drops the core of a lost executor, keeping its counters."""
+        if self.scheduler is not None:
+            stats = self.scheduler.stats
+            for name in CORE_COUNTERS:
+                self._retired[name] += getattr(stats, name)
+        self.scheduler = None
+        self._lost = True

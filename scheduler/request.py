@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -51,6 +52,8 @@ class Request:
         num_preemptions: how many times it was pre-empted.
         status: see RequestStatus.
         arrival: arrival order, set by ``Scheduler.add_request``; breaks priority ties.
+        arrival_time: time.monotonic() when the request was created (queue time starts here).
+        first_scheduled_time: time.monotonic() when a step first scheduled it (queue time ends).
     """
 
     seq_id: SeqId
@@ -65,6 +68,8 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     arrival: int = field(default=-1, repr=False)
+    arrival_time: float = field(default_factory=time.monotonic, repr=False)
+    first_scheduled_time: float | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

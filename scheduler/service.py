@@ -1,11 +1,16 @@
 """The public gRPC API (`pagedserve.v1.Generation`): validation, status codes and streaming.
 
 Every bad input is refused with INVALID_ARGUMENT and a message naming what was wrong (bytes that do
-not parse as the request message included); UNAVAILABLE when no executor is attached;
-RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. A client that cancels its stream
-aborts its request, whose blocks return to the pool at once. The public port serves TLS with
+not parse as the request message included); UNAVAILABLE when no executor is attached or the
+scheduler is draining; RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. A client
+that cancels its stream, or whose deadline passes (grpc.aio cancels the handler then), aborts its
+request, whose blocks return to the pool at once. The public port serves TLS with
 --ssl-certfile/--ssl-keyfile (mTLS with --ssl-ca-certs), and --client-rate-limit throttles each
 client (scheduler/throttle.py).
+
+Beside Generation and Admin the port serves grpc.health.v1 (scheduler/monitor.py) and server
+reflection. On SIGTERM the scheduler drains: health NOT_SERVING, new streams refused, running ones
+given --shutdown-grace seconds to finish.
 """
 
 from __future__ import annotations
@@ -14,20 +19,27 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import inspect
 import math
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from pagedserve.common.auth import warn_if_open
 from pagedserve.common.flags import listen
+from pagedserve.common.metrics_http import serve_metrics
 from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from pagedserve.scheduler import monitor
 from pagedserve.scheduler.completion import Delta, StopConditions
 from pagedserve.scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
+from pagedserve.scheduler.metrics import SchedulerMetrics, StreamMetrics, read_on_loop
 from pagedserve.scheduler.request import SamplingOptions
 from pagedserve.scheduler.service_config import ServiceConfig
 from pagedserve.scheduler.throttle import ClientThrottle, ThrottleInterceptor
@@ -163,9 +175,34 @@ async def next_delta(queue: asyncio.Queue[Delta | Exception]) -> Delta:
     return merged
 
 
+class Draining(Exception):
+    """The scheduler is shutting down: it takes no new stream."""
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, metrics: SchedulerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics if metrics is not None else SchedulerMetrics(engine, model_name(engine.config))
+        self.draining = False
+        self._num_streams = 0  # Generate calls between submission and their end
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
+
+    @property
+    def num_streams(self) -> int:
+        return self._num_streams
+
+    async def wait_for_streams(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for every running stream to end; returns whether they did."""
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _check_not_draining(self) -> None:
+        if self.draining:
+            raise Draining("the scheduler is draining (shutting down); retry on another one")
 
     def _info(self) -> ExecutorInfo:
         if self.engine.info is None or self.engine.scheduler is None:
@@ -176,6 +213,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         code = {
             InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
             EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+            Draining: grpc.StatusCode.UNAVAILABLE,
             EngineFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
         }[type(exc)]
         await context.abort(code, str(exc))
@@ -195,10 +233,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
             check_request_id(request.request_id)
+            self._check_not_draining()
             prompt_ids = await self._request_ids(request)
+            self._check_not_draining()  # tokenizing takes time: the drain may have begun meanwhile
             info = self._info()  # after tokenizing: the executor may have changed meanwhile
             check_prompt(prompt_ids, info)
             active = self.engine.submit(
@@ -208,26 +249,40 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 stop_conditions(request, len(prompt_ids), info),
                 priority=request.priority,
             )
-        except (InvalidRequest, EngineUnavailable, EngineFull) as exc:
+        except (InvalidRequest, EngineUnavailable, EngineFull, Draining) as exc:
             await self._abort(context, exc)
             return
+        self._num_streams += 1
+        self._no_streams.clear()
+        recorder = self.metrics.stream(arrival)
         try:
-            async for response in self._stream(active):
+            async for response in self._stream(active, recorder):
                 yield response
         except EngineUnavailable as exc:
             await self._abort(context, exc)
         finally:
             self.engine.abort(active)  # no-op once finished; frees the blocks of a cancelled stream
+            recorder.ended(active.request, None)  # no-op once recorded as finished
+            self._num_streams -= 1
+            if not self._num_streams:
+                self._no_streams.set()
 
-    async def _stream(self, active: ActiveRequest) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    async def _stream(
+        self, active: ActiveRequest, recorder: StreamMetrics | None = None
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The request's deltas as responses; each is counted by `recorder` as it goes out."""
+        if recorder is None:
+            recorder = self.metrics.stream(active.request.arrival_time)
         while True:
             item = await next_delta(active.deltas)
             response = to_response(active.request_id, item)
+            recorder.sent(len(item.token_ids), active.request)
             if item.finish_reason is not None:
                 request = active.request
                 response.usage.prompt_tokens = len(request.prompt_token_ids)
                 response.usage.completion_tokens = active.completion.num_tokens
                 response.usage.cached_prompt_tokens = request.num_cached_prompt_tokens
+                recorder.ended(request, item.finish_reason)
                 yield response
                 return
             yield response
@@ -292,6 +347,13 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             except DecodeError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
 
+        if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
+            writer = handler.unary_stream  # streams with context.write() (grpc.health.v1's Watch)
+
+            async def unary_stream_writer(data: bytes, context: grpc.aio.ServicerContext) -> None:
+                await writer(await parse(data, context), context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream_writer, response_serializer=serialize)
         if handler.unary_stream:
             behavior = handler.unary_stream
 
@@ -311,19 +373,34 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
 
 def public_server(
-    generation: GenerationService, admin: AdminService | None = None, throttle: ClientThrottle | None = None
+    generation: GenerationService,
+    admin: AdminService | None = None,
+    health: health_pb2_grpc.HealthServicer | None = None,
+    throttle: ClientThrottle | None = None,
 ) -> grpc.aio.Server:
-    """The server of the public API (ports not yet added); the hot-path bench serves through it too.
-    With `throttle`, Generate and Tokenize wait for their client's turn (scheduler/throttle.py)."""
+    """The server of the public API (ports not yet added), with server reflection listing its
+    services; the hot-path bench serves through it too. With `throttle`, Generate and Tokenize wait
+    for their client's turn (scheduler/throttle.py)."""
     interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
     if throttle is not None:
         interceptors.append(ThrottleInterceptor(throttle))
     # so_reuseport off: a second scheduler on a port in use fails instead of sharing it.
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
+    services = [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
     if admin is not None:
         admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
+        services.append(admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name)
+    if health is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        services.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+    reflection.enable_server_reflection([*services, reflection.SERVICE_NAME], server)
     return server
+
+
+def model_name(config: ServiceConfig) -> str:
+    """The `model_name` label of the metrics: --served-model-name, else --model (as vLLM's)."""
+    return config.served_model_name or config.model
 
 
 def load_tokenizer(model: str):
@@ -333,7 +410,8 @@ def load_tokenizer(model: str):
 
 
 async def serve_async(config: ServiceConfig) -> None:
-    """Serves the public API until SIGINT/SIGTERM; the engine attaches to the executor meanwhile."""
+    """Serves the public API until SIGINT/SIGTERM, then drains; the engine attaches to the executor
+    meanwhile."""
     # The token and TLS files first: a bad one is an error at once, not after the tokenizer loaded.
     security = ChannelSecurity.from_config(config)
     tls = config.server_tls()
@@ -344,12 +422,25 @@ async def serve_async(config: ServiceConfig) -> None:
     # GC's sight, a full collection no longer scans ~300k objects and stalls a step (100+ ms).
     gc.collect()
     gc.freeze()
+    loop = asyncio.get_running_loop()
+    metrics = SchedulerMetrics(
+        engine,
+        model_name(config),
+        max_model_len=config.max_model_len,
+        on_loop=lambda read: read_on_loop(loop, read),  # scrapes run on prometheus_client's thread
+    )
+    generation = GenerationService(engine, metrics)
+    health = monitor.SchedulerHealth()
+    await health.publish(engine.is_serving)  # NOT_SERVING until an executor is attached
     throttle = None
     if config.client_rate_limit is not None:
         throttle = ClientThrottle(config.client_rate_limit, max_waiting=config.max_queue_len)
-    server = public_server(GenerationService(engine), AdminService(engine), throttle)
+    server = public_server(generation, AdminService(engine), health.servicer, throttle)
     address = f"{config.host}:{config.port}"
     listen(server, address, credentials)
+    stop_metrics = None
+    if config.metrics_port is not None:
+        stop_metrics = serve_metrics(metrics.registry, config.host, config.metrics_port)
     await server.start()
     log.info(
         "scheduler listening",
@@ -358,19 +449,44 @@ async def serve_async(config: ServiceConfig) -> None:
         tls="mtls" if tls and tls.ca_certs else bool(tls),
         executor_tls=security.tls is not None,
         client_rate_limit=config.client_rate_limit,
+        metrics_port=config.metrics_port,
     )
     engine_task = asyncio.create_task(engine.run())
+    watcher = asyncio.create_task(monitor.watch(engine, health))
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([engine_task, stopped], return_when=asyncio.FIRST_COMPLETED)
-    log.info("scheduler stopping")
-    engine_task.cancel()
-    await server.stop(grace=2.0)
-    if engine_task.done() and not engine_task.cancelled() and engine_task.exception():
+    try:
+        if stop.is_set():
+            await drain(generation, health, config.shutdown_grace)
+    finally:
+        watcher.cancel()
+        stopped.cancel()
+        engine_task.cancel()  # streams still running end with UNAVAILABLE
+        await asyncio.wait([engine_task])
+        await engine.release_executors()
+        await server.stop(grace=2.0)
+        if stop_metrics is not None:
+            stop_metrics()
+        log.info("scheduler stopped")
+    if not engine_task.cancelled() and engine_task.exception():
         raise engine_task.exception()
+
+
+async def drain(generation: GenerationService, health: monitor.SchedulerHealth, grace: float) -> None:
+    """Graceful shutdown: health NOT_SERVING and new streams refused at once, then up to `grace`
+    seconds for the running streams to finish."""
+    generation.draining = True
+    await health.drain()
+    log.info("scheduler draining", streams=generation.num_streams, grace_s=grace)
+    if await generation.wait_for_streams(grace):
+        log.info("drained: every stream finished")
+    else:
+        log.warning(
+            "shutdown grace over: streams still running end with UNAVAILABLE", streams=generation.num_streams
+        )
 
 
 def serve(config: ServiceConfig) -> None:

@@ -46,6 +46,9 @@ class ServiceConfig:
     executor_ssl_ca_certs: str | None = None
     executor_ssl_certfile: str | None = None
     executor_ssl_keyfile: str | None = None
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP on --host; None: not served
+    # On SIGTERM, how long running streams may take to finish before they end with UNAVAILABLE.
+    shutdown_grace: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -67,6 +70,12 @@ class ServiceConfig:
             raise ValueError(f"stream_interval must be positive, got {self.stream_interval}")
         if self.client_rate_limit is not None and self.client_rate_limit < 1:
             raise ValueError(f"client_rate_limit must be positive (requests/s), got {self.client_rate_limit}")
+        if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 1..65535, got {self.metrics_port}")
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port must differ from port ({self.port})")
+        if not self.shutdown_grace >= 0:
+            raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
         self.server_tls()  # TlsConfigError (a ValueError) for files that do not go together
         self.executor_channel_tls()
 
@@ -127,6 +136,14 @@ class ServiceConfig:
         group.add_argument("--ssl-keyfile", default=None, help="the PEM private key of --ssl-certfile")
         group.add_argument(
             "--ssl-ca-certs", default=None, help="require client certificates signed by these PEM CAs (mTLS)"
+        )
+        group.add_argument(
+            "--metrics-port", type=int, default=None,
+            help="serve Prometheus metrics over HTTP on this port (default: not served)",
+        )  # fmt: skip
+        group.add_argument(
+            "--shutdown-grace", type=float, default=30.0,
+            help="seconds running streams get to finish on SIGTERM before they end with UNAVAILABLE",
         )  # fmt: skip
 
     @classmethod

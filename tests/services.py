@@ -200,6 +200,10 @@ class Services:
         """Kills the executor (as a crash would) and starts a new one on the same port."""
         self.executor.kill()
         self.executor.wait(timeout=10)
+        self.start_executor()
+
+    def start_executor(self) -> None:
+        """Starts the executor again (after it was killed or stopped) on the same port."""
         log = open(self.log_dir / "executor.log", "a")  # noqa: SIM115 - closed with the process
         self.executor = subprocess.Popen(
             self.executor_cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(self.env), cwd=REPO

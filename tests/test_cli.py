@@ -82,6 +82,7 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     own = {"help", "model", "host", "port", "executor_port", "data_parallel_size", "openai_port"}
+    own |= {"executor_metrics_port"}
     accepted = {action.dest for action in parser._actions} - own
     children = {a.dest for child in (executor_parser(), scheduler_parser()) for a in child._actions}
     assert accepted == children
@@ -104,11 +105,17 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
             "public.pem",
             "--ssl-keyfile",
             "public.key",
+            "--metrics-port",
+            "9100",
+            "--shutdown-grace",
+            "5",
         ]
     )
     full_executor_parser = add_cli_args(argparse.ArgumentParser())
     executor = ExecutorConfig.from_args(
-        full_executor_parser.parse_args(["--model", "m", *forwarded_flags(args, executor_parser())])
+        full_executor_parser.parse_args(
+            ["--model", "m", *forwarded_flags(args, executor_parser(), skip=("metrics_port",))]
+        )
     )
     full_scheduler_parser = argparse.ArgumentParser()
     ServiceConfig.add_cli_args(full_scheduler_parser)
@@ -124,6 +131,7 @@ def test_serve_forwards_every_flag_it_accepts(tmp_path):
     assert service.client_rate_limit == 5
     assert (service.ssl_certfile, service.ssl_keyfile) == ("public.pem", "public.key")
     assert executor.ssl_certfile is None
+    assert (service.metrics_port, service.shutdown_grace, executor.metrics_port) == (9100, 5.0, None)
 
 
 def test_serve_checks_its_flags_before_starting_anything(tmp_path, monkeypatch, capsys):

@@ -48,22 +48,28 @@ def scheduler_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# How long a child may take to exit after SIGTERM (the scheduler: its --shutdown-grace on top).
+CHILD_STOP_MARGIN_S = 15.0
+
 # The batch limits, --max-model-len and the internal token file are defined by the executor's flags
 # and go to both children.
 SHARED_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "internal_token_file")
 
 
 def forwarded_flags(
-    args: argparse.Namespace, child: argparse.ArgumentParser, only: tuple[str, ...] | None = None
+    args: argparse.Namespace,
+    child: argparse.ArgumentParser,
+    only: tuple[str, ...] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> list[str]:
-    """`child`'s flags (those named in `only`, if given) as set in `args`, turned back into a
-    command line: only values that differ from the child's defaults, so the child's own defaults
-    stay the one source."""
+    """`child`'s flags (those named in `only`, if given; not those in `skip`) as set in `args`,
+    turned back into a command line: only values that differ from the child's defaults, so the
+    child's own defaults stay the one source."""
     argv: list[str] = []
     for action in child._actions:
         if not action.option_strings or not hasattr(args, action.dest):
             continue
-        if only is not None and action.dest not in only:
+        if (only is not None and action.dest not in only) or action.dest in skip:
             continue
         value = getattr(args, action.dest)
         if value == action.default:
@@ -102,14 +108,30 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--openai-port", type=int, default=None, help="also start the OpenAI-compatible gateway on this port"
     )
+    parser.add_argument(
+        "--executor-metrics-port", type=int, default=None,
+        help="the first executor's --metrics-port; executor i serves on it + i "
+        "(default: --metrics-port + 1 when that is given)",
+    )  # fmt: skip
+    seen: set[str] = set()
     for child in (executor_parser(), scheduler_parser()):
         for group in child._action_groups:
-            actions = [a for a in group._group_actions if a.option_strings]
+            # A flag both children define (--metrics-port) is added once; serve tells them apart.
+            actions = [a for a in group._group_actions if a.option_strings and a.dest not in seen]
+            seen.update(a.dest for a in actions)
             if not actions:
                 continue
             target = parser.add_argument_group(group.title)
             for action in actions:
                 target._add_action(action)
+
+
+def executor_metrics_port(args: argparse.Namespace) -> int | None:
+    """In `serve`, --metrics-port is the scheduler's; the executor's is the next port up, unless
+    --executor-metrics-port says otherwise."""
+    if args.executor_metrics_port is not None:
+        return args.executor_metrics_port
+    return args.metrics_port + 1 if args.metrics_port is not None else None
 
 
 def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -124,7 +146,14 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if executor_port + args.data_parallel_size - 1 > 65535:
         parser.error(f"--executor-port {executor_port} + --data-parallel-size leaves the port range")
-    ExecutorConfig.from_args(args, parser=parser, model=model, host="127.0.0.1", port=executor_port)
+    ExecutorConfig.from_args(
+        args,
+        parser=parser,
+        model=model,
+        host="127.0.0.1",
+        port=executor_port,
+        metrics_port=executor_metrics_port(args),
+    )
     ServiceConfig.from_args(args, parser=parser, model=model)
     if args.openai_port is not None and not 0 < args.openai_port < 65536:
         parser.error(f"--openai-port must be in 1..65535, got {args.openai_port}")
@@ -157,7 +186,8 @@ def serve_children(args: argparse.Namespace, model: Path) -> list[ChildSpec]:
         num_gpus=visible_gpu_count(args.device),
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
-    executor_flags = forwarded_flags(args, executor_parser())
+    executor_flags = forwarded_flags(args, executor_parser(), skip=("metrics_port",))
+    first_metrics_port = executor_metrics_port(args)
     children = []
     for p in placements:
         utilization = []
@@ -167,6 +197,8 @@ def serve_children(args: argparse.Namespace, model: Path) -> list[ChildSpec]:
             python, "-m", "pagedserve.executor", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(p.port), *executor_flags, *utilization,
         ]  # fmt: skip
+        if first_metrics_port is not None:
+            argv += ["--metrics-port", str(first_metrics_port + p.index)]
         ready = (lambda port=p.port: _executor_ready(port)) if p.shares_gpu else None
         children.append(ChildSpec(f"executor-{p.index}", argv, p.env, restart=True, ready=ready))
     scheduler_argv = [
@@ -176,7 +208,8 @@ def serve_children(args: argparse.Namespace, model: Path) -> list[ChildSpec]:
         *forwarded_flags(args, scheduler_parser()),
         *forwarded_flags(args, executor_parser(), only=SHARED_FLAGS),
     ]  # fmt: skip
-    children.append(ChildSpec("scheduler", scheduler_argv))
+    # The scheduler drains its streams (up to --shutdown-grace) on SIGTERM, while the executors run.
+    children.append(ChildSpec("scheduler", scheduler_argv, stop_grace_s=args.shutdown_grace))
     gateway_argv = openai_gateway_command(args, model)
     if gateway_argv:  # in front of the scheduler, restarted like the executors
         children.append(ChildSpec("openai", gateway_argv, restart=True))
@@ -198,7 +231,7 @@ def serve(args: argparse.Namespace) -> int:
         if status is None:
             status = supervisor.run(stopping)
     finally:
-        supervisor.stop()
+        supervisor.stop(CHILD_STOP_MARGIN_S)
     return 0 if status is None else status
 
 
@@ -248,24 +281,27 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def health(args: argparse.Namespace) -> int:
-    """Exit 0 when the service answers: the scheduler once attached, the executor once loaded."""
+    """grpc.health.v1 Check of the scheduler (SERVING while an executor is attached) or of the
+    executor (SERVING once its model is loaded): prints the status, exit 0 on SERVING, else 1."""
     import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from pagedserve.protos import executor_pb2, executor_pb2_grpc, generation_pb2, generation_pb2_grpc
+    from pagedserve.protos import wire
 
+    service = wire.EXECUTOR_HEALTH_SERVICE if args.executor else wire.SCHEDULER_HEALTH_SERVICE
     with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
         try:
-            if args.executor:
-                executor_pb2_grpc.ExecutorStub(channel).GetStats(
-                    executor_pb2.GetStatsRequest(), timeout=args.timeout
-                )
-            else:
-                generation_pb2_grpc.GenerationStub(channel).GetModelInfo(
-                    generation_pb2.GetModelInfoRequest(), timeout=args.timeout
-                )
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=args.timeout
+            )
         except grpc.RpcError as exc:
             print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"unhealthy: {status}", file=sys.stderr)
+        return 1
+    print(status)
     return 0
 
 
@@ -298,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=None)
 
-    hc = sub.add_parser("health", help="exit 0 if the service answers")
+    hc = sub.add_parser("health", help="grpc.health.v1 check: exit 0 if the service is SERVING")
     hc.add_argument("--host", default="127.0.0.1")
     hc.add_argument("--port", type=int, default=50051)
     hc.add_argument("--executor", action="store_true", help="probe an executor instead of a scheduler")

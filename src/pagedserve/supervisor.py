@@ -113,6 +113,7 @@ class ChildSpec:
     env: Mapping[str, str] = field(default_factory=dict)  # on top of os.environ
     restart: bool = False  # restart it when it dies (else its exit ends the supervisor)
     ready: Callable[[], bool] | None = None
+    stop_grace_s: float = 0.0  # extra time it may take to exit after SIGTERM (a draining scheduler)
 
 
 @dataclass
@@ -218,16 +219,16 @@ class Supervisor:
         return None
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM to every child, the last started first (the scheduler before its executors, so
-        clients get a clean shutdown); SIGKILL to those still there after `timeout_s`."""
-        running = [c for c in reversed(self._children) if c.proc is not None]
-        for child in running:
+        """Stops the children in reverse start order, each alone until it exited: the gateway and
+        the scheduler before the executors, so the scheduler can drain its streams on executors
+        that still run. SIGTERM, then SIGKILL after `timeout_s` plus the child's `stop_grace_s`."""
+        for child in reversed(self._children):
+            if child.proc is None:
+                continue
             if child.proc.poll() is None:
                 child.proc.terminate()
-        deadline = self._clock() + timeout_s
-        for child in running:
             try:
-                child.proc.wait(timeout=max(0.1, deadline - self._clock()))
+                child.proc.wait(timeout=timeout_s + child.spec.stop_grace_s)
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
