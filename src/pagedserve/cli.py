@@ -7,25 +7,24 @@ processes on loopback (the same topology as docker-compose.yml) and stops both w
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL_DIR = (
-    Path(os.environ.get("PAGEDSERVE_HOME", Path.home() / ".cache" / "pagedserve")) / "default-model"
-)
+from pagedserve.common.default_model import DEFAULT_MODEL_DIR, resolve_model
 
 
 def ensure_default_model(directory: Path = DEFAULT_MODEL_DIR) -> Path:
-    """Writes the built-in tiny model once (random weights, local tokenizer); no download."""
-    if not (directory / "model.safetensors").exists():
-        from pagedserve.tiny_model import write_tiny_model
+    """The built-in model's directory (trained weights shipped as package data; no download).
 
-        print(f"pagedserve: writing the built-in default model to {directory}", file=sys.stderr)
-        write_tiny_model(directory)
+    The random-weight tiny model that used to be written here is `pagedserve.tiny_model`, for tests
+    and benchmarks that want one."""
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(
+            f"the built-in model is missing from {directory}: reinstall pagedserve (it is package data)"
+        )
     return directory
 
 
@@ -77,7 +76,12 @@ def forwarded_flags(
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """`serve`'s own flags, then the executor's and the scheduler's, taken from their definitions."""
-    parser.add_argument("--model", default=None, help="model directory (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        type=resolve_model,
+        default="",
+        help="model directory (default or empty: the built-in model)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="public address to bind")
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port")
     parser.add_argument("--executor-port", type=int, default=None, help="internal port (default: port + 10)")
@@ -97,7 +101,7 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     from pagedserve.executor.config import ExecutorConfig
     from pagedserve.scheduler.service_config import ServiceConfig
 
-    model = args.model or str(DEFAULT_MODEL_DIR)
+    model = args.model
     executor_port = args.executor_port or args.port + 10
     ExecutorConfig.from_args(args, parser=parser, model=model, host="127.0.0.1", port=executor_port)
     ServiceConfig.from_args(args, parser=parser, model=model)
@@ -105,7 +109,9 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 def serve(args: argparse.Namespace) -> int:
     """Runs executor + scheduler as child processes until a signal or until one of them exits."""
-    model = Path(args.model) if args.model else ensure_default_model()
+    model = Path(args.model)
+    if model == DEFAULT_MODEL_DIR:
+        ensure_default_model(model)
     executor_port = args.executor_port or args.port + 10
     python = sys.executable
     executor_cmd = [
