@@ -212,6 +212,15 @@ def read_texts(files: list[SourceFile], cap: int | None) -> Iterator[tuple[Sourc
             yield file, text
 
 
+def held_out_texts(max_bytes: int) -> list[str]:
+    """The held-out Python source of this machine, in the seeded file order, up to `max_bytes`: what
+    the training run's final figures and `pagedserve bench --log-likelihood` score."""
+    roots, _ = corpus_roots()
+    files = sorted(list_files(roots), key=lambda f: f.order_key)
+    held = [f for f in files if f.held_out and f.path.suffix == ".py"]
+    return [text for _, text in read_texts(held, max_bytes)]
+
+
 # --- tokenizer ----------------------------------------------------------------------------------
 
 
@@ -354,10 +363,8 @@ def train(args: argparse.Namespace) -> dict:
     roots, missing = corpus_roots()
     files = sorted(list_files(roots), key=lambda f: f.order_key)
     train_files = [f for f in files if not f.held_out]
-    held_files = [f for f in files if f.held_out and f.path.suffix == ".py"]
     train_texts = [t for _, t in read_texts(train_files, hyper.corpus_bytes)]
-    held = list(read_texts(held_files, hyper.held_out_eval_bytes))
-    held_texts = [t for _, t in held]
+    held_texts = held_out_texts(hyper.held_out_eval_bytes)
     train_bytes = sum(len(t.encode()) for t in train_texts)
     held_bytes = sum(len(t.encode()) for t in held_texts)
     log.info(
