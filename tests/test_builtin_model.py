@@ -149,3 +149,24 @@ def test_log_likelihood_bench_matches_hf_and_beats_gzip(runner, tokenizer, hf_bu
     assert figures["bits_per_byte"] == pytest.approx(hf_bits_per_byte, rel=1e-4)
     gzip_bits_per_byte = len(gzip.compress(data, 9)) * 8 / len(data)
     assert figures["bits_per_byte"] < 0.75 * gzip_bits_per_byte, (figures, gzip_bits_per_byte)
+
+
+def test_model_flag_is_optional_and_empty_means_the_builtin_model():
+    """executor, scheduler and serve: no --model, or `--model=` (compose's `--model=${X:-}`), is the
+    built-in model; pagedserve.cli.ensure_default_model() returns the same directory."""
+    import argparse
+
+    from pagedserve import cli
+    from pagedserve.executor.config import add_cli_args
+
+    executor = add_cli_args(argparse.ArgumentParser())
+    scheduler = argparse.ArgumentParser()
+    ServiceConfig.add_cli_args(scheduler)
+    serve = argparse.ArgumentParser()
+    cli.add_serve_args(serve)
+    for parser in (executor, scheduler, serve):
+        assert parser.parse_args([]).model == MODEL
+        assert parser.parse_args(["--model="]).model == MODEL
+        assert parser.parse_args(["--model=/m"]).model == "/m"
+    assert cli.ensure_default_model() == DEFAULT_MODEL_DIR
+    assert (DEFAULT_MODEL_DIR / "tokenizer_config.json").exists()

@@ -116,6 +116,7 @@ class Hyper:
     corpus_bytes: int | None = None  # cap on the training text (None: all of it)
     tokenizer_train_bytes: int = TOKENIZER_TRAIN_BYTES
     held_out_eval_bytes: int = HELD_OUT_EVAL_BYTES
+    packages: tuple[str, ...] = SITE_PACKAGES
     seed: int = 0
 
 
@@ -139,6 +140,7 @@ QUICK = replace(
     corpus_bytes=1 << 20,
     tokenizer_train_bytes=256 << 10,
     held_out_eval_bytes=32 << 10,
+    packages=(),  # the standard library alone: listing every package costs seconds
 )
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 # A plain-text chat format: the model has seen Markdown headings in documentation, nothing else.
@@ -165,11 +167,11 @@ class SourceFile:
         return hashlib.sha256(f"order:{SPLIT_SEED}:{self.root}:{self.relative}".encode()).digest()
 
 
-def corpus_roots() -> tuple[list[tuple[str, Path]], list[str]]:
+def corpus_roots(packages: tuple[str, ...] = SITE_PACKAGES) -> tuple[list[tuple[str, Path]], list[str]]:
     """(name, directory) of the standard library and each installed package; and those missing."""
     roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
     missing = []
-    for name in SITE_PACKAGES:
+    for name in packages:
         spec = importlib.util.find_spec(name)
         locations = list(spec.submodule_search_locations or []) if spec else []
         if not locations:
@@ -212,10 +214,10 @@ def read_texts(files: list[SourceFile], cap: int | None) -> Iterator[tuple[Sourc
             yield file, text
 
 
-def held_out_texts(max_bytes: int) -> list[str]:
+def held_out_texts(max_bytes: int, packages: tuple[str, ...] = SITE_PACKAGES) -> list[str]:
     """The held-out Python source of this machine, in the seeded file order, up to `max_bytes`: what
     the training run's final figures and `pagedserve bench --log-likelihood` score."""
-    roots, _ = corpus_roots()
+    roots, _ = corpus_roots(packages)
     files = sorted(list_files(roots), key=lambda f: f.order_key)
     held = [f for f in files if f.held_out and f.path.suffix == ".py"]
     return [text for _, text in read_texts(held, max_bytes)]
@@ -360,11 +362,11 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(hyper.seed)
     started = time.monotonic()
 
-    roots, missing = corpus_roots()
+    roots, missing = corpus_roots(hyper.packages)
     files = sorted(list_files(roots), key=lambda f: f.order_key)
     train_files = [f for f in files if not f.held_out]
     train_texts = [t for _, t in read_texts(train_files, hyper.corpus_bytes)]
-    held_texts = held_out_texts(hyper.held_out_eval_bytes)
+    held_texts = held_out_texts(hyper.held_out_eval_bytes, hyper.packages)
     train_bytes = sum(len(t.encode()) for t in train_texts)
     held_bytes = sum(len(t.encode()) for t in held_texts)
     log.info(
