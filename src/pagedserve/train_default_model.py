@@ -528,7 +528,10 @@ def train(args: argparse.Namespace) -> dict:
     report_dir = Path(args.report_dir or out)
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "training.json").write_text(json.dumps(report, indent=1) + "\n")
-    plot_curve(curve, hyper, figures, report_dir / "loss_curve.png")
+    try:
+        plot_curve(curve, hyper, figures, report_dir / "loss_curve.png")
+    except ImportError:  # matplotlib is the `bench` extra: the model and training.json are written
+        log.warning("no matplotlib: loss_curve.png not written (pip install 'pagedserve[bench]')")
     log.info("done", output=str(out), **{k: round(v, 4) for k, v in figures.items()})
     return report
 
