@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.common.default_model import resolve_model
 from pagedserve.common.flags import exit_bad_flags
 from pagedserve.common.tls import ServerTls, TlsConfigError
 from pagedserve.executor.lease import DEFAULT_LEASE_TIMEOUT_S
@@ -180,7 +181,10 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
     """
     group = parser.add_argument_group("executor")
     if endpoint:
-        group.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+        group.add_argument(
+            "--model", type=resolve_model, default="",
+            help="Hugging Face checkpoint directory (default or empty: the built-in model)",
+        )  # fmt: skip
         group.add_argument("--host", default=ExecutorConfig.host, help="gRPC listen address")
         group.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC listen port (0 = any)")
         group.add_argument("--ssl-certfile", default=None, help="serve TLS with this PEM certificate")

@@ -52,6 +52,7 @@ def sampling_from_proto(s: executor_pb2.Sampling) -> SamplingParams:
         top_k=s.top_k,
         seed=s.seed if s.has_seed else None,
         return_logprobs=s.return_logprobs,
+        return_prompt_logprobs=s.return_prompt_logprobs,
         min_tokens=s.min_tokens,
         stop_token_ids=tuple(s.stop_token_ids),
     )

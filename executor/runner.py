@@ -36,7 +36,7 @@ from pagedserve.executor.model import LlamaModel
 from pagedserve.executor.plan_check import PlanError, PlanLimits, validate_plan
 from pagedserve.executor.profiling import memory_in_use, profile_cuda
 from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
-from pagedserve.executor.sampler import SamplingParams, sample
+from pagedserve.executor.sampler import SamplingParams, prompt_logprobs, sample
 from pagedserve.executor.step_inputs import (
     HostBatch,
     RequestSlots,
@@ -45,7 +45,7 @@ from pagedserve.executor.step_inputs import (
     stage_batch,
 )
 from pagedserve.executor.step_trace import StepRecord, StepTracer
-from pagedserve.executor.transfer import to_host
+from pagedserve.executor.transfer import int64_to_device, to_host
 from pagedserve.protos import executor_pb2
 
 log = structlog.get_logger(__name__)
@@ -90,6 +90,10 @@ class PendingStep:
     wants_logprobs: list[bool] = field(default_factory=list)
     token_ids: torch.Tensor | None = None  # host tensor, valid once `done` has completed
     logprobs: torch.Tensor | None = None
+    # Prompt logprobs (return_prompt_logprobs): (seq_id, index of the first prompt token reported,
+    # count) per request, and all their values back to back in `prompt_logprobs`.
+    prompt_spans: list[tuple[SeqId, int, int]] = field(default_factory=list)
+    prompt_logprobs: torch.Tensor | None = None
     done: torch.cuda.Event | None = None  # None on the CPU (everything ran synchronously)
     trace: StepRecord | None = None  # with --step-trace
 
@@ -329,6 +333,12 @@ class ModelRunner:
                 output.logprobs.extend(
                     lp if want else 0.0 for lp, want in zip(logprobs, pending.wants_logprobs, strict=True)
                 )
+        if pending.prompt_spans:
+            values, offset = pending.prompt_logprobs.tolist(), 0
+            for seq_id, start, count in pending.prompt_spans:
+                chunk = values[offset : offset + count]
+                output.prompt_logprobs.add(seq_id=seq_id, start=start, logprobs=chunk)
+                offset += count
         now = time.perf_counter()
         output.step_seconds = now - pending.started
         self.stats.busy_seconds += max(0.0, now - max(pending.started, self._busy_until))
@@ -386,15 +396,42 @@ class ModelRunner:
             block_size=self.block_size,
         )
 
+    def _prompt_logprob_rows(
+        self, scheduled: list[_Scheduled], batch: HostBatch, pending: PendingStep
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """For requests that asked for prompt logprobs: the batch rows whose logits predict a prompt
+        token (positions p computed this step with p + 1 still prompt) and those tokens (p + 1).
+        Records each request's span in `pending`. Called before num_computed advances."""
+        rows, targets = [], []
+        for i, s in enumerate(scheduled):
+            st = s.state
+            if not st.sampling.return_prompt_logprobs:
+                continue
+            start = st.num_computed
+            end = min(start + s.num_new, st.num_prompt - 1)
+            if end <= start:
+                continue
+            rows.append(batch.cu_seqlens[i] + np.arange(end - start))
+            targets.append(st.known_ids[start + 1 : end + 1])
+            pending.prompt_spans.append((st.seq_id, start + 1, end - start))
+        if not rows:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate(rows).astype(np.int64), np.concatenate(targets).astype(np.int64)
+
     def _launch_forward(self, scheduled: list[_Scheduled], pending: PendingStep) -> None:
         """Queues the forward pass (a CUDA graph replay when one fits), the sampler, the
         device-side token feed and the copy of the sampled tokens to the host."""
         batch = self._host_batch(scheduled)
         sampling = [s.state for s in scheduled if s.state.num_computed + s.num_new == s.state.num_tokens]
+        prompt_rows, prompt_targets = self._prompt_logprob_rows(scheduled, batch, pending)
         for s in scheduled:
             s.state.num_computed += s.num_new
         calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
-        graph = not calibrate and self.graphs is not None and self.graphs.can_run(batch)
+        # Prompt logprobs need logits at more rows than the graphs compute: those steps run eagerly,
+        # as does the step that calibrates the FP8 KV scales.
+        graph = (
+            not calibrate and self.graphs is not None and not len(prompt_rows) and self.graphs.can_run(batch)
+        )
         if pending.trace is not None:
             self.tracer.forward_starts(pending.trace, batch, graph)
         if graph:
@@ -405,11 +442,21 @@ class ModelRunner:
             indices = None if batch.decode_only else inputs.logits_indices
             if calibrate:
                 self.model.set_kv_calibration(True)
+            if len(prompt_rows):
+                extra, targets = int64_to_device([prompt_rows, prompt_targets], self.device)
+                indices = torch.cat([inputs.logits_indices, extra])
             logits = self.model(inputs.input_ids, inputs.meta, self._layer_caches, indices)
             if calibrate:
                 self.model.set_kv_calibration(False)
             sample_rows = inputs.sample_rows
+            if len(prompt_rows):
+                num_sampled = len(batch.logits_indices)
+                pending.prompt_logprobs = to_host(prompt_logprobs(logits[num_sampled:], targets))
+                logits = logits[:num_sampled]
         if not sampling:
+            if self.device.type == "cuda" and pending.prompt_spans:
+                pending.done = torch.cuda.Event()
+                pending.done.record()
             return
         banned = [st.sampling.banned_ids(st.num_tokens - st.num_prompt) for st in sampling]
         result = sample(

@@ -37,6 +37,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     return_logprobs: bool = False
+    return_prompt_logprobs: bool = False  # the runner reports log p(prompt token | tokens before it)
     min_tokens: int = 0  # until this many tokens are generated, stop_token_ids are never sampled
     stop_token_ids: tuple[int, ...] = ()
 
@@ -152,6 +153,12 @@ def sample(
     if any(p.return_logprobs for p in params):
         logprobs = raw.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[row, target_ids[row]] per row: [rows] float32 (rows are prompt positions,
+    targets the prompt tokens that follow them)."""
+    return logits.float().log_softmax(dim=-1).gather(1, target_ids[:, None]).squeeze(1)
 
 
 def _sample_rows(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from pagedserve.common.default_model import resolve_model
 from pagedserve.common.flags import exit_bad_flags
 from pagedserve.common.tls import ChannelTls, ServerTls
 
@@ -96,7 +97,10 @@ class ServiceConfig:
         executor listens on loopback without TLS, so the --executor-ssl-* flags are left out too."""
         group = parser.add_argument_group("scheduler")
         if not shared_only:
-            group.add_argument("--model", required=True, help="model directory (tokenizer files)")
+            group.add_argument(
+                "--model", type=resolve_model, default="",
+                help="model directory, for its tokenizer (default or empty: the built-in model)",
+            )  # fmt: skip
             group.add_argument("--host", default="127.0.0.1")
             group.add_argument("--port", type=int, default=50051, help="public gRPC port")
             group.add_argument("--max-model-len", type=int, default=None)

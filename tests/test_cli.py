@@ -30,7 +30,12 @@ def cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.Comp
 
 
 def test_serve_generate_health_and_shutdown(tmp_path):
-    env = {**os.environ, "PAGEDSERVE_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    """`serve` with no --model serves the built-in model (package data): GetModelInfo names its
+    directory, and a completion is readable text (no U+FFFD)."""
+    from pagedserve.bench.client import get_model_info
+    from pagedserve.common.default_model import DEFAULT_MODEL_DIR
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     port = free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed with the process
     serve = subprocess.Popen(
@@ -44,19 +49,20 @@ def test_serve_generate_health_and_shutdown(tmp_path):
             assert serve.poll() is None, (tmp_path / "serve.log").read_text()
             assert time.monotonic() < deadline, "serve never became healthy"
             time.sleep(0.5)
-        assert (tmp_path / "default-model" / "model.safetensors").exists()
+        assert get_model_info(f"127.0.0.1:{port}").model == str(DEFAULT_MODEL_DIR)
         assert cli("health", "--executor", f"--port={port + 10}", env=env).returncode == 0
 
         result = cli(
             "generate",
             f"--port={port}",
-            "The scheduler decides",
-            "--max-tokens=8",
+            "def fibonacci(n):",
+            "--max-tokens=16",
             "--temperature=0",
             env=env,
         )
         assert result.returncode == 0, result.stderr
-        assert "finish=" in result.stderr and "completion_tokens=" in result.stderr
+        assert "finish=" in result.stderr and "completion_tokens=16" in result.stderr
+        assert result.stdout.strip() and "\ufffd" not in result.stdout
 
         bad = cli("generate", f"--port={port}", "x", "--temperature=-1", env=env)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr

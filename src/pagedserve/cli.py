@@ -13,21 +13,21 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagedserve.common.default_model import DEFAULT_MODEL_DIR, resolve_model
+
 if TYPE_CHECKING:
     from pagedserve.supervisor import ChildSpec
 
-DEFAULT_MODEL_DIR = (
-    Path(os.environ.get("PAGEDSERVE_HOME", Path.home() / ".cache" / "pagedserve")) / "default-model"
-)
-
 
 def ensure_default_model(directory: Path = DEFAULT_MODEL_DIR) -> Path:
-    """Writes the built-in tiny model once (random weights, local tokenizer); no download."""
-    if not (directory / "model.safetensors").exists():
-        from pagedserve.tiny_model import write_tiny_model
+    """The built-in model's directory (trained weights shipped as package data; no download).
 
-        print(f"pagedserve: writing the built-in default model to {directory}", file=sys.stderr)
-        write_tiny_model(directory)
+    The random-weight tiny model that used to be written here is `pagedserve.tiny_model`, for tests
+    and benchmarks that want one."""
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(
+            f"the built-in model is missing from {directory}: reinstall pagedserve (it is package data)"
+        )
     return directory
 
 
@@ -86,7 +86,12 @@ def forwarded_flags(
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """`serve`'s own flags, then the executor's and the scheduler's, taken from their definitions."""
-    parser.add_argument("--model", default=None, help="model directory (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        type=resolve_model,
+        default="",
+        help="model directory (default or empty: the built-in model)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="public address to bind")
     parser.add_argument("--port", type=int, default=50051, help="public gRPC port")
     parser.add_argument(
@@ -140,7 +145,7 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     from pagedserve.executor.config import ExecutorConfig
     from pagedserve.scheduler.service_config import ServiceConfig
 
-    model = args.model or str(DEFAULT_MODEL_DIR)
+    model = args.model
     executor_port = args.executor_port or args.port + 10
     if args.data_parallel_size < 1:
         parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
@@ -223,7 +228,9 @@ def serve(args: argparse.Namespace) -> int:
     from pagedserve.supervisor import Supervisor, install_stop_handlers
 
     configure_logging("serve")
-    model = Path(args.model) if args.model else ensure_default_model()
+    model = Path(args.model)
+    if model == DEFAULT_MODEL_DIR:
+        ensure_default_model(model)
     stopping = install_stop_handlers()
     supervisor = Supervisor(serve_children(args, model))
     try:

@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch = p.add_argument_group("launched services")
     launch.add_argument("--launch", action="store_true", help="start executor + scheduler on loopback")
     launch.add_argument("--model", help="model directory (--launch and baselines)")
+    launch.add_argument(
+        "--log-likelihood", action="store_true",
+        help="score held-out text through the executor instead (see `pagedserve bench --log-likelihood -h`)",
+    )  # fmt: skip
     launch.add_argument("--executor-args", default="", help="extra executor flags (one shell-quoted string)")
     launch.add_argument(
         "--scheduler-args", default="", help="extra scheduler flags (one shell-quoted string)"
@@ -417,7 +421,12 @@ def split_comparison(grpc_pass: PassResult, local_pass: PassResult, greedy: bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if "--log-likelihood" in argv:  # a quality measurement with flags of its own
+        from pagedserve.bench.loglik import main as loglik_main
+
+        return loglik_main(argv)
+    args = build_parser().parse_args(argv)
     workload, rates = resolve(args)
     if (args.launch or args.baseline) and not args.model:
         raise SystemExit("pagedserve bench: --launch and --baseline need --model DIR")
