@@ -1,9 +1,11 @@
 """The public gRPC API (`pagedserve.v1.Generation`): validation, status codes and streaming.
 
 Every bad input is refused with INVALID_ARGUMENT and a message naming what was wrong (bytes that do
-not parse as the request message included); UNAVAILABLE when no executor is attached;
-RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. A client that cancels its stream
-aborts its request, whose blocks return to the pool at once.
+not parse as the request message included); UNAVAILABLE before any executor has attached (the
+model's limits are unknown) and when the scheduler stops; RESOURCE_EXHAUSTED when the engine holds
+--max-queue-len requests. While executors come and go, requests wait in the engine for one
+(scheduler/engine.py). A client that cancels its stream aborts its request, whose blocks return to
+the pool at once.
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ from google.protobuf.message import DecodeError
 from pagedserve.common.flags import listen
 from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from pagedserve.scheduler.completion import Delta, StopConditions
-from pagedserve.scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
+from pagedserve.scheduler.engine import (
+    ActiveRequest,
+    Engine,
+    EngineFull,
+    EngineUnavailable,
+    ExecutorInfo,
+    ExecutorStatusView,
+)
 from pagedserve.scheduler.request import SamplingOptions
 from pagedserve.scheduler.service_config import ServiceConfig
 
@@ -120,9 +129,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.engine = engine
 
     def _info(self) -> ExecutorInfo:
-        if self.engine.info is None or self.engine.scheduler is None:
-            raise EngineUnavailable("no executor is attached")
-        return self.engine.info
+        """The model's limits, to validate a request against: known once an executor attached
+        (kept while none is: the request then waits for one)."""
+        info = self.engine.model_info()
+        if info is None:
+            raise EngineUnavailable("no executor has attached yet")
+        return info
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         code = {
@@ -201,10 +213,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.TokenizeResponse(ids=await self._encode(request.text))
 
     async def GetModelInfo(self, request, context):
-        try:
-            info = self._info()
-        except EngineUnavailable as exc:
-            await self._abort(context, exc)
+        info = self.engine.model_info()
+        if info is None or not self.engine.is_serving:  # what health checks probe: serving now
+            await self._abort(context, EngineUnavailable("no executor is attached"))
             return
         return generation_pb2.ModelInfo(
             model=info.model,
@@ -217,7 +228,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    """Counters of the scheduling core, for operators, tests and `pagedserve bench`."""
+    """Counters of the scheduling cores (summed over executors) and the executors themselves, for
+    operators, tests and `pagedserve bench`."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -228,12 +240,24 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             tokens_generated=self.engine.tokens_generated,
             num_active_requests=self.engine.num_active_requests,
         )
-        if self.engine.scheduler is not None:
-            core = self.engine.scheduler.stats
-            for f in dataclasses.fields(core):
-                if f.name in admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name:
-                    setattr(stats, f.name, getattr(core, f.name))
+        core = self.engine.core_stats()
+        for f in dataclasses.fields(core):
+            if f.name in admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name:
+                setattr(stats, f.name, getattr(core, f.name))
         return stats
+
+    async def ListExecutors(self, request, context):
+        return admin_pb2.ListExecutorsResponse(
+            executors=[executor_status(view) for view in self.engine.executor_statuses()]
+        )
+
+
+def executor_status(view: ExecutorStatusView) -> admin_pb2.ExecutorStatus:
+    """The proto fields of a view (steps and busy_seconds are not on the wire)."""
+    names = admin_pb2.ExecutorStatus.DESCRIPTOR.fields_by_name
+    return admin_pb2.ExecutorStatus(
+        **{f.name: getattr(view, f.name) for f in dataclasses.fields(view) if f.name in names}
+    )
 
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
@@ -302,7 +326,7 @@ async def serve_async(config: ServiceConfig) -> None:
     address = f"{config.host}:{config.port}"
     listen(server, address)
     await server.start()
-    log.info("scheduler listening", address=address, executor=config.executor)
+    log.info("scheduler listening", address=address, executors=list(config.executors))
     engine_task = asyncio.create_task(engine.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

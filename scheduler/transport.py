@@ -33,14 +33,28 @@ class StepStream(Protocol):
 
 
 class ExecutorTransport(Protocol):
-    """How the engine reaches its executor. Failures raise grpc.aio.AioRpcError or RuntimeError,
-    which the engine treats as losing the executor (clients get UNAVAILABLE, it re-attaches)."""
+    """How the engine reaches one executor. Failures raise grpc.aio.AioRpcError or RuntimeError,
+    which the engine treats as losing the executor (its requests move to other executors, and it
+    re-attaches)."""
 
     async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
-        """Takes the executor's lease, waiting up to `timeout` seconds for it to come up."""
+        """Takes the executor's lease, waiting up to `timeout` seconds for it to come up; refused
+        with FAILED_PRECONDITION while another scheduler's lease is live."""
         ...
 
     def open_steps(self, lease_epoch: int) -> StepStream: ...
+
+    async def heartbeat(self, lease_epoch: int, timeout: float) -> None:
+        """Keeps an idle lease live (FAILED_PRECONDITION: the lease is gone)."""
+        ...
+
+    async def detach(self, lease_epoch: int, timeout: float) -> None:
+        """Gives the lease up, so that another scheduler may attach at once."""
+        ...
+
+    async def close(self) -> None:
+        """Releases the connection (the executor was dropped)."""
+        ...
 
 
 class _GrpcStepStream:
@@ -90,3 +104,14 @@ class GrpcTransport:
 
     def open_steps(self, lease_epoch: int) -> StepStream:
         return _GrpcStepStream(self._stub().Step(metadata=wire.lease_metadata(lease_epoch)))
+
+    async def heartbeat(self, lease_epoch: int, timeout: float) -> None:
+        await self._stub().Heartbeat(executor_pb2.HeartbeatRequest(lease_epoch=lease_epoch), timeout=timeout)
+
+    async def detach(self, lease_epoch: int, timeout: float) -> None:
+        await self._stub().Detach(executor_pb2.DetachRequest(lease_epoch=lease_epoch), timeout=timeout)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close()

@@ -66,7 +66,7 @@ class InProcessTransport:
     the service's overlap: a plan is launched as soon as it is written, so when the engine writes
     plan N+1 before reading output N (it keeps PLANS_IN_FLIGHT plans out) step N+1 is queued on
     the device before step N's tokens are waited for. Failures raise RuntimeError, which the engine
-    handles as it handles a gRPC error: clients get UNAVAILABLE and it re-attaches.
+    handles as it handles a gRPC error: it re-attaches and recomputes the requests it held.
     """
 
     def __init__(self, runner: ModelRunner, model_name: str) -> None:
@@ -84,6 +84,15 @@ class InProcessTransport:
 
     def open_steps(self, lease_epoch: int) -> StepStream:
         return _InProcessSteps(self, lease_epoch)
+
+    async def heartbeat(self, lease_epoch: int, timeout: float) -> None:
+        pass  # the lease of an in-process runner never expires (attach reports no timeout)
+
+    async def detach(self, lease_epoch: int, timeout: float) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
 
 class _InProcessSteps:
@@ -134,14 +143,15 @@ async def _send_direct(engine: Engine, req: BenchRequest, options: SendOptions, 
     active = None
     try:
         async with asyncio.timeout(options.timeout):
-            if engine.info is None:
-                raise EngineUnavailable("no executor is attached")
+            info = engine.model_info()
+            if info is None:
+                raise EngineUnavailable("no executor has attached yet")
             prompt = list(request.token_ids.ids)
             active = engine.submit(
                 request.request_id,
                 prompt,
                 sampling_options(request),
-                stop_conditions(request, len(prompt), engine.info),
+                stop_conditions(request, len(prompt), info),
                 priority=request.priority,
             )
             while True:
@@ -184,7 +194,8 @@ async def _measure(
     num_warmups: int,
     tag: str,
 ) -> tuple[list[BenchRequest], list[PassResult]]:
-    engine = Engine(service, load_tokenizer(service.model), InProcessTransport(runner, executor.model))
+    transport = InProcessTransport(runner, executor.model)
+    engine = Engine(service, load_tokenizer(service.model), lambda _address: transport)
     admin = AdminService(engine)
 
     async def get_stats() -> admin_pb2.SchedulerStats:
