@@ -32,18 +32,18 @@ def _split_host_port(text: str, hostport: str) -> tuple[str, int]:
     if hostport.startswith("["):  # [v6]:port
         host, sep, rest = hostport[1:].partition("]")
         if not sep or not rest.startswith(":"):
-            raise ValueError(f"executor address {text!r}: expected [ipv6]:port")
+            raise ValueError(f"executor address {text!r}: expected [IPV6]:PORT")
         port_text = rest[1:]
     else:
         host, sep, port_text = hostport.rpartition(":")
         if not sep:
-            raise ValueError(f"executor address {text!r} has no port: expected host:port or dns:///name:port")
+            raise ValueError(f"executor address {text!r} has no PORT: expected HOST:PORT or dns:///NAME:PORT")
         if ":" in host:
-            raise ValueError(f"executor address {text!r}: write an IPv6 address as [addr]:port")
+            raise ValueError(f"executor address {text!r}: write an IPv6 address as [ADDR]:PORT")
     if not host:
-        raise ValueError(f"executor address {text!r} has no host")
+        raise ValueError(f"executor address {text!r} has no HOST")
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"executor address {text!r}: the port must be in 1..65535, got {port_text!r}")
+        raise ValueError(f"executor address {text!r}: its PORT must be in 1..65535, got {port_text!r}")
     return host, int(port_text)
 
 
@@ -59,13 +59,13 @@ def parse_executor_target(text: str) -> ExecutorTarget:
         rest = text[len(DNS_SCHEME) :]
         if not rest.startswith("///"):
             raise ValueError(
-                f"executor address {text!r}: write dns:///name:port (a DNS server authority, "
-                "dns://server/name:port, is not supported)"
+                f"executor address {text!r}: write dns:///NAME:PORT (a DNS server authority, "
+                "dns://SERVER/NAME:PORT, is not supported)"
             )
         host, port = _split_host_port(text, rest[3:])
         return ExecutorTarget(text, host, port, dns=True)
     if "://" in text:
-        raise ValueError(f"executor address {text!r}: only host:port and dns:///name:port are understood")
+        raise ValueError(f"executor address {text!r}: only HOST:PORT and dns:///NAME:PORT are understood")
     host, port = _split_host_port(text, text)
     return ExecutorTarget(text, host, port, dns=False)
 
@@ -82,7 +82,7 @@ def format_address(host: str, port: int) -> str:
 GetAddrInfo = Callable[..., list]
 
 
-def resolve(target: ExecutorTarget, getaddrinfo: GetAddrInfo = socket.getaddrinfo) -> list[str]:
+def resolve(target: ExecutorTarget, getaddrinfo: GetAddrInfo | None = None) -> list[str]:
     """The executor addresses `target` stands for, in resolver order, without duplicates.
 
     A `host:port` target is itself (one executor, whatever its name resolves to). A `dns:///` target
@@ -93,6 +93,7 @@ def resolve(target: ExecutorTarget, getaddrinfo: GetAddrInfo = socket.getaddrinf
     """
     if not target.dns:
         return [target.text]
+    getaddrinfo = getaddrinfo or socket.getaddrinfo
     infos = getaddrinfo(target.host, target.port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM)
     addresses: dict[str, None] = {}
     for family, _type, _proto, _canonname, sockaddr in infos:
@@ -105,7 +106,7 @@ def resolve(target: ExecutorTarget, getaddrinfo: GetAddrInfo = socket.getaddrinf
 def resolve_all(
     targets: Iterable[ExecutorTarget],
     previous: dict[str, list[str]],
-    getaddrinfo: GetAddrInfo = socket.getaddrinfo,
+    getaddrinfo: GetAddrInfo | None = None,
 ) -> tuple[dict[str, list[str]], dict[str, str]]:
     """Resolves every target. A name that fails to resolve keeps its previous addresses (a DNS
     hiccup must not drop healthy executors; a dead one is noticed by its own connection).

@@ -46,7 +46,8 @@ class ServiceConfig:
         if not isinstance(self.executors, tuple) or not self.executors:
             raise ValueError(f"executors must be a non-empty tuple of addresses, got {self.executors!r}")
         if len(set(self.executors)) != len(self.executors):
-            raise ValueError(f"executors lists an address twice: {list(self.executors)}")
+            twice = sorted({a for a in self.executors if self.executors.count(a) > 1})
+            raise ValueError(f"the executor address {twice[0]!r} is given twice")
         for address in self.executors:
             parse_executor_target(address)  # ValueError naming what is wrong
         if not self.executor_refresh_interval > 0:
