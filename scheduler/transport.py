@@ -81,6 +81,12 @@ class _GrpcStepStream:
         return self._call.done()
 
 
+# A lost executor is reconnected at most this long after it is back: gRPC's default backoff grows
+# to 120 s between attempts, and a restarted executor sat idle for most of a minute (measured in
+# tests/test_scale_out_e2e.py) while its requests ran elsewhere.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 class GrpcTransport:
     """The executor service at `address`, over one channel opened on first attach (inside the
     event loop that will use it)."""
@@ -94,7 +100,8 @@ class GrpcTransport:
 
     def _stub(self) -> executor_pb2_grpc.ExecutorStub:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=wire.CHANNEL_OPTIONS)
+            options = [*wire.CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
+            self._channel = grpc.aio.insecure_channel(self.address, options=options)
         return executor_pb2_grpc.ExecutorStub(self._channel)
 
     async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
