@@ -3,13 +3,13 @@ clients see (issue 13).
 
     python -m pagedserve.bench.failover --kills 10                 # tiny model, CPU, 4 executors
 
-One scheduler over N executor processes on loopback. Each round starts `--streams` greedy streams,
-waits until every one has begun, kills (SIGKILL) the executor running most of them, and restarts it
-on its port in the background (a round needs two executors attached, not all). For each stream
-it records the time from the kill to its next token; the slowest stream's wait is the time from kill -9 to the first
-token after re-placement (the loss noticed, the request recomputed elsewhere from prompt + tokens
-streamed). Every stream's tokens are compared with the same request served
-undisturbed first: duplicated and lost tokens are counted (both must be 0).
+One scheduler over N executor processes on loopback. Each round starts `--streams` greedy
+streams, waits until every one has begun, kills (SIGKILL) the executor running most of them, and
+restarts it on its port in the background (a round needs two executors attached, not all). For each
+stream it records the time from the kill to its next token; the slowest stream's wait is the time
+from kill -9 to the first token after re-placement (the loss noticed, the request recomputed
+elsewhere from prompt + tokens streamed). Every stream's tokens are compared with the same request
+served undisturbed first: duplicated and lost tokens are counted (both must be 0).
 """
 
 from __future__ import annotations
