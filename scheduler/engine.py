@@ -349,8 +349,6 @@ class Engine:
                 reason = other.info.mismatch(info)
                 if reason is not None:
                     return reason
-        if not self.has_slot(replica):
-            return "--max-executors reached"
         return None
 
     def on_attached(self, replica: ExecutorReplica) -> None:

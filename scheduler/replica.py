@@ -112,7 +112,7 @@ class ReplicaHost(Protocol):
     """What a replica needs from the engine."""
 
     def admit_executor(self, replica: ExecutorReplica, info: ExecutorInfo) -> str | None:
-        """Why this executor must not be used (another model, no free slot), or None."""
+        """Why this executor must not be used (it serves another model), or None."""
         ...
 
     def has_slot(self, replica: ExecutorReplica) -> bool:
@@ -301,6 +301,9 @@ class ExecutorReplica:
                     log.info("attach failed", executor=self.address, error=_rpc_reason(exc))
                 continue
             info = self._info(reply)
+            if not self._host.has_slot(self):  # another one attached meanwhile
+                await self.detach(info.lease_epoch)
+                continue
             refusal = self._host.admit_executor(self, info)
             if refusal is not None:
                 self.state = f"refused: {refusal}"
