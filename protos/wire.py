@@ -46,7 +46,6 @@ def lease_metadata(lease_epoch: int) -> tuple[tuple[str, str], ...]:
     """The metadata a `Step` stream of lease `lease_epoch` carries."""
     return ((LEASE_EPOCH_KEY, str(lease_epoch)),)
 
-
 # Every executor RPC carries `authorization: Bearer <token>` when PAGEDSERVE_INTERNAL_TOKEN (or
 # --internal-token-file) is set; the executor refuses a missing or wrong one with UNAUTHENTICATED.
 AUTHORIZATION_KEY = "authorization"
