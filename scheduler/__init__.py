@@ -10,4 +10,12 @@ The pure scheduling core (no gRPC, no tensors, no asyncio) is split by owner of 
   CPU swap pool.
 * ``core``: the ``Scheduler``, which owns the queues and the policy (budget, priorities, preemption)
   and emits one ``StepPlan`` per step, mapping one to one onto ``pagedserve.v1.StepPlan``.
+
+Around the core, the service side (asyncio, gRPC):
+
+* ``discovery``: ``--executor`` addresses (``host:port``, ``dns:///name:port``), parsed and resolved.
+* ``router``: which executor a request goes to (exact prefix-cache hit against load; pure).
+* ``replica``: one executor's transport, lease, core and Step loop.
+* ``engine``: the request table, placement, failover and the clients' streams, over all replicas.
+* ``service``: the public gRPC API (Generation, Admin).
 """

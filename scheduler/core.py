@@ -499,6 +499,23 @@ class Scheduler:
             prefix_cache_query_tokens=self._prefix_query_tokens,
         )
 
+    @property
+    def num_running_requests(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_queued_requests(self) -> int:
+        """Requests waiting to start: new, pre-empted or swapped out."""
+        return len(self._waiting) + len(self._swapped)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Tokens the queued (waiting and swapped-out) requests still have to compute: the work a
+        new request would wait behind (the router's load)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self._waiting) + sum(
+            r.num_tokens - r.num_computed_tokens for r in self._swapped
+        )
+
     # Read-only views for tests and the engine's metrics.
     @property
     def waiting(self) -> tuple[Request, ...]:

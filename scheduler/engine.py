@@ -1,107 +1,84 @@
-"""The step loop: plans steps with the scheduling core, streams them to the executor, and routes
-the sampled tokens back to each request's client.
+"""The engine: the table of active requests, their placement on executors, and their streams.
 
-One `Engine` drives one executor over one long-lived bidirectional gRPC stream. It keeps one plan
-in flight ahead of the executor (the plan of step N+1 is sent before the output of step N is read),
-so the executor never waits on this process; the executor feeds each request's last sampled token
-to its next step itself. A stop found late costs one discarded token, never streamed.
+One scheduler drives many executors (data parallelism). Each attached executor is an
+`ExecutorReplica` (scheduler/replica.py) with its own scheduling core and Step loop; the engine owns
+what spans them: the request table (each request's prompt, the tokens streamed so far and its stop
+state, in its `Completion`), the `Router` that places each new request on one executor
+(scheduler/router.py), and the set of executors, found by address or DNS name
+(scheduler/discovery.py) and re-resolved every `--executor-refresh-interval` seconds.
 
-The connection to the executor is an `ExecutorTransport` (scheduler/transport.py).
+Failover: when an executor is lost (stream ended, keepalive timeout, lease fenced) or vanishes from
+DNS, each request it held is re-placed as a new request from its prompt + the tokens already
+accepted (recompute): the executor's sampler keys randomness by (seed, position) and the stop state
+lives here, so the client's stream continues with no duplicated and no missing token; tokens the
+lost executor sampled but never reported are simply computed again.
+
+Requests that cannot be placed (no executor attached) wait here, in arrival order, until one
+attaches; they end only when the client cancels or its deadline passes. `submit` refuses a request
+with EngineUnavailable only before any executor ever attached: until then the model's limits
+(vocabulary, max_model_len) are unknown and the request cannot be validated.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import time
-from collections import deque
+import contextlib
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import structlog
-from asyncio_throttle import Throttler
 
 from pagedserve.protos import executor_pb2
 from pagedserve.scheduler.completion import Completion, Delta, StopConditions
-from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.core import Scheduler, SchedulerStats, StepPlan
-from pagedserve.scheduler.request import Request, SamplingOptions, SeqId
+from pagedserve.scheduler.core import SchedulerStats, StepPlan
+from pagedserve.scheduler.discovery import parse_executor_target, resolve_all
+from pagedserve.scheduler.replica import (
+    COUNTERS,
+    ExecutorInfo,
+    ExecutorReplica,
+    ExecutorStatusView,
+)
+from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
+from pagedserve.scheduler.router import Router
 from pagedserve.scheduler.service_config import ServiceConfig
 from pagedserve.scheduler.transport import ExecutorTransport, GrpcTransport
 
-log = structlog.get_logger()
+__all__ = [
+    "ActiveRequest",
+    "Engine",
+    "EngineFull",
+    "EngineUnavailable",
+    "ExecutorInfo",
+    "ExecutorStatusView",
+]
 
-# Plans sent ahead of the output being read: the one executing and the one queued behind it.
-PLANS_IN_FLIGHT = 2
-STATS_LOG_INTERVAL_S = 10.0
-ATTACH_RETRY_PERIOD_S = 1.0
-# While idle, how often the engine checks that the executor's step stream is still up, so that it
-# re-attaches to a restarted executor before the next request rather than failing that request.
-IDLE_CHECK_PERIOD_S = 0.5
+log = structlog.get_logger()
 
 
 class EngineUnavailable(Exception):
-    """No executor is attached (or it was lost): the request cannot be served now."""
+    """The request cannot be served: no executor ever attached, or the scheduler is stopping."""
 
 
 class EngineFull(Exception):
     """The engine already holds max_queue_len requests."""
 
 
-@dataclass(frozen=True)
-class ExecutorInfo:
-    """What the executor reported on attach."""
-
-    lease_epoch: int
-    model: str
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    eos_token_ids: tuple[int, ...]
-    device: str
-
-
-@dataclass(frozen=True)
-class ExecutorStatusView:
-    """One executor as operators see it: admin.proto's ExecutorStatus fields, plus the step count and
-    the executor's busy time (the sum of its StepOutput.step_seconds) for the metrics."""
-
-    address: str
-    attached: bool
-    lease_epoch: int
-    num_running: int
-    num_waiting: int
-    num_gpu_blocks: int
-    gpu_blocks_in_use: int
-    requests_routed: int
-    prefix_cache_hit_tokens: int
-    state: str  # "attached", "attaching", "lost"
-    steps: int
-    busy_seconds: float
-
-
-# The core's counters (the rest of SchedulerStats are gauges): `Engine.core_stats` keeps them
-# growing across the fresh core each re-attach starts.
-CORE_COUNTERS = (
-    "num_preemptions",
-    "prompt_tokens_computed",
-    "prefix_cache_hit_tokens",
-    "prefix_cache_query_tokens",
-)
-
-
 @dataclass(eq=False)
 class ActiveRequest:
-    """A request between submission and its last delta; the client reads `deltas`."""
+    """A request between submission and its last delta; the client reads `deltas`.
+
+    `request` is the scheduling core's view of it on its current executor (`replica`; None while
+    it waits for one): a re-placed request gets a new `Request`, the completion stays.
+    """
 
     request_id: str
     request: Request
     completion: Completion
     deltas: asyncio.Queue[Delta | Exception] = field(default_factory=asyncio.Queue)
     held: Delta | None = None  # tokens not streamed yet (--stream-interval)
+    replica: ExecutorReplica | None = None
 
     @property
     def done(self) -> bool:
@@ -169,77 +146,121 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
     return message
 
 
-def _within(own: int, executor_limit: int) -> int:
-    """A batch limit the executor accepts: ours, capped by its own (0 = it did not say)."""
-    return min(own, executor_limit) if executor_limit else own
+def resumed_request(old: Request) -> Request:
+    """A fresh core's copy of `old` (whose executor was lost): the same prompt, the outputs accepted
+    so far as known tokens to recompute, and the prefix-cache figure of its first admission."""
+    admitted = old.num_preemptions > 0 or old.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED)
+    return Request(
+        seq_id=old.seq_id,
+        prompt_token_ids=old.prompt_token_ids,
+        max_tokens=old.max_tokens,
+        sampling=old.sampling,
+        priority=old.priority,
+        output_token_ids=list(old.output_token_ids),
+        num_cached_prompt_tokens=old.num_cached_prompt_tokens,
+        # Counted as a preemption once admitted, so that its usage keeps the first admission's hit.
+        num_preemptions=old.num_preemptions + int(admitted),
+    )
+
+
+TransportFactory = Callable[[str], ExecutorTransport]
 
 
 class Engine:
-    """Owns the scheduling core, the executor stream and the table of active requests."""
+    """Owns the request table, the router and the executors (one `ExecutorReplica` each).
+
+    The interface the service, the benchmarks and the operators' tools rely on:
+
+    * `run()`: finds and attaches the executors and serves until cancelled;
+    * `submit(...)` / `abort(active)`: a request's life; `wait_until_attached()`;
+    * `is_serving`: at least one executor is attached;
+    * `model_info()`: an attached executor's ExecutorInfo (else the last one known; None before
+      any executor attached);
+    * `core_stats()`: SchedulerStats summed over executors; its counters never decrease;
+    * `executor_statuses()`: one ExecutorStatusView per known executor;
+    * `release_executors()`: gives every lease up (a draining scheduler);
+    * `steps`, `tokens_generated`, `num_active_requests`.
+    """
 
     def __init__(
-        self, config: ServiceConfig, tokenizer: Any, transport: ExecutorTransport | None = None
+        self, config: ServiceConfig, tokenizer: Any, transport_factory: TransportFactory | None = None
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.transport = transport if transport is not None else GrpcTransport(config.executor)
-        self.info: ExecutorInfo | None = None
-        self.scheduler: Scheduler | None = None
+        self._transport_factory: TransportFactory = transport_factory or GrpcTransport
+        self._targets = [parse_executor_target(text) for text in config.executors]
+        self._resolved: dict[str, list[str]] = {}
+        self._replicas: dict[str, ExecutorReplica] = {}
+        self._dropped = dict.fromkeys(COUNTERS, 0)  # counters of executors no longer known
+        self._router = Router(config.routing_policy)
         self._active: dict[SeqId, ActiveRequest] = {}
+        self._unplaced: dict[SeqId, ActiveRequest] = {}  # waiting for an executor, in arrival order
         self._next_seq_id = 1
-        self._wakeup = asyncio.Event()
-        self._attached = asyncio.Event()
+        self._serving = asyncio.Event()
+        self._last_info: ExecutorInfo | None = None
+        self._released = False
+        self.scheduler_id = f"scheduler@{socket.gethostname()}:{config.port}"
         self.steps = 0
         self.tokens_generated = 0
-        self.busy_seconds = 0.0  # sum of the executor's StepOutput.step_seconds
-        self.requests_routed = 0
-        self._retired = dict.fromkeys(CORE_COUNTERS, 0)  # counters of the cores of earlier attaches
-        self._lost = False
 
-    # ---- attach -------------------------------------------------------------------------------
+    # ---- the public view ----------------------------------------------------------------------
 
-    async def attach(self, timeout: float | None = None) -> ExecutorInfo:
-        """Takes the executor's lease, waiting for it to come up; starts a fresh scheduling core."""
-        timeout = self.config.attach_timeout if timeout is None else timeout
-        reply = await self.transport.attach(f"scheduler:{self.config.port}", timeout)
-        max_model_len = min(reply.max_model_len, self.config.max_model_len or reply.max_model_len)
-        self.info = ExecutorInfo(
-            lease_epoch=reply.lease_epoch,
-            model=self.config.served_model_name or reply.model,
-            max_model_len=max_model_len,
-            vocab_size=reply.vocab_size,
-            block_size=reply.block_size,
-            num_gpu_blocks=reply.num_gpu_blocks,
-            num_cpu_blocks=reply.num_cpu_blocks,
-            eos_token_ids=tuple(reply.eos_token_ids),
-            device=reply.device,
+    @property
+    def is_serving(self) -> bool:
+        """At least one executor is attached."""
+        return any(r.attached for r in self._replicas.values())
+
+    def model_info(self) -> ExecutorInfo | None:
+        """What an attached executor reported (all attached ones agree on the model); while none is
+        attached, the last one known (requests wait for an executor of that model); None before
+        the first attach."""
+        for replica in self._replicas.values():
+            if replica.attached and replica.info is not None:
+                return replica.info
+        return self._last_info
+
+    def core_stats(self) -> SchedulerStats:
+        """The scheduling cores' stats summed over the attached executors (gauges; requests waiting
+        for an executor count as waiting); the counters also keep what lost and dropped executors'
+        cores counted, so they never decrease. Peaks are summed; utilizations are weighted by blocks
+        in use (peak_slot_utilization: the highest)."""
+        cores = [s for r in self._replicas.values() if (s := r.core_stats()) is not None]
+        in_use = sum(s.gpu_blocks_in_use for s in cores)
+        counters = dict(self._dropped)
+        for replica in self._replicas.values():
+            for name, value in replica.counters().items():
+                counters[name] += value
+        return SchedulerStats(
+            num_waiting=sum(s.num_waiting for s in cores) + len(self._unplaced),
+            num_running=sum(s.num_running for s in cores),
+            num_swapped=sum(s.num_swapped for s in cores),
+            num_gpu_blocks=sum(s.num_gpu_blocks for s in cores),
+            gpu_blocks_in_use=in_use,
+            peak_gpu_blocks_in_use=sum(s.peak_gpu_blocks_in_use for s in cores),
+            cached_free_blocks=sum(s.cached_free_blocks for s in cores),
+            slot_utilization=(
+                sum(s.slot_utilization * s.gpu_blocks_in_use for s in cores) / in_use if in_use else 0.0
+            ),
+            peak_slot_utilization=max((s.peak_slot_utilization for s in cores), default=0.0),
+            **counters,
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                block_size=reply.block_size,
-                num_gpu_blocks=reply.num_gpu_blocks,
-                num_cpu_blocks=reply.num_cpu_blocks,
-                max_model_len=max_model_len,
-                max_num_seqs=_within(self.config.max_num_seqs, reply.max_num_seqs),
-                max_num_batched_tokens=_within(
-                    self.config.max_num_batched_tokens, reply.max_num_batched_tokens
-                ),
-                enable_prefix_caching=self.config.enable_prefix_caching,
-                preemption_mode=self.config.preemption_mode,
-            )
-        )
-        log.info("attached", executor=str(self.transport), **dataclasses.asdict(self.info))
-        return self.info
 
-    async def wait_until_attached(self) -> ExecutorInfo:
-        """Returns once `run` has attached and requests can be submitted."""
-        await self._attached.wait()
-        assert self.info is not None
-        return self.info
+    def executor_statuses(self) -> list[ExecutorStatusView]:
+        """Every executor this scheduler knows of (attached or not), in discovery order."""
+        return [replica.status() for replica in self._replicas.values()]
 
     @property
     def num_active_requests(self) -> int:
         return len(self._active)
+
+    async def wait_until_attached(self) -> ExecutorInfo:
+        """Returns once an executor is attached and requests can be submitted."""
+        while True:
+            await self._serving.wait()
+            info = self.model_info()
+            if info is not None and self.is_serving:
+                return info
+            self._serving.clear()
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -251,9 +272,12 @@ class Engine:
         stop: StopConditions,
         priority: int = 0,
     ) -> ActiveRequest:
-        """Queues a validated request; its deltas arrive on the returned ActiveRequest."""
-        if self.scheduler is None or not self._attached.is_set():
-            raise EngineUnavailable("no executor is attached")
+        """Queues a validated request on an executor (or, with none attached, here until one
+        attaches); its deltas arrive on the returned ActiveRequest."""
+        if self._last_info is None:
+            raise EngineUnavailable("no executor has attached yet")
+        if self._released:
+            raise EngineUnavailable("the scheduler released its executors (draining)")
         if len(self._active) >= self.config.max_queue_len:
             raise EngineFull(f"{len(self._active)} requests are queued (--max-queue-len)")
         seq_id = SeqId(self._next_seq_id)
@@ -267,98 +291,106 @@ class Engine:
         )
         active = ActiveRequest(request_id, request, Completion(self.tokenizer, prompt_token_ids, stop))
         self._active[seq_id] = active
-        self.scheduler.add_request(request)
-        self.requests_routed += 1
-        self._wakeup.set()
+        self._place(active)
         return active
 
     def abort(self, active: ActiveRequest) -> None:
         """Drops a request whose client went away; its blocks return to the pool."""
-        if self._active.pop(active.request.seq_id, None) is not None:
+        seq_id = active.request.seq_id
+        if self._active.pop(seq_id, None) is not None:
             if not active.done:
                 active.completion.abort()
-            if self.scheduler is not None:
-                self.scheduler.abort_request(active.request.seq_id)
-            self._wakeup.set()
-            log.debug("aborted", request_id=active.request_id, seq_id=active.request.seq_id)
+            self._unplaced.pop(seq_id, None)
+            if active.replica is not None:
+                active.replica.finish_request(seq_id)
+                active.replica = None
+            log.debug("aborted", request_id=active.request_id, seq_id=seq_id)
 
-    # ---- the step loop ------------------------------------------------------------------------
+    def _attached_replicas(self) -> list[ExecutorReplica]:
+        return [r for r in self._replicas.values() if r.attached]
 
-    async def run(self) -> None:
-        """Attaches, then runs steps until cancelled; re-attaches after losing the executor."""
-        attach_throttle = Throttler(rate_limit=1, period=ATTACH_RETRY_PERIOD_S)
-        while True:
-            try:
-                if self.scheduler is None:
-                    async with attach_throttle:  # after a loss, re-attach at most once a period
-                        await self.attach()
-                self._attached.set()
-                await self._step_loop()
-            except asyncio.CancelledError:
-                self._fail_all(EngineUnavailable("the scheduler is shutting down"))
-                raise
-            except (grpc.aio.AioRpcError, RuntimeError) as exc:
-                self._attached.clear()
-                details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                log.error("executor lost", error=details)
-                self._fail_all(EngineUnavailable(f"executor lost: {details}"))
-                self._retire_core()
-
-    async def _step_loop(self) -> None:
-        assert self.info is not None and self.scheduler is not None
-        call = self.transport.open_steps(self.info.lease_epoch)
-        in_flight: deque[StepPlan] = deque()
-        last_log = time.monotonic()
+    def _place(self, active: ActiveRequest) -> None:
+        """Routes a request to an attached executor, or keeps it here until one attaches."""
+        replicas = self._attached_replicas()
+        if not replicas:
+            self._unplaced[active.request.seq_id] = active
+            return
+        request = active.request
+        hashes = []
+        if len(replicas) > 1 and self._router.policy == "prefix" and self.config.enable_prefix_caching:
+            manager = replicas[0].scheduler.kv_cache_manager  # type: ignore[union-attr]
+            hashes = manager.prompt_block_hashes(request.all_token_ids)
+        index = self._router.choose(request.num_tokens, [r.load(hashes) for r in replicas])
+        replica = replicas[index]
         try:
-            while True:
-                plan = None
-                if len(in_flight) < PLANS_IN_FLIGHT:
-                    plan = self.scheduler.schedule()
-                    if plan.is_empty:
-                        plan = None
-                    else:
-                        await call.write(plan_to_proto(plan, self._active))
-                        in_flight.append(plan)
-                if in_flight and (plan is None or len(in_flight) >= PLANS_IN_FLIGHT):
-                    output = await call.read()
-                    if output is None:
-                        raise RuntimeError("the executor closed the step stream")
-                    self._on_output(in_flight.popleft(), output)
-                elif not in_flight:
-                    if call.ended():
-                        raise RuntimeError("the executor ended the step stream while idle")
-                    await self._wait_for_work()
-                if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
-                    last_log = time.monotonic()
-                    self._log_stats()
-        finally:
-            call.cancel()
+            replica.add_request(request)
+        except ValueError as exc:  # limits changed with the executors (another model): cannot serve
+            self._active.pop(request.seq_id, None)
+            active.deltas.put_nowait(EngineUnavailable(f"the executors cannot serve it any more: {exc}"))
+            return
+        active.replica = replica
 
-    async def _wait_for_work(self) -> None:
-        """Sleeps until a request arrives or is aborted (briefly, if queued work cannot run; at most
-        `IDLE_CHECK_PERIOD_S`, so that the step loop checks the stream)."""
-        assert self.scheduler is not None
-        self._wakeup.clear()
-        timeout = 0.05 if self.scheduler.has_unfinished_requests() else IDLE_CHECK_PERIOD_S
-        try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
-        except TimeoutError:
-            pass
+    def _place_unplaced(self) -> None:
+        waiting, self._unplaced = self._unplaced, {}
+        for active in waiting.values():
+            self._place(active)
 
-    def _on_output(self, plan: StepPlan, output: executor_pb2.StepOutput) -> None:
-        assert self.scheduler is not None
-        if output.step_id != plan.step_id:
-            raise RuntimeError(f"step output {output.step_id} arrived for plan {plan.step_id}")
+    # ---- ReplicaHost: what the executors' loops call -----------------------------------------
+
+    def has_slot(self, replica: ExecutorReplica) -> bool:
+        limit = self.config.max_executors
+        if limit is None:
+            return True
+        return sum(1 for r in self._replicas.values() if r.attached and r is not replica) < limit
+
+    def admit_executor(self, replica: ExecutorReplica, info: ExecutorInfo) -> str | None:
+        for other in self._attached_replicas():
+            if other is not replica and other.info is not None:
+                reason = other.info.mismatch(info)
+                if reason is not None:
+                    return reason
+        return None
+
+    def on_attached(self, replica: ExecutorReplica) -> None:
+        self._last_info = replica.info
+        self._serving.set()
+        self._place_unplaced()
+
+    def on_lost(self, replica: ExecutorReplica) -> None:
+        """Re-places every request the lost executor held (see the module docstring)."""
+        self._requeue(replica)
+        if not self.is_serving:
+            self._serving.clear()
+
+    def _requeue(self, replica: ExecutorReplica) -> None:
+        seq_ids, replica.seq_ids = sorted(replica.seq_ids), set()  # in arrival order
+        moved = 0
+        for seq_id in seq_ids:
+            active = self._active.get(seq_id)
+            if active is None or active.replica is not replica:
+                continue
+            active.replica = None
+            active.request = resumed_request(active.request)
+            self._place(active)
+            moved += 1
+        if moved:
+            log.info("requests re-placed", executor=replica.address, requests=moved)
+
+    def plan_to_proto(self, plan: StepPlan) -> executor_pb2.StepPlan:
+        return plan_to_proto(plan, self._active)
+
+    def on_output(self, replica: ExecutorReplica, plan: StepPlan, output: executor_pb2.StepOutput) -> None:
+        core = replica.scheduler
+        assert core is not None
         self.steps += 1
-        self.busy_seconds += output.step_seconds
         seq_ids, token_ids = list(output.seq_ids), list(output.token_ids)
-        self.scheduler.process_output(output.step_id, seq_ids, token_ids)
+        core.process_output(output.step_id, seq_ids, token_ids)
         logprobs = output.logprobs
         get_active = self._active.get
         interval = self.config.stream_interval
         for i, (seq_id, token_id) in enumerate(zip(seq_ids, token_ids, strict=True)):
             active = get_active(seq_id)
-            if active is None:
+            if active is None or active.replica is not replica:
                 continue  # aborted
             completion = active.completion
             if completion.finish_reason is not None:
@@ -368,76 +400,91 @@ class Engine:
             delta = completion.add_token(token_id, logprob)
             active.stream(delta, interval)
             if delta.finish_reason is not None:
-                del self._active[active.request.seq_id]
-                self.scheduler.abort_request(active.request.seq_id)
+                del self._active[seq_id]
+                replica.finish_request(seq_id)
+                active.replica = None
+
+    # ---- executors ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Finds the executors and keeps them attached until cancelled; every refresh interval it
+        re-resolves dns:/// names (attaching new addresses, dropping vanished ones)."""
+        try:
+            while True:
+                await self._refresh()
+                tasks = [r._task for r in self._replicas.values() if r._task is not None]
+                interval = self.config.executor_refresh_interval
+                if tasks:
+                    done, _ = await asyncio.wait(tasks, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:  # a replica loop only ends on a bug: fail loudly
+                        task.result()
+                        raise RuntimeError(f"{task.get_name()} stopped")
+                else:
+                    await asyncio.sleep(interval)
+        except asyncio.CancelledError:
+            await self._stop_all("the scheduler is shutting down")
+            raise
+
+    async def _refresh(self) -> None:
+        if self._released:
+            return
+        if any(t.dns for t in self._targets):
+            resolved, errors = await asyncio.to_thread(resolve_all, self._targets, self._resolved)
+        else:
+            resolved, errors = resolve_all(self._targets, self._resolved)
+        for target, error in errors.items():
+            log.warning("executor name does not resolve", target=target, error=error)
+        self._resolved = resolved
+        wanted = list(dict.fromkeys(a for addresses in resolved.values() for a in addresses))
+        for address in wanted:
+            if address not in self._replicas:
+                replica = ExecutorReplica(
+                    address, self._transport_factory(address), self.config, self, self.scheduler_id
+                )
+                self._replicas[address] = replica
+                replica.start()
+                log.info("executor found", executor=address)
+        for address in [a for a in self._replicas if a not in wanted]:
+            log.info("executor vanished", executor=address)
+            await self._drop(self._replicas[address], "dropped")
+
+    async def _drop(self, replica: ExecutorReplica, state: str) -> None:
+        """Stops using an executor for good: its requests move elsewhere, its lease is given up."""
+        epoch = replica.lease_epoch
+        await replica.stop(state)
+        self._requeue(replica)
+        if not self.is_serving:
+            self._serving.clear()
+        if epoch:
+            await replica.detach(epoch)
+        for name, value in replica.counters().items():
+            self._dropped[name] += value
+        del self._replicas[replica.address]
+        with contextlib.suppress(Exception):
+            await replica.transport.close()
+
+    async def _stop_all(self, why: str) -> None:
+        for replica in list(self._replicas.values()):
+            await replica.stop("stopped")
+        self._fail_all(EngineUnavailable(why))
+
+    async def release_executors(self) -> None:
+        """Gives every executor's lease up (`Executor.Detach`), so that other schedulers may attach
+        them at once, and attaches no more. For a draining scheduler, once its streams are done:
+        requests still held end with EngineUnavailable."""
+        self._released = True
+        for replica in list(self._replicas.values()):
+            epoch = replica.lease_epoch
+            await replica.stop("released")
+            if epoch:
+                await replica.detach(epoch)
+            replica.seq_ids.clear()
+        self._serving.clear()
+        self._fail_all(EngineUnavailable("the scheduler released its executors (draining)"))
 
     def _fail_all(self, error: Exception) -> None:
         for active in self._active.values():
             active.deltas.put_nowait(error)
+            active.replica = None
         self._active.clear()
-
-    def _log_stats(self) -> None:
-        if self.scheduler is not None:
-            log.info(
-                "engine stats",
-                steps=self.steps,
-                tokens=self.tokens_generated,
-                **dataclasses.asdict(self.scheduler.stats),
-            )
-
-    # ---- the interface operators' tools read (health, metrics, drain) -------------------------
-
-    @property
-    def is_serving(self) -> bool:
-        """Whether an executor is attached, so that requests can be submitted."""
-        return self.scheduler is not None and self._attached.is_set()
-
-    def model_info(self) -> ExecutorInfo | None:
-        """What the attached executor reported; None while none is attached."""
-        return self.info if self.is_serving else None
-
-    def core_stats(self) -> SchedulerStats:
-        """The scheduling core's stats; its counters keep growing across re-attaches (each attach
-        starts a fresh core), its gauges are those of the core now (zero while none is attached)."""
-        if self.scheduler is not None:
-            stats = self.scheduler.stats
-        else:
-            stats = SchedulerStats(0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0)
-        for name, retired in self._retired.items():
-            setattr(stats, name, getattr(stats, name) + retired)
-        return stats
-
-    def executor_statuses(self) -> list[ExecutorStatusView]:
-        """One row per executor: here the one this engine drives."""
-        stats = self.core_stats()
-        attached = self.is_serving
-        state = "attached" if attached else "lost" if self._lost else "attaching"
-        return [
-            ExecutorStatusView(
-                address=str(self.transport),
-                attached=attached,
-                lease_epoch=self.info.lease_epoch if self.info is not None and attached else 0,
-                num_running=stats.num_running,
-                num_waiting=stats.num_waiting,
-                num_gpu_blocks=stats.num_gpu_blocks,
-                gpu_blocks_in_use=stats.gpu_blocks_in_use,
-                requests_routed=self.requests_routed,
-                prefix_cache_hit_tokens=stats.prefix_cache_hit_tokens,
-                state=state,
-                steps=self.steps,
-                busy_seconds=self.busy_seconds,
-            )
-        ]
-
-    async def release_executors(self) -> None:
-        """Gives the executors' leases up (a draining scheduler's last step). With one executor and
-        no lease expiry yet, nothing to do: the executor takes the next Attach."""
-
-    def _retire_core(self) -> None:
-        """Drops the core of a lost executor, keeping its counters."""
-        if self.scheduler is not None:
-            stats = self.scheduler.stats
-            for name in CORE_COUNTERS:
-                self._retired[name] += getattr(stats, name)
-        self.scheduler = None
-        self._lost = True
+        self._unplaced.clear()

@@ -113,6 +113,28 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def prompt_block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The hash chain of the full blocks `get_computed_blocks` could reuse for a request whose
+        known tokens are `token_ids` (all but the block holding the last token)."""
+        size = self.block_size
+        hashes: list[BlockHash] = []
+        for index in range((len(token_ids) - 1) // size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, token_ids[index * size : (index + 1) * size]))
+        return hashes
+
+    def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of the chain `block_hashes` are in this pool's prefix cache: the
+        exact hit a request with this chain would get now. A pure lookup: no ref count, no LRU
+        position changes."""
+        if not self.enable_prefix_caching:
+            return 0
+        get = self.block_pool.get_cached_block
+        for index, block_hash in enumerate(block_hashes):
+            if get(block_hash) is None:
+                return index
+        return len(block_hashes)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the request's blocks that are full of known, computed tokens in the prefix
         cache. Call only when ``num_computed_tokens`` counts tokens of plans already handed out."""

@@ -1,16 +1,17 @@
 """The public gRPC API (`pagedserve.v1.Generation`): validation, status codes and streaming.
 
 Every bad input is refused with INVALID_ARGUMENT and a message naming what was wrong (bytes that do
-not parse as the request message included); UNAVAILABLE when no executor is attached or the
-scheduler is draining; RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. A client
-that cancels its stream, or whose deadline passes (grpc.aio cancels the handler then), aborts its
-request, whose blocks return to the pool at once. The public port serves TLS with
---ssl-certfile/--ssl-keyfile (mTLS with --ssl-ca-certs), and --client-rate-limit throttles each
-client (scheduler/throttle.py).
+not parse as the request message included); UNAVAILABLE before any executor has attached (the
+model's limits are unknown), while the scheduler drains and when it stops; RESOURCE_EXHAUSTED when
+the engine holds --max-queue-len requests. While executors come and go, requests wait in the engine
+for one (scheduler/engine.py). A client that cancels its stream, or whose deadline passes (grpc.aio
+cancels the handler then), aborts its request, whose blocks return to the pool at once. The public
+port serves TLS with --ssl-certfile/--ssl-keyfile (mTLS with --ssl-ca-certs), and
+--client-rate-limit throttles each client (scheduler/throttle.py).
 
 Beside Generation and Admin the port serves grpc.health.v1 (scheduler/monitor.py) and server
 reflection. On SIGTERM the scheduler drains: health NOT_SERVING, new streams refused, running ones
-given --shutdown-grace seconds to finish.
+given --shutdown-grace seconds to finish, then the executors' leases given back.
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ from pagedserve.common.metrics_http import serve_metrics
 from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from pagedserve.scheduler import monitor
 from pagedserve.scheduler.completion import Delta, StopConditions
-from pagedserve.scheduler.engine import ActiveRequest, Engine, EngineFull, EngineUnavailable, ExecutorInfo
+from pagedserve.scheduler.engine import (
+    ActiveRequest,
+    Engine,
+    EngineFull,
+    EngineUnavailable,
+    ExecutorInfo,
+    ExecutorStatusView,
+)
 from pagedserve.scheduler.metrics import SchedulerMetrics, StreamMetrics, read_on_loop
 from pagedserve.scheduler.request import SamplingOptions
 from pagedserve.scheduler.service_config import ServiceConfig
@@ -205,9 +213,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise Draining("the scheduler is draining (shutting down); retry on another one")
 
     def _info(self) -> ExecutorInfo:
-        if self.engine.info is None or self.engine.scheduler is None:
-            raise EngineUnavailable("no executor is attached")
-        return self.engine.info
+        """The model's limits, to validate a request against: known once an executor attached
+        (kept while none is: the request then waits for one)."""
+        info = self.engine.model_info()
+        if info is None:
+            raise EngineUnavailable("no executor has attached yet")
+        return info
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception) -> None:
         code = {
@@ -291,10 +302,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.TokenizeResponse(ids=await self._encode(request.text))
 
     async def GetModelInfo(self, request, context):
-        try:
-            info = self._info()
-        except EngineUnavailable as exc:
-            await self._abort(context, exc)
+        info = self.engine.model_info()
+        if info is None or not self.engine.is_serving:  # what health checks probe: serving now
+            await self._abort(context, EngineUnavailable("no executor is attached"))
             return
         return generation_pb2.ModelInfo(
             model=info.model,
@@ -307,7 +317,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    """Counters of the scheduling core, for operators, tests and `pagedserve bench`."""
+    """Counters of the scheduling cores (summed over executors) and the executors themselves, for
+    operators, tests and `pagedserve bench`."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -318,12 +329,24 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             tokens_generated=self.engine.tokens_generated,
             num_active_requests=self.engine.num_active_requests,
         )
-        if self.engine.scheduler is not None:
-            core = self.engine.scheduler.stats
-            for f in dataclasses.fields(core):
-                if f.name in admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name:
-                    setattr(stats, f.name, getattr(core, f.name))
+        core = self.engine.core_stats()
+        for f in dataclasses.fields(core):
+            if f.name in admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name:
+                setattr(stats, f.name, getattr(core, f.name))
         return stats
+
+    async def ListExecutors(self, request, context):
+        return admin_pb2.ListExecutorsResponse(
+            executors=[executor_status(view) for view in self.engine.executor_statuses()]
+        )
+
+
+def executor_status(view: ExecutorStatusView) -> admin_pb2.ExecutorStatus:
+    """The proto fields of a view (steps and busy_seconds are not on the wire)."""
+    names = admin_pb2.ExecutorStatus.DESCRIPTOR.fields_by_name
+    return admin_pb2.ExecutorStatus(
+        **{f.name: getattr(view, f.name) for f in dataclasses.fields(view) if f.name in names}
+    )
 
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
@@ -417,7 +440,7 @@ async def serve_async(config: ServiceConfig) -> None:
     tls = config.server_tls()
     credentials = None if tls is None else tls.credentials()
     warn_if_open(security.token, "scheduler")
-    engine = Engine(config, load_tokenizer(config.model), GrpcTransport(config.executor, security))
+    engine = Engine(config, load_tokenizer(config.model), lambda address: GrpcTransport(address, security))
     # What is alive now (modules, the tokenizer) lives as long as the process: out of the cyclic
     # GC's sight, a full collection no longer scans ~300k objects and stalls a step (100+ ms).
     gc.collect()
@@ -445,7 +468,7 @@ async def serve_async(config: ServiceConfig) -> None:
     log.info(
         "scheduler listening",
         address=address,
-        executor=config.executor,
+        executors=list(config.executors),
         tls="mtls" if tls and tls.ca_certs else bool(tls),
         executor_tls=security.tls is not None,
         client_rate_limit=config.client_rate_limit,

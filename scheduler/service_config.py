@@ -8,18 +8,27 @@ from dataclasses import dataclass, fields
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.flags import exit_bad_flags
 from pagedserve.common.tls import ChannelTls, ServerTls
+from pagedserve.scheduler.discovery import parse_executor_target
+from pagedserve.scheduler.router import ROUTING_POLICIES
+
+DEFAULT_EXECUTOR = "127.0.0.1:50061"
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """How the scheduler serves clients and drives its executor.
+    """How the scheduler serves clients and drives its executors.
 
-    The executor decides the KV layout (block size, number of blocks) and reports it on attach;
+    Each executor decides its KV layout (block size, number of blocks) and reports it on attach;
     everything here is policy.
     """
 
     model: str  # model directory: the tokenizer is loaded from it
-    executor: str = "127.0.0.1:50061"  # executor address, host:port
+    # Executor addresses: host:port (one executor), or dns:///name:port (every address the name
+    # resolves to, re-resolved every executor_refresh_interval seconds).
+    executors: tuple[str, ...] = (DEFAULT_EXECUTOR,)
+    executor_refresh_interval: float = 5.0
+    max_executors: int | None = None  # the most executors held at once; None: no limit
+    routing_policy: str = "prefix"
     host: str = "127.0.0.1"
     port: int = 50051
     served_model_name: str | None = None
@@ -33,7 +42,7 @@ class ServiceConfig:
     # costs this process tens of microseconds; at hundreds of running requests, one per token can
     # take longer than the GPU's step and leave it waiting for the next plan.
     stream_interval: int = 1
-    attach_timeout: float = 600.0  # seconds to wait for the executor at startup
+    attach_timeout: float = 600.0  # seconds one Attach waits for its executor to come up (then retried)
     # Per-client rate (requests per second, by x-client-id or peer address); None: off. See throttle.py.
     client_rate_limit: int | None = None
     # The token sent to the executor (PAGEDSERVE_INTERNAL_TOKEN when unset); see common/auth.py.
@@ -52,6 +61,23 @@ class ServiceConfig:
     shutdown_grace: float = 30.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.executors, tuple) or not self.executors:
+            raise ValueError(f"executors must be a non-empty tuple of addresses, got {self.executors!r}")
+        if len(set(self.executors)) != len(self.executors):
+            twice = sorted({a for a in self.executors if self.executors.count(a) > 1})
+            raise ValueError(f"the executor address {twice[0]!r} is given twice")
+        for address in self.executors:
+            parse_executor_target(address)  # ValueError naming what is wrong
+        if not self.executor_refresh_interval > 0:
+            raise ValueError(
+                f"executor_refresh_interval must be positive, got {self.executor_refresh_interval}"
+            )
+        if self.max_executors is not None and self.max_executors < 1:
+            raise ValueError(f"max_executors must be positive (or unset: no limit), got {self.max_executors}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
+        if not self.attach_timeout > 0:
+            raise ValueError(f"attach_timeout must be positive, got {self.attach_timeout}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -106,7 +132,11 @@ class ServiceConfig:
             group.add_argument("--max-model-len", type=int, default=None)
             group.add_argument("--max-num-seqs", type=int, default=256)
             group.add_argument("--max-num-batched-tokens", type=int, default=8192)
-            group.add_argument("--executor", default="127.0.0.1:50061", help="executor host:port")
+            group.add_argument(
+                "--executor", dest="executors", action="append", default=None, metavar="ADDR",
+                help="executor host:port, or dns:///name:port for every address the name resolves to; "
+                f"repeatable (default: {DEFAULT_EXECUTOR})",
+            )  # fmt: skip
             group.add_argument("--attach-timeout", type=float, default=600.0)
             group.add_argument(
                 "--internal-token-file",
@@ -122,6 +152,19 @@ class ServiceConfig:
                 "--executor-ssl-certfile", default=None, help="PEM client certificate for an mTLS executor"
             )
             group.add_argument("--executor-ssl-keyfile", default=None, help="key of --executor-ssl-certfile")
+        group.add_argument(
+            "--executor-refresh-interval", type=float, default=5.0,
+            help="seconds between re-resolutions of dns:/// executor names and retries of refused executors",
+        )  # fmt: skip
+        group.add_argument(
+            "--max-executors", type=int, default=None,
+            help="the most executors attached at once (default: no limit); the others stay as spares",
+        )  # fmt: skip
+        group.add_argument(
+            "--routing-policy", choices=ROUTING_POLICIES, default="prefix",
+            help="how a request picks its executor: exact prefix-cache hit against load (default), "
+            "round_robin, or least_loaded",
+        )  # fmt: skip
         group.add_argument("--served-model-name", default=None)
         group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         group.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
@@ -159,6 +202,10 @@ class ServiceConfig:
         scheduler: error: ..."; exit 2), naming the flags, not with a traceback."""
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in vars(args).items() if k in names}
+        if values.get("executors") is None:  # --executor not given: the default address
+            values.pop("executors", None)
+        elif isinstance(values["executors"], list):
+            values["executors"] = tuple(values["executors"])
         values.update(overrides)
         try:
             return cls(**values)

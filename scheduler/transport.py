@@ -37,14 +37,28 @@ class StepStream(Protocol):
 
 
 class ExecutorTransport(Protocol):
-    """How the engine reaches its executor. Failures raise grpc.aio.AioRpcError or RuntimeError,
-    which the engine treats as losing the executor (clients get UNAVAILABLE, it re-attaches)."""
+    """How the engine reaches one executor. Failures raise grpc.aio.AioRpcError or RuntimeError,
+    which the engine treats as losing the executor (its requests move to other executors, and it
+    re-attaches)."""
 
     async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
-        """Takes the executor's lease, waiting up to `timeout` seconds for it to come up."""
+        """Takes the executor's lease, waiting up to `timeout` seconds for it to come up; refused
+        with FAILED_PRECONDITION while another scheduler's lease is live."""
         ...
 
     def open_steps(self, lease_epoch: int) -> StepStream: ...
+
+    async def heartbeat(self, lease_epoch: int, timeout: float) -> None:
+        """Keeps an idle lease live (FAILED_PRECONDITION: the lease is gone)."""
+        ...
+
+    async def detach(self, lease_epoch: int, timeout: float) -> None:
+        """Gives the lease up, so that another scheduler may attach at once."""
+        ...
+
+    async def close(self) -> None:
+        """Releases the connection (the executor was dropped)."""
+        ...
 
 
 class _GrpcStepStream:
@@ -87,6 +101,12 @@ class ChannelSecurity:
         return ChannelSecurity(read_internal_token(config.internal_token_file), config.executor_channel_tls())
 
 
+# A lost executor is reconnected at most this long after it is back: gRPC's default backoff grows
+# to 120 s between attempts, and a restarted executor sat idle for most of a minute (measured in
+# tests/test_scale_out_e2e.py) while its requests ran elsewhere.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 class GrpcTransport:
     """The executor service at `address`, over one channel opened on first attach (inside the
     event loop that will use it)."""
@@ -105,12 +125,11 @@ class GrpcTransport:
         """The stub every executor call goes through: the one place the channel is made, so TLS
         and the `authorization` metadata apply to each RPC (Attach, Step, Heartbeat, ...)."""
         if self._channel is None:
+            options = [*wire.CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
             if self._credentials is None:
-                self._channel = grpc.aio.insecure_channel(self.address, options=wire.CHANNEL_OPTIONS)
+                self._channel = grpc.aio.insecure_channel(self.address, options=options)
             else:
-                self._channel = grpc.aio.secure_channel(
-                    self.address, self._credentials, options=wire.CHANNEL_OPTIONS
-                )
+                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=options)
         return MetadataStub(executor_pb2_grpc.ExecutorStub(self._channel), self._metadata)
 
     async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
@@ -120,3 +139,14 @@ class GrpcTransport:
 
     def open_steps(self, lease_epoch: int) -> StepStream:
         return _GrpcStepStream(self._stub().Step(metadata=wire.lease_metadata(lease_epoch)))
+
+    async def heartbeat(self, lease_epoch: int, timeout: float) -> None:
+        await self._stub().Heartbeat(executor_pb2.HeartbeatRequest(lease_epoch=lease_epoch), timeout=timeout)
+
+    async def detach(self, lease_epoch: int, timeout: float) -> None:
+        await self._stub().Detach(executor_pb2.DetachRequest(lease_epoch=lease_epoch), timeout=timeout)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close()

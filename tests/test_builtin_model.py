@@ -75,7 +75,8 @@ def test_engine_greedy_matches_hf_on_the_builtin_model(runner, tokenizer, hf_bui
                 return tokens
 
     async def scenario() -> list[list[int]]:
-        engine = Engine(ServiceConfig(model=MODEL), tokenizer, InProcessTransport(runner, MODEL))
+        transport = InProcessTransport(runner, MODEL)
+        engine = Engine(ServiceConfig(model=MODEL), tokenizer, lambda _address: transport)
         task = asyncio.create_task(engine.run())
         try:
             await asyncio.wait_for(engine.wait_until_attached(), 60)

@@ -1,4 +1,4 @@
-"""The `pagedserve` command: serve, scheduler, executor, openai, generate, health.
+"""The `pagedserve` command: serve, scheduler, executor, openai, generate, health, executors.
 
 `pagedserve serve` is the embedded default: it starts `--data-parallel-size` executors and one
 scheduler as processes on loopback (the same topology as docker-compose.yml), restarts an executor
@@ -312,6 +312,39 @@ def health(args: argparse.Namespace) -> int:
     return 0
 
 
+EXECUTOR_COLUMNS = (
+    ("address", "address"),
+    ("state", "state"),
+    ("epoch", "lease_epoch"),
+    ("running", "num_running"),
+    ("waiting", "num_waiting"),
+    ("blocks used", "gpu_blocks_in_use"),
+    ("blocks", "num_gpu_blocks"),
+    ("routed", "requests_routed"),
+    ("prefix hit tokens", "prefix_cache_hit_tokens"),
+)
+
+
+def executors(args: argparse.Namespace) -> int:
+    """Prints a scheduler's executors (Admin.ListExecutors) as a markdown table."""
+    import grpc
+
+    from pagedserve.common.tables import markdown_table
+    from pagedserve.protos import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+        try:
+            reply = admin_pb2_grpc.AdminStub(channel).ListExecutors(
+                admin_pb2.ListExecutorsRequest(), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    rows = [[getattr(e, field) for _, field in EXECUTOR_COLUMNS] for e in reply.executors]
+    print(markdown_table([name for name, _ in EXECUTOR_COLUMNS], rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pagedserve", description="LLM serving with PagedAttention over gRPC"
@@ -347,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     hc.add_argument("--executor", action="store_true", help="probe an executor instead of a scheduler")
     hc.add_argument("--timeout", type=float, default=5.0)
 
+    ex = sub.add_parser("executors", help="list a scheduler's executors (attached or not) as a table")
+    ex.add_argument("--host", default="127.0.0.1")
+    ex.add_argument("--port", type=int, default=50051, help="the scheduler's public port")
+    ex.add_argument("--timeout", type=float, default=5.0)
+
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         from pagedserve.bench import main as bench_main
@@ -373,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         check_serve_args(serve_parser, args)
-    return {"serve": serve, "generate": generate, "health": health}[args.command](args)
+    return {"serve": serve, "generate": generate, "health": health, "executors": executors}[args.command](
+        args
+    )
 
 
 if __name__ == "__main__":

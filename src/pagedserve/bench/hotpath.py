@@ -84,6 +84,15 @@ class FakeExecutor:
     def open_steps(self, lease_epoch: int) -> StepStream:
         return _FakeSteps(self)
 
+    async def heartbeat(self, lease_epoch: int, timeout: float) -> None:
+        pass
+
+    async def detach(self, lease_epoch: int, timeout: float) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
 
 class _FakeSteps:
     def __init__(self, executor: FakeExecutor) -> None:
@@ -142,30 +151,30 @@ class _FakeSteps:
 
 
 class TimedEngine(Engine):
-    """Starts stepping once every request is queued (clients over gRPC arrive one by one), and
-    records wall and CPU time from then to the last token."""
+    """Places the requests once every one is queued (clients over gRPC arrive one by one), so that
+    stepping starts then, and records wall and CPU time from then to the last token."""
 
     expected_requests = expected_tokens = 0
     start_wall = start_cpu = end_wall = end_cpu = 0.0
 
     async def run(self) -> None:
-        self._all_submitted = asyncio.Event()
-        await self.attach()
+        self._held: list = []
         gc.collect()  # as the scheduler service does at startup (scheduler/service.py)
         gc.freeze()
-        self._attached.set()
-        await self._all_submitted.wait()
-        self.start_wall, self.start_cpu = time.perf_counter(), time.process_time()
         await super().run()
 
-    def submit(self, *args, **kwargs):
-        active = super().submit(*args, **kwargs)
-        if self.num_active_requests == self.expected_requests:
-            self._all_submitted.set()
-        return active
+    def _place(self, active) -> None:
+        if self.start_wall:
+            return super()._place(active)
+        self._held.append(active)
+        if len(self._held) == self.expected_requests:
+            self.start_wall, self.start_cpu = time.perf_counter(), time.process_time()
+            for held in self._held:
+                super()._place(held)
+            self._held.clear()
 
-    def _on_output(self, plan, output) -> None:
-        super()._on_output(plan, output)
+    def on_output(self, replica, plan, output) -> None:
+        super().on_output(replica, plan, output)
         if not self.end_wall and self.tokens_generated >= self.expected_tokens:
             self.end_wall, self.end_cpu = time.perf_counter(), time.process_time()
 
@@ -284,7 +293,7 @@ async def bench(args, tokenizer, requests, text_ids) -> tuple[TimedEngine, FakeE
         stream_interval=args.stream_interval,
         max_model_len=MAX_MODEL_LEN,
     )
-    engine = TimedEngine(config, tokenizer, executor)
+    engine = TimedEngine(config, tokenizer, lambda _address: executor)
     engine.expected_requests = len(requests)
     engine.expected_tokens = len(requests) * args.output_len
     service = GenerationService(engine)

@@ -68,14 +68,15 @@ async def _send_direct(engine: Engine, req: BenchRequest, options: SendOptions, 
     active = None
     try:
         async with asyncio.timeout(options.timeout):
-            if engine.info is None:
-                raise EngineUnavailable("no executor is attached")
+            info = engine.model_info()
+            if info is None:
+                raise EngineUnavailable("no executor has attached yet")
             prompt = list(request.token_ids.ids)
             active = engine.submit(
                 request.request_id,
                 prompt,
                 sampling_options(request),
-                stop_conditions(request, len(prompt), engine.info),
+                stop_conditions(request, len(prompt), info),
                 priority=request.priority,
             )
             while True:
@@ -118,7 +119,8 @@ async def _measure(
     num_warmups: int,
     tag: str,
 ) -> tuple[list[BenchRequest], list[PassResult]]:
-    engine = Engine(service, load_tokenizer(service.model), InProcessTransport(runner, executor.model))
+    transport = InProcessTransport(runner, executor.model)
+    engine = Engine(service, load_tokenizer(service.model), lambda _address: transport)
     admin = AdminService(engine)
 
     async def get_stats() -> admin_pb2.SchedulerStats:

@@ -24,7 +24,7 @@ class InProcessTransport:
     the service's overlap: a plan is launched as soon as it is written, so when the engine writes
     plan N+1 before reading output N (it keeps PLANS_IN_FLIGHT plans out) step N+1 is queued on
     the device before step N's tokens are waited for. Failures raise RuntimeError, which the engine
-    handles as it handles a gRPC error: clients get UNAVAILABLE and it re-attaches.
+    handles as it handles a gRPC error: it re-attaches and recomputes the requests it held.
     """
 
     def __init__(self, runner: ModelRunner, model_name: str) -> None:
@@ -42,6 +42,15 @@ class InProcessTransport:
 
     def open_steps(self, lease_epoch: int) -> StepStream:
         return _InProcessSteps(self, lease_epoch)
+
+    async def heartbeat(self, lease_epoch: int, timeout: float) -> None:
+        pass  # the lease of an in-process runner never expires (attach reports no timeout)
+
+    async def detach(self, lease_epoch: int, timeout: float) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
 
 class _InProcessSteps:

@@ -87,7 +87,8 @@ class _EngineThread:
 
     async def _start(self, executor: ExecutorConfig, service: ServiceConfig, tokenizer: Any) -> ExecutorInfo:
         runner = ModelRunner.create(executor)
-        self.engine = Engine(service, tokenizer, InProcessTransport(runner, executor.model))
+        transport = InProcessTransport(runner, executor.model)
+        self.engine = Engine(service, tokenizer, lambda _address: transport)
         self.task = asyncio.create_task(self.engine.run())
         return await self.unless_engine_dies(self.engine.wait_until_attached())
 
@@ -302,7 +303,7 @@ class LLM:
                     f"sampling_params: {len(per_prompt)} given for {len(parsed)} prompts "
                     "(give one, or one per prompt)"
                 )
-        info = self._engine.info
+        info = self._engine.model_info()
         prepared = []
         for i, ((text, ids), p) in enumerate(zip(parsed, per_prompt, strict=True)):
             if not isinstance(p, SamplingParams):

@@ -1,0 +1,453 @@
+"""One executor behind the scheduler: its connection, its lease, its scheduling core and its Step loop.
+
+An `ExecutorReplica` owns everything that belongs to one executor: the transport, the lease epoch,
+the `Scheduler` core (block pool, prefix cache, swap pool: block ids mean nothing on another
+executor) and the Step stream, with one plan in flight ahead of the executor (the plan of step N+1
+is sent before the output of step N is read), so the executor never waits on this process. A stop
+found late costs one discarded token, never streamed.
+
+The request table, the router and the clients' streams belong to the `Engine` (scheduler/engine.py),
+which the replica reaches through the small `ReplicaHost` interface: the replica says when it
+attached, hands each step's output over, and reports its loss; the engine places requests on it
+(`add_request`) and re-places them elsewhere when it is lost.
+
+Its life: attach (retried at most once a second; a FAILED_PRECONDITION refusal, another scheduler's
+live lease, is retried every refresh interval), run steps until the executor is lost (stream
+ended, keepalive timeout, a refused step or heartbeat: fenced), then attach again. While idle it
+sends `Heartbeat` every lease_timeout/3 so that its lease does not expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import structlog
+from asyncio_throttle import Throttler
+
+from pagedserve.protos import executor_pb2
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.core import Scheduler, SchedulerStats, StepPlan
+from pagedserve.scheduler.request import Request, SeqId
+from pagedserve.scheduler.router import ExecutorLoad
+from pagedserve.scheduler.service_config import ServiceConfig
+from pagedserve.scheduler.transport import ExecutorTransport
+
+log = structlog.get_logger()
+
+# Plans sent ahead of the output being read: the one executing and the one queued behind it.
+PLANS_IN_FLIGHT = 2
+STATS_LOG_INTERVAL_S = 10.0
+ATTACH_RETRY_PERIOD_S = 1.0
+# While idle, how often the loop checks that the executor's step stream is still up, so that it
+# re-attaches to a restarted executor before the next request arrives.
+IDLE_CHECK_PERIOD_S = 0.5
+# Heartbeat, Detach: an executor that does not answer these in time is not serving anyway.
+LEASE_RPC_TIMEOUT_S = 5.0
+# The counters of SchedulerStats (never decreasing, kept when a core is retired).
+COUNTERS = (
+    "num_preemptions",
+    "prompt_tokens_computed",
+    "prefix_cache_hit_tokens",
+    "prefix_cache_query_tokens",
+)
+
+
+class LeaseLost(Exception):
+    """The executor refused our lease (FAILED_PRECONDITION): another scheduler holds it now."""
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """What an executor reported on attach (max_model_len capped by --max-model-len)."""
+
+    lease_epoch: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+    lease_timeout_ms: int = 0
+
+    def mismatch(self, other: ExecutorInfo) -> str | None:
+        """Why an executor reporting `other` cannot serve beside this one (None: it can). Requests
+        move between executors, so everything a request was validated or tokenized against must
+        agree."""
+        for name in ("model", "max_model_len", "vocab_size", "block_size", "eos_token_ids"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"{name} {theirs!r} differs from the other executors' {mine!r}"
+        return None
+
+
+@dataclass(frozen=True)
+class ExecutorStatusView:
+    """One executor as `Admin.ListExecutors` reports it (admin.proto's ExecutorStatus), plus the
+    steps it ran and the sum of their StepOutput.step_seconds."""
+
+    address: str
+    attached: bool
+    lease_epoch: int
+    num_running: int
+    num_waiting: int
+    num_gpu_blocks: int
+    gpu_blocks_in_use: int
+    requests_routed: int
+    prefix_cache_hit_tokens: int
+    state: str
+    steps: int
+    busy_seconds: float
+
+
+class ReplicaHost(Protocol):
+    """What a replica needs from the engine."""
+
+    def admit_executor(self, replica: ExecutorReplica, info: ExecutorInfo) -> str | None:
+        """Why this executor must not be used (it serves another model), or None."""
+        ...
+
+    def has_slot(self, replica: ExecutorReplica) -> bool:
+        """Whether --max-executors leaves room for this replica to attach."""
+        ...
+
+    def on_attached(self, replica: ExecutorReplica) -> None: ...
+
+    def on_output(
+        self, replica: ExecutorReplica, plan: StepPlan, output: executor_pb2.StepOutput
+    ) -> None: ...
+
+    def on_lost(self, replica: ExecutorReplica) -> None:
+        """Called once the replica's core is retired: re-place `replica.seq_ids`."""
+        ...
+
+    def plan_to_proto(self, plan: StepPlan) -> executor_pb2.StepPlan: ...
+
+
+def _within(own: int, executor_limit: int) -> int:
+    """A batch limit the executor accepts: ours, capped by its own (0 = it did not say)."""
+    return min(own, executor_limit) if executor_limit else own
+
+
+def _rpc_reason(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
+
+
+class ExecutorReplica:
+    """One executor's transport, lease, scheduling core and Step loop (see the module docstring).
+
+    Public state, read by the engine and the admin API: `address`, `state`, `info`, `scheduler`
+    (None unless attached), `seq_ids` (the unfinished requests placed here), `requests_routed`,
+    `steps`, `busy_seconds`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        transport: ExecutorTransport,
+        config: ServiceConfig,
+        host: ReplicaHost,
+        scheduler_id: str,
+    ) -> None:
+        self.address = address
+        self.transport = transport
+        self.config = config
+        self.scheduler_id = scheduler_id
+        self._host = host
+        self.state = "attaching"
+        self.info: ExecutorInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self.seq_ids: set[SeqId] = set()
+        self.requests_routed = 0
+        self.steps = 0
+        self.busy_seconds = 0.0
+        self._retired = dict.fromkeys(COUNTERS, 0)  # counters of this executor's earlier cores
+        self._wakeup = asyncio.Event()
+        self._heartbeats = True  # until the executor answers UNIMPLEMENTED
+        self._task: asyncio.Task | None = None
+
+    def __repr__(self) -> str:
+        return f"ExecutorReplica({self.address}, {self.state})"
+
+    @property
+    def attached(self) -> bool:
+        return self.scheduler is not None
+
+    @property
+    def lease_epoch(self) -> int:
+        return self.info.lease_epoch if self.info is not None and self.attached else 0
+
+    # ---- requests (called by the engine) ------------------------------------------------------
+
+    def load(self, block_hashes) -> ExecutorLoad:
+        """The router's view of this executor for a request whose prompt blocks hash to
+        `block_hashes` (empty: no prefix lookup)."""
+        core = self.scheduler
+        assert core is not None
+        manager = core.kv_cache_manager
+        return ExecutorLoad(
+            num_running=core.num_running_requests,
+            num_waiting=core.num_queued_requests,
+            queued_tokens=core.num_queued_tokens,
+            num_free_blocks=manager.block_pool.num_free_blocks,
+            block_size=manager.block_size,
+            hit_blocks=manager.num_cached_blocks(block_hashes) if block_hashes else 0,
+        )
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request on this executor's core (ValueError: it does not fit its limits)."""
+        assert self.scheduler is not None
+        self.scheduler.add_request(request)
+        self.seq_ids.add(request.seq_id)
+        self.requests_routed += 1
+        self._wakeup.set()
+
+    def finish_request(self, seq_id: SeqId) -> None:
+        """Drops a finished or aborted request; its blocks return to the pool."""
+        self.seq_ids.discard(seq_id)
+        if self.scheduler is not None:
+            self.scheduler.abort_request(seq_id)
+            self._wakeup.set()
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, int]:
+        """The core counters over this executor's lifetime (earlier cores included)."""
+        totals = dict(self._retired)
+        if self.scheduler is not None:
+            stats = self.scheduler.stats
+            for name in COUNTERS:
+                totals[name] += getattr(stats, name)
+        return totals
+
+    def core_stats(self) -> SchedulerStats | None:
+        return self.scheduler.stats if self.scheduler is not None else None
+
+    def status(self) -> ExecutorStatusView:
+        core = self.scheduler
+        pool = core.kv_cache_manager.block_pool if core is not None else None
+        return ExecutorStatusView(
+            address=self.address,
+            attached=core is not None,
+            lease_epoch=self.lease_epoch,
+            num_running=core.num_running_requests if core is not None else 0,
+            num_waiting=core.num_queued_requests if core is not None else 0,
+            num_gpu_blocks=pool.num_blocks if pool is not None else 0,
+            gpu_blocks_in_use=pool.num_blocks_in_use if pool is not None else 0,
+            requests_routed=self.requests_routed,
+            prefix_cache_hit_tokens=self.counters()["prefix_cache_hit_tokens"],
+            state=self.state,
+            steps=self.steps,
+            busy_seconds=self.busy_seconds,
+        )
+
+    # ---- life cycle ---------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Task:
+        self._task = asyncio.create_task(self.run(), name=f"executor {self.address}")
+        return self._task
+
+    async def stop(self, state: str) -> None:
+        """Stops the loop (the executor was dropped, or the scheduler releases it) and retires the
+        core; the engine re-places `seq_ids` afterwards."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._retire_core()
+        self.state = state
+
+    async def detach(self, lease_epoch: int) -> None:
+        """Gives the lease up (best effort: an executor that does not implement Detach, or does not
+        answer, lets the lease expire instead)."""
+        try:
+            await self.transport.detach(lease_epoch, LEASE_RPC_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, RuntimeError) as exc:
+            log.info("detach failed", executor=self.address, error=_rpc_reason(exc))
+
+    async def run(self) -> None:
+        """Attaches, runs steps until the executor is lost, and again; until cancelled."""
+        throttle = Throttler(rate_limit=1, period=ATTACH_RETRY_PERIOD_S)
+        refresh = self.config.executor_refresh_interval
+        while True:
+            if not self._host.has_slot(self):
+                self.state = "spare"
+                await asyncio.sleep(min(ATTACH_RETRY_PERIOD_S, refresh))
+                continue
+            try:
+                async with throttle:  # after a loss, re-attach at most once a period
+                    reply = await self.transport.attach(self.scheduler_id, self.config.attach_timeout)
+            except (grpc.aio.AioRpcError, RuntimeError) as exc:
+                if (
+                    isinstance(exc, grpc.aio.AioRpcError)
+                    and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                ):
+                    self.state = f"refused: {exc.details()}"
+                    log.info("executor refused", executor=self.address, reason=exc.details())
+                    await asyncio.sleep(refresh)
+                elif not self.state.startswith("lost"):
+                    self.state = "attaching"
+                    log.info("attach failed", executor=self.address, error=_rpc_reason(exc))
+                continue
+            info = self._info(reply)
+            if not self._host.has_slot(self):  # another one attached meanwhile
+                await self.detach(info.lease_epoch)
+                continue
+            refusal = self._host.admit_executor(self, info)
+            if refusal is not None:
+                self.state = f"refused: {refusal}"
+                log.warning("executor refused", executor=self.address, reason=refusal)
+                await self.detach(info.lease_epoch)
+                await asyncio.sleep(refresh)
+                continue
+            self._start_core(reply, info)
+            try:
+                await self._step_loop()
+            except (grpc.aio.AioRpcError, RuntimeError, LeaseLost) as exc:
+                fenced = isinstance(exc, LeaseLost) or (
+                    isinstance(exc, grpc.aio.AioRpcError)
+                    and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                )
+                reason = ("lease lost: " if fenced else "") + _rpc_reason(exc)
+                log.error("executor lost", executor=self.address, error=reason, requests=len(self.seq_ids))
+                self._retire_core()
+                self.state = f"lost: {reason}"
+                self._host.on_lost(self)
+
+    def _info(self, reply: executor_pb2.AttachResponse) -> ExecutorInfo:
+        config = self.config
+        return ExecutorInfo(
+            lease_epoch=reply.lease_epoch,
+            model=config.served_model_name or reply.model,
+            max_model_len=min(reply.max_model_len, config.max_model_len or reply.max_model_len),
+            vocab_size=reply.vocab_size,
+            block_size=reply.block_size,
+            num_gpu_blocks=reply.num_gpu_blocks,
+            num_cpu_blocks=reply.num_cpu_blocks,
+            eos_token_ids=tuple(reply.eos_token_ids),
+            device=reply.device,
+            lease_timeout_ms=reply.lease_timeout_ms,
+        )
+
+    def _start_core(self, reply: executor_pb2.AttachResponse, info: ExecutorInfo) -> None:
+        """A fresh scheduling core for a new lease: the executor holds no request of ours now."""
+        config = self.config
+        self.info = info
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=reply.block_size,
+                num_gpu_blocks=reply.num_gpu_blocks,
+                num_cpu_blocks=reply.num_cpu_blocks,
+                max_model_len=info.max_model_len,
+                max_num_seqs=_within(config.max_num_seqs, reply.max_num_seqs),
+                max_num_batched_tokens=_within(config.max_num_batched_tokens, reply.max_num_batched_tokens),
+                enable_prefix_caching=config.enable_prefix_caching,
+                preemption_mode=config.preemption_mode,
+            )
+        )
+        self._heartbeats = True
+        self.state = "attached"
+        log.info("attached", executor=self.address, transport=str(self.transport), **dataclasses.asdict(info))
+        self._host.on_attached(self)
+
+    def _retire_core(self) -> None:
+        """Keeps the core's counters and drops it: its block ids mean nothing to the next lease."""
+        if self.scheduler is not None:
+            stats = self.scheduler.stats
+            for name in COUNTERS:
+                self._retired[name] += getattr(stats, name)
+            self.scheduler = None
+
+    # ---- the step loop ------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        assert self.info is not None and self.scheduler is not None
+        core = self.scheduler
+        call = self.transport.open_steps(self.info.lease_epoch)
+        in_flight: deque[StepPlan] = deque()
+        last_log = time.monotonic()
+        self._last_contact = time.monotonic()
+        try:
+            while True:
+                plan = None
+                if len(in_flight) < PLANS_IN_FLIGHT:
+                    plan = core.schedule()
+                    if plan.is_empty:
+                        plan = None
+                    else:
+                        await call.write(self._host.plan_to_proto(plan))
+                        in_flight.append(plan)
+                if in_flight and (plan is None or len(in_flight) >= PLANS_IN_FLIGHT):
+                    output = await call.read()
+                    if output is None:
+                        raise RuntimeError("the executor closed the step stream")
+                    self._last_contact = time.monotonic()
+                    self._on_output(in_flight.popleft(), output)
+                elif not in_flight:
+                    if call.ended():
+                        raise RuntimeError("the executor ended the step stream while idle")
+                    await self._heartbeat_if_due()
+                    await self._wait_for_work()
+                if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
+                    last_log = time.monotonic()
+                    log.info(
+                        "executor stats",
+                        executor=self.address,
+                        steps=self.steps,
+                        **dataclasses.asdict(core.stats),
+                    )
+        finally:
+            call.cancel()
+
+    def _heartbeat_period(self) -> float | None:
+        assert self.info is not None
+        if not self._heartbeats or not self.info.lease_timeout_ms:
+            return None
+        return self.info.lease_timeout_ms / 3000
+
+    async def _heartbeat_if_due(self) -> None:
+        """Keeps the lease of an idle executor live (steps keep it live while busy)."""
+        period = self._heartbeat_period()
+        if period is None or time.monotonic() - self._last_contact < period:
+            return
+        assert self.info is not None
+        try:
+            await self.transport.heartbeat(self.info.lease_epoch, LEASE_RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._heartbeats = False  # an executor without leases that expire
+                return
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise LeaseLost(f"heartbeat refused: {exc.details()}") from None
+            raise
+        self._last_contact = time.monotonic()
+
+    async def _wait_for_work(self) -> None:
+        """Sleeps until a request is placed here or aborted (briefly, if queued work cannot run;
+        at most `IDLE_CHECK_PERIOD_S`, so that the loop checks the stream and the heartbeat)."""
+        assert self.scheduler is not None
+        self._wakeup.clear()
+        timeout = 0.05 if self.scheduler.has_unfinished_requests() else IDLE_CHECK_PERIOD_S
+        period = self._heartbeat_period()
+        if period is not None:
+            timeout = max(0.0, min(timeout, self._last_contact + period - time.monotonic()))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    def _on_output(self, plan: StepPlan, output: executor_pb2.StepOutput) -> None:
+        if output.step_id != plan.step_id:
+            raise RuntimeError(f"step output {output.step_id} arrived for plan {plan.step_id}")
+        self.steps += 1
+        self.busy_seconds += output.step_seconds
+        self._host.on_output(self, plan, output)
