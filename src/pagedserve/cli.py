@@ -257,6 +257,7 @@ def generate(args: argparse.Namespace) -> int:
     import grpc
 
     from pagedserve.client import make_request, stream
+    from pagedserve.protos import generation_pb2
 
     request = make_request(
         args.prompt,
@@ -275,8 +276,10 @@ def generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 if response.finish_reason:
                     u = response.usage
+                    reason = generation_pb2.FinishReason.Name(response.finish_reason)
                     print(
-                        f"\n[finish={response.finish_reason} prompt_tokens={u.prompt_tokens} "
+                        f"\n[finish={reason.removeprefix('FINISH_REASON_').lower()} "
+                        f"prompt_tokens={u.prompt_tokens} "
                         f"completion_tokens={u.completion_tokens} "
                         f"cached_prompt_tokens={u.cached_prompt_tokens}]",
                         file=sys.stderr,

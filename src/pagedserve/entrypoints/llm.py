@@ -303,7 +303,7 @@ class LLM:
                     f"sampling_params: {len(per_prompt)} given for {len(parsed)} prompts "
                     "(give one, or one per prompt)"
                 )
-        info = self._engine.model_info()
+        info = self._engine.info
         prepared = []
         for i, ((text, ids), p) in enumerate(zip(parsed, per_prompt, strict=True)):
             if not isinstance(p, SamplingParams):
