@@ -176,7 +176,8 @@ def _batch(q_lens, contexts, dtype, seed=0):
 
 def test_reference_attention_over_fp8_caches_equals_dequantized_caches():
     batch = _batch([7, 1, 0, 19, 1], [40, 300, 5, 19, 70], torch.float32)
-    ks, vs = torch.tensor([0.01]), torch.tensor([0.004])
+    device = batch["q"].device  # the GPU's when there is one: the reference runs there too
+    ks, vs = torch.tensor([0.01], device=device), torch.tensor([0.004], device=device)
     k8, v8 = _fp8_caches(batch, ks, vs)
     args = (
         batch["q"],
