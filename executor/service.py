@@ -177,9 +177,10 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self._shutting_down = threading.Event()
         self._closed = threading.Event()
         period = min(LEASE_CHECK_MAX_PERIOD_S, lease_timeout_s / 20)
-        threading.Thread(
+        self._expiry = threading.Thread(
             target=self._expire_leases, args=(period,), name="executor-lease-expiry", daemon=True
-        ).start()
+        )
+        self._expiry.start()
 
     @property
     def epoch(self) -> int:
@@ -191,7 +192,10 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return self._lease
 
     def close(self) -> None:
+        """Stops the lease-expiry thread and waits for it: a thread still running when the
+        interpreter exits can abort the process (std::terminate from a native library)."""
         self._closed.set()
+        self._expiry.join(timeout=5)
 
     def shut_down(self) -> None:
         """Refuses new work: each Step stream finishes its step in flight, then ends with UNAVAILABLE."""

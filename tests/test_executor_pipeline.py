@@ -243,16 +243,22 @@ class _FakeRunner:
 
 
 class _Context:
+    """A Step call's context carrying the lease epoch of `_service`'s Attach."""
+
+    def __init__(self, service: ExecutorService) -> None:
+        self._epoch = service.epoch
+
     def invocation_metadata(self):
-        return wire.lease_metadata(1)
+        return wire.lease_metadata(self._epoch)
 
     def abort(self, code, details):
         raise grpc.RpcError(code, details)
 
 
 def _service(runner) -> ExecutorService:
+    """The service with a live lease (a scheduler attached), as a Step stream needs."""
     service = ExecutorService(runner, "fake")
-    service._epoch = 1
+    service.lease.attach("test-scheduler", "ipv4:127.0.0.1:1")
     return service
 
 
@@ -260,7 +266,7 @@ def test_service_launches_next_plan_before_finishing_the_running_step():
     runner = _FakeRunner()
     service = _service(runner)
     plans: queue.Queue = queue.Queue()
-    outputs = service.Step(iter(plans.get, None), _Context())
+    outputs = service.Step(iter(plans.get, None), _Context(service))
     plans.put(executor_pb2.StepPlan(step_id=1))
     plans.put(executor_pb2.StepPlan(step_id=2))
     time.sleep(0.05)  # both queued while step 1 still runs
@@ -285,7 +291,7 @@ def test_service_finishes_the_pending_step_when_the_stream_ends():
     plans: queue.Queue = queue.Queue()
     plans.put(executor_pb2.StepPlan(step_id=1))
     plans.put(None)  # the client closes its side right after its last plan
-    outputs = service.Step(iter(plans.get, None), _Context())
+    outputs = service.Step(iter(plans.get, None), _Context(service))
     assert [o.step_id for o in outputs] == [1]
 
 
@@ -294,7 +300,7 @@ def test_service_sends_output_without_waiting_for_a_plan_that_is_not_coming():
     runner = _FakeRunner(auto_finish_after=0.02)
     service = _service(runner)
     plans: queue.Queue = queue.Queue()
-    outputs = service.Step(iter(plans.get, None), _Context())
+    outputs = service.Step(iter(plans.get, None), _Context(service))
     for step_id in (1, 2, 3):
         plans.put(executor_pb2.StepPlan(step_id=step_id))
         assert next(outputs).step_id == step_id  # would hang if the loop waited for step_id + 1
@@ -317,7 +323,7 @@ def test_service_sends_pending_output_before_a_bad_plan_aborts():
     plans.put(executor_pb2.StepPlan(step_id=1))
     plans.put(executor_pb2.StepPlan(step_id=2))
     time.sleep(0.01)
-    outputs = service.Step(iter(plans.get, None), _Context())
+    outputs = service.Step(iter(plans.get, None), _Context(service))
     assert next(outputs).step_id == 1
     with pytest.raises(grpc.RpcError):
         next(outputs)

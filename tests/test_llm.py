@@ -147,15 +147,19 @@ def test_chat_applies_the_template_and_refuses_without_one(llm):
         llm.chat(conversation, greedy, use_tqdm=False)
 
 
-def test_seed_example_runs_unchanged_on_the_default_model(tmp_path):
-    """The README's offline example, in a fresh process whose built-in model is written to a
-    temporary PAGEDSERVE_HOME; importing the scheduler alone does not load the top layer."""
-    env = {**os.environ, "PAGEDSERVE_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+def test_seed_example_runs_unchanged_on_the_default_model():
+    """The README's offline example, in a fresh process, on the built-in model (the default);
+    importing the scheduler alone does not load the top layer."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     lazy = (
         "import sys, pagedserve, pagedserve.scheduler.service\n"
         "assert 'pagedserve.entrypoints' not in sys.modules and 'tqdm' not in sys.modules\n"
     )
-    script = lazy + textwrap.dedent(SEED_EXAMPLE)
+    built_in = (
+        "from pagedserve.common.default_model import DEFAULT_MODEL_DIR\n"
+        "assert llm.executor_config.model == str(DEFAULT_MODEL_DIR), llm.executor_config.model\n"
+    )
+    script = lazy + textwrap.dedent(SEED_EXAMPLE) + built_in
     proc = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=240
     )
@@ -164,4 +168,3 @@ def test_seed_example_runs_unchanged_on_the_default_model(tmp_path):
     assert lines[0].startswith("Hello, my name is") and any(
         line.startswith("The capital of France is") for line in lines
     )
-    assert (tmp_path / "default-model" / "model.safetensors").exists()
