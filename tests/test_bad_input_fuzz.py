@@ -165,7 +165,8 @@ def _check(stub, request: generation_pb2.GenerateRequest) -> None:
         event("INVALID_ARGUMENT")
         return
     event("OK")
-    assert last is not None and last.finish_reason != 0
+    assert last is not None
+    assert last.finish_reason != 0
     assert last.usage.completion_tokens == tokens
     assert 1 <= tokens <= (request.stopping.max_tokens or MAX_MODEL_LEN)
     s = request.sampling
@@ -205,7 +206,8 @@ def test_limits_have_clear_messages(stub, kwargs, message):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(make_request([5, 6], max_tokens=2, **kwargs), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert message in err.value.details() and len(err.value.details()) < 300
+    assert message in err.value.details()
+    assert len(err.value.details()) < 300
 
 
 def test_the_service_still_serves_after_the_fuzz(services, stub):
@@ -215,6 +217,8 @@ def test_the_service_still_serves_after_the_fuzz(services, stub):
     request.stopping.ignore_eos = True
     assert sum(len(r.token_ids) for r in stub.Generate(request, timeout=60)) == 4
     stats = wait_for_idle(services)
-    assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+    assert stats.gpu_blocks_in_use == 0
+    assert stats.num_active_requests == 0
     assert scheduler_stats(services).tokens_generated > 0
-    assert services.scheduler.poll() is None and services.executor.poll() is None
+    assert services.scheduler.poll() is None
+    assert services.executor.poll() is None

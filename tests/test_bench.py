@@ -73,7 +73,8 @@ def test_w4_interleaves_eight_shared_prefixes():
     """Every prefix first (each 1,024 ids), then per request its suffix (fixed lengths draw
     nothing); request i uses prefix i mod 8."""
     workload, rates = bench.resolve(bench.build_parser().parse_args(["--workload", "W4"]))
-    assert rates == [math.inf] and workload.num_prefixes == 8
+    assert rates == [math.inf]
+    assert workload.num_prefixes == 8
     requests = bench.generate_requests(workload, vocab_size=128256, max_model_len=8192)
     assert len(requests) == 512
 
@@ -162,14 +163,16 @@ def test_small_vocabulary_and_context_are_respected():
     assert bench.token_id_range(128256) == (1000, 100000)
     for r in requests:
         assert all(256 <= t < 512 for t in r.prompt)
-        assert len(r.prompt) + r.output_len <= 256 and r.output_len >= 1
+        assert len(r.prompt) + r.output_len <= 256
+        assert r.output_len >= 1
 
 
 def test_poisson_arrivals_are_seeded_and_start_at_zero():
     assert bench.arrival_times(4, math.inf, seed=1) == [0.0] * 4
     times = bench.arrival_times(2000, 8.0, seed=1)
     assert times == bench.arrival_times(2000, 8.0, seed=1)
-    assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:], strict=False))
+    assert times[0] == 0.0
+    assert all(b > a for a, b in zip(times, times[1:], strict=False))
     assert 0.1 < times[-1] / 1999 < 0.15  # mean gap 1/8 s, loosely
 
 
@@ -215,7 +218,8 @@ def test_latency_metrics_follow_their_definitions():
     run = bench.summarize(synthetic_pass())
     assert (run["completed"], run["failed"], run["errors"]) == (2, 1, {"RESOURCE_EXHAUSTED": 1})
     assert run["duration_s"] == pytest.approx(2.0)
-    assert run["total_output_tokens"] == 6 and run["total_input_tokens"] == 30
+    assert run["total_output_tokens"] == 6
+    assert run["total_input_tokens"] == 30
     assert run["output_throughput"] == pytest.approx(3.0)
     assert run["total_token_throughput"] == pytest.approx(18.0)
     assert run["request_throughput"] == pytest.approx(1.0)
@@ -250,12 +254,14 @@ def test_server_counters_are_left_out_when_the_executor_was_lost_during_the_pass
     for result in (lost, replaced):
         server = bench.server_metrics(result)
         assert server["counters_reset"] is True
-        assert server["prompt_tokens_computed"] is None and server["preemptions"] is None
+        assert server["prompt_tokens_computed"] is None
+        assert server["preemptions"] is None
         assert server["prefix_cache_hit_rate"] is None
         assert (server["num_gpu_blocks"], server["peak_source"]) == (100, "sampled")
     table = bench.results_table([bench.summarize(lost)])
     row = next(line for line in table.splitlines() if line.startswith("prompt tokens computed"))
-    assert row.split()[-1] == "n/a" and "counters restarted" in table
+    assert row.split()[-1] == "n/a"
+    assert "counters restarted" in table
     assert bench.server_metrics(synthetic_pass())["counters_reset"] is False
 
 
@@ -263,7 +269,9 @@ def test_table_and_plot_are_written(tmp_path):
     passes = [synthetic_pass("prefix caching on"), synthetic_pass("prefix caching off")]
     runs = [bench.summarize(p) for p in passes]
     table = bench.results_table(runs, {"greedy outputs identical": True})
-    assert "TTFT p99 (ms)" in table and "prefix caching off" in table and "yes" in table
+    assert "TTFT p99 (ms)" in table
+    assert "prefix caching off" in table
+    assert "yes" in table
     assert "RESOURCE_EXHAUSTED: full" in table
     baseline = bench._baseline_summary("hf-static", 2, 4.0, 30, 6, 12, "cpu")
     assert baseline["padding_waste"] == pytest.approx(0.5)
@@ -332,13 +340,16 @@ def test_bench_against_a_fake_server(fake_server, tmp_path, capsys):
     sent = {r.request_id: r for r in fake.seen}
     for req, rec in zip(requests, run["requests"], strict=True):
         msg = sent[f"bench-rate-200-{req.index}"]
-        assert tuple(msg.token_ids.ids) == req.prompt and msg.stopping.max_tokens == req.output_len
-        assert msg.stopping.ignore_eos and msg.sampling.temperature == 0.0
+        assert tuple(msg.token_ids.ids) == req.prompt
+        assert msg.stopping.max_tokens == req.output_len
+        assert msg.stopping.ignore_eos
+        assert msg.sampling.temperature == 0.0
         assert rec["output_tokens"] == (0 if req.index == 3 else req.output_len)
     assert run["server"]["prompt_tokens_computed"] == sum(len(r.prompt) for r in requests if r.index != 3)
     assert result.with_suffix(".png").exists()
     out = capsys.readouterr().out
-    assert "output throughput (tok/s)" in out and "queue full" in out
+    assert "output throughput (tok/s)" in out
+    assert "queue full" in out
 
 
 def test_a_sweep_gives_each_pass_fresh_prompts(fake_server, tmp_path):
@@ -419,7 +430,8 @@ def test_make_model_refuses_to_overwrite_weights_or_a_file(tmp_path, capsys):
     ):
         with pytest.raises(SystemExit) as exit_info:
             make_model(argv)
-        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
     assert (existing / "model-00001-of-00002.safetensors").read_bytes() == b"real weights"
     assert not (tmp_path / "new").exists()
 
@@ -446,9 +458,12 @@ def test_scaled_down_shape_loads_in_transformers(tmp_path):
         q = f.get_tensor("model.layers.1.self_attn.q_proj.weight")
         norm = f.get_tensor("model.norm.weight")
     assert len(names) == 2 + 9 * 2 + 1
-    assert "lm_head.weight" in names and "model.layers.0.mlp.down_proj.weight" in names
-    assert q.dtype == torch.bfloat16 and tuple(q.shape) == (64, 64)
-    assert abs(q.float().std().item() - 0.02) < 0.003 and torch.all(norm == 1)
+    assert "lm_head.weight" in names
+    assert "model.layers.0.mlp.down_proj.weight" in names
+    assert q.dtype == torch.bfloat16
+    assert tuple(q.shape) == (64, 64)
+    assert abs(q.float().std().item() - 0.02) < 0.003
+    assert torch.all(norm == 1)
 
     model = AutoModelForCausalLM.from_pretrained(directory)
     state = model.state_dict()
@@ -488,9 +503,8 @@ def test_launched_bench_with_hf_static_baseline(tiny_model_dir, tmp_path, capsys
     assert all(r["output_tokens"] == r["max_tokens"] for r in run["requests"])
     assert run["server"]["prompt_tokens_computed"] >= 1
     (baseline,) = report["baselines"]
-    assert baseline["num_requests"] == 4 and baseline["output_tokens"] == sum(
-        r["max_tokens"] for r in run["requests"][:4]
-    )
+    assert baseline["num_requests"] == 4
+    assert baseline["output_tokens"] == sum(r["max_tokens"] for r in run["requests"][:4])
     assert result.with_suffix(".png").exists()
     assert "first 4" in capsys.readouterr().out
 
@@ -507,8 +521,10 @@ def test_launched_prefix_caching_comparison(tiny_model_dir, tmp_path, capsys):
     assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
     assert on["completed"] == off["completed"] == 6
     assert on["server"]["prompt_tokens_computed"] < off["server"]["prompt_tokens_computed"]
-    assert on["server"]["prefix_cache_hit_tokens"] > 0 and off["server"]["prefix_cache_hit_tokens"] == 0
-    assert on["cached_prompt_tokens"] > 0 and off["cached_prompt_tokens"] == 0
+    assert on["server"]["prefix_cache_hit_tokens"] > 0
+    assert off["server"]["prefix_cache_hit_tokens"] == 0
+    assert on["cached_prompt_tokens"] > 0
+    assert off["cached_prompt_tokens"] == 0
     assert report["comparison"]["greedy outputs identical"] is True
     assert "prefix caching on vs off" in capsys.readouterr().out
 
@@ -535,4 +551,5 @@ def test_launched_w4_smoke_over_two_executors(tiny_model_dir, tmp_path, capsys):
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == ["executor-0.log", "executor-1.log", "scheduler.log"]
     out = capsys.readouterr().out
-    assert "prompt tokens computed" in out and "output throughput (tok/s)" in out
+    assert "prompt tokens computed" in out
+    assert "output throughput (tok/s)" in out

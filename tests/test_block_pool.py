@@ -23,7 +23,8 @@ def make_request(seq_id: int, prompt: list[int], max_tokens: int = 4) -> Request
 def test_hash_is_chained_and_deterministic() -> None:
     a = hash_block_tokens(None, [1, 2, 3, 4])
     assert a == hash_block_tokens(None, [1, 2, 3, 4])
-    assert isinstance(a, bytes) and len(a) == 32
+    assert isinstance(a, bytes)
+    assert len(a) == 32
     assert a != hash_block_tokens(None, [1, 2, 3, 5])
     # The same tokens under a different parent are a different block.
     assert hash_block_tokens(a, [5, 6, 7, 8]) != hash_block_tokens(None, [5, 6, 7, 8])
@@ -42,11 +43,13 @@ def test_free_queue_push_pop_remove() -> None:
     queue.appendleft(b3)
     assert ids(queue) == [3, 0, 1, 2]
     queue.remove(b1)
-    assert ids(queue) == [3, 0, 2] and len(queue) == 3
+    assert ids(queue) == [3, 0, 2]
+    assert len(queue) == 3
     assert queue.popleft() is b3
     with pytest.raises(ValueError):
         queue.remove(b1)
-    assert queue.popleft() is b0 and queue.popleft() is b2
+    assert queue.popleft() is b0
+    assert queue.popleft() is b2
     with pytest.raises(IndexError):
         queue.popleft()
 
@@ -55,7 +58,8 @@ def test_allocate_takes_from_the_head_in_order() -> None:
     pool = BlockPool(5)
     assert ids(pool.allocate(2)) == [0, 1]
     assert ids(pool.allocate(2)) == [2, 3]
-    assert pool.num_free_blocks == 1 and pool.num_blocks_in_use == 4
+    assert pool.num_free_blocks == 1
+    assert pool.num_blocks_in_use == 4
     with pytest.raises(ValueError):
         pool.allocate(2)
 
@@ -75,7 +79,8 @@ def test_uncached_blocks_are_reused_before_cached_ones_and_cached_ones_lru() -> 
     assert pool.get_cached_block(hash_block_tokens(None, [1])) is None  # evicted and unmapped
     assert blocks[1].block_hash is None
     assert pool.get_cached_block(hash_block_tokens(None, [0])) is blocks[0]
-    assert pool.num_cached_free_blocks == 2 and pool.num_cached_blocks == 2
+    assert pool.num_cached_free_blocks == 2
+    assert pool.num_cached_blocks == 2
 
 
 def test_touch_revives_a_cached_free_block_and_ref_counts_sharing() -> None:
@@ -86,11 +91,14 @@ def test_touch_revives_a_cached_free_block_and_ref_counts_sharing() -> None:
     pool.touch([b0])  # a second holder shares it
     assert b0.ref_count == 2
     pool.free([b0])
-    assert b0.ref_count == 1 and pool.num_free_blocks == 2
+    assert b0.ref_count == 1
+    assert pool.num_free_blocks == 2
     pool.free([b0])
-    assert b0.ref_count == 0 and ids(pool.free_queue()) == [1, 2, 0]
+    assert b0.ref_count == 0
+    assert ids(pool.free_queue()) == [1, 2, 0]
     pool.touch([b0])  # prefix hit on a cached free block
-    assert b0.ref_count == 1 and ids(pool.free_queue()) == [1, 2]
+    assert b0.ref_count == 1
+    assert ids(pool.free_queue()) == [1, 2]
     assert pool.num_cached_free_blocks == 0
     with pytest.raises(ValueError):
         pool.free([pool.blocks[1]])  # never held
@@ -102,11 +110,13 @@ def test_cache_block_keeps_the_first_copy_and_respects_disabled_caching() -> Non
     h = hash_block_tokens(None, [1])
     assert pool.cache_block(b0, h)
     assert not pool.cache_block(b1, h)  # duplicate content computed twice: first copy stays canonical
-    assert b1.block_hash is None and pool.get_cached_block(h) is b0
+    assert b1.block_hash is None
+    assert pool.get_cached_block(h) is b0
     assert not pool.cache_block(b0, hash_block_tokens(None, [2]))  # already hashed
     off = BlockPool(2, enable_caching=False)
     (c0,) = off.allocate(1)
-    assert not off.cache_block(c0, h) and c0.block_hash is None
+    assert not off.cache_block(c0, h)
+    assert c0.block_hash is None
 
 
 # ---- KV cache manager ----------------------------------------------------------------------------
@@ -134,14 +144,16 @@ def test_prefix_hit_reuses_the_hash_chain_and_shares_blocks() -> None:
 
     b = make_request(2, [*range(8), 99, 98, 97])  # same first two blocks, different tail
     hits, num_cached = kv.get_computed_blocks(b)
-    assert ids(hits) == [0, 1] and num_cached == 8
+    assert ids(hits) == [0, 1]
+    assert num_cached == 8
     assert kv.allocate_slots(b, 11, hits) == [3]
     assert kv.block_ids(b.seq_id) == [0, 1, 3]
     assert [blk.ref_count for blk in kv.block_pool.blocks[:4]] == [2, 2, 1, 1]
 
     c = make_request(3, [0, 1, 2, 3, 9, 9, 9, 9, 9])  # diverges in the second block
     hits, num_cached = kv.get_computed_blocks(c)
-    assert ids(hits) == [0] and num_cached == 4
+    assert ids(hits) == [0]
+    assert num_cached == 4
 
     d = make_request(4, [5, *range(1, 8)])  # same second block, different first: chain breaks
     assert kv.get_computed_blocks(d) == ([], 0)
@@ -155,11 +167,13 @@ def test_at_least_one_token_is_computed_when_the_whole_prompt_is_cached() -> Non
     kv.cache_full_blocks(a)
     b = make_request(2, list(range(8)))  # the same 8 tokens: the last block is recomputed
     hits, num_cached = kv.get_computed_blocks(b)
-    assert ids(hits) == [0] and num_cached == 4
+    assert ids(hits) == [0]
+    assert num_cached == 4
     assert kv.allocate_slots(b, 8, hits) == [2]
     c = make_request(3, list(range(9)))  # one more token: both full blocks are reused
     hits, num_cached = kv.get_computed_blocks(c)
-    assert ids(hits) == [0, 1] and num_cached == 8
+    assert ids(hits) == [0, 1]
+    assert num_cached == 8
 
 
 def test_only_known_computed_tokens_are_cached() -> None:
@@ -192,12 +206,14 @@ def test_free_keeps_full_blocks_cached_and_evicts_the_chain_tail_first() -> None
     kv.free(a)
     # Block 3 (partial, uncached) goes to the head; the chain 0, 1, 2 goes to the tail reversed.
     assert ids(kv.block_pool.free_queue()) == [3, 4, 5, 2, 1, 0]
-    assert kv.block_pool.num_cached_free_blocks == 3 and kv.block_pool.num_blocks_in_use == 0
+    assert kv.block_pool.num_cached_free_blocks == 3
+    assert kv.block_pool.num_blocks_in_use == 0
     b = make_request(2, [9] * 8)
     assert kv.allocate_slots(b, 8) == [3, 4, 5, 2]  # evicts the chain's last block first
     c = make_request(3, [1, 2, 3, 4, 0])
     hits, num_cached = kv.get_computed_blocks(c)
-    assert ids(hits) == [0, 1] and num_cached == 4
+    assert ids(hits) == [0, 1]
+    assert num_cached == 4
 
 
 def test_allocate_counts_cached_free_hits_against_the_free_blocks() -> None:
@@ -220,8 +236,10 @@ def test_swap_out_and_in_with_deferred_cpu_release() -> None:
     kv.allocate_slots(a, 3)
     a.num_computed_tokens = 3
     assert kv.swap_out(a) == [(0, 0), (1, 1)]
-    assert kv.block_ids(a.seq_id) == [] and kv.cpu_block_ids(a.seq_id) == [0, 1]
-    assert kv.block_pool.num_blocks_in_use == 0 and kv.num_free_cpu_blocks == 1
+    assert kv.block_ids(a.seq_id) == []
+    assert kv.cpu_block_ids(a.seq_id) == [0, 1]
+    assert kv.block_pool.num_blocks_in_use == 0
+    assert kv.num_free_cpu_blocks == 1
     b = make_request(2, [5, 6, 7, 8, 9])
     kv.allocate_slots(b, 5)
     b.num_computed_tokens = 5
@@ -248,7 +266,8 @@ def test_blocks_short_and_reclaimable_count_only_what_release_would_free() -> No
     hits, num_cached = kv.get_computed_blocks(b)
     assert ids(hits) == [0, 1]
     kv.allocate_slots(b, 5, hits)  # shares 0, 1 with a and takes 3; blocks 4, 5 are free
-    assert kv.num_blocks_short(a, 9) == 0 and kv.num_blocks_short(a, 11) == 1
+    assert kv.num_blocks_short(a, 9) == 0
+    assert kv.num_blocks_short(a, 11) == 1
     assert kv.num_reclaimable_blocks([a.seq_id]) == 1  # its block 2; 0 and 1 are shared with b
     assert kv.num_reclaimable_blocks([a.seq_id, b.seq_id]) == 4
     assert kv.num_reclaimable_blocks([a.seq_id, b.seq_id], keep=hits) == 2  # hits stay with their taker
@@ -258,4 +277,5 @@ def test_blocks_short_and_reclaimable_count_only_what_release_would_free() -> No
     b.num_computed_tokens = 5
     assert kv.swap_out(b) == [(0, 0), (1, 1), (3, 2)]
     # Swapped out, b needs a whole new table: 4 blocks for 7 tokens, with 3, 4, 5 free.
-    assert kv.num_blocks_short(b, 5) == 0 and kv.num_blocks_short(b, 7) == 1
+    assert kv.num_blocks_short(b, 5) == 0
+    assert kv.num_blocks_short(b, 7) == 1

@@ -61,11 +61,14 @@ def test_serve_generate_health_and_shutdown(tmp_path):
             env=env,
         )
         assert result.returncode == 0, result.stderr
-        assert "finish=" in result.stderr and "completion_tokens=16" in result.stderr
-        assert result.stdout.strip() and "\ufffd" not in result.stdout
+        assert "finish=" in result.stderr
+        assert "completion_tokens=16" in result.stderr
+        assert result.stdout.strip()
+        assert "\ufffd" not in result.stdout
 
         bad = cli("generate", f"--port={port}", "x", "--temperature=-1", env=env)
-        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+        assert bad.returncode == 1
+        assert "INVALID_ARGUMENT" in bad.stderr
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0
@@ -158,7 +161,8 @@ def test_serve_checks_its_flags_before_starting_anything(tmp_path, monkeypatch, 
         with pytest.raises(SystemExit) as exit_info:
             pagedserve_cli.main(["serve", "--device", "cpu", *argv])
         assert exit_info.value.code == 2
-        assert "pagedserve serve: error:" in (err := capsys.readouterr().err) and flag in err, err
+        assert "pagedserve serve: error:" in (err := capsys.readouterr().err), err
+        assert flag in err, err
     assert not (tmp_path / "default-model").exists()
 
 

@@ -48,18 +48,22 @@ def test_stop_token_length_and_min_tokens(tokenizer):
     word = tokenizer.encode("dog", add_special_tokens=False)[0]
     c = Completion(tokenizer, [1], StopConditions(max_tokens=10, stop_token_ids=frozenset({eos})))
     deltas = run(c, [word, eos, word])
-    assert c.finish_reason is FinishReason.STOP and c.num_tokens == 2
-    assert deltas[-1].token_ids == [eos] and deltas[-1].text == ""
+    assert c.finish_reason is FinishReason.STOP
+    assert c.num_tokens == 2
+    assert deltas[-1].token_ids == [eos]
+    assert deltas[-1].text == ""
 
     c = Completion(
         tokenizer, [1], StopConditions(max_tokens=10, min_tokens=3, stop_token_ids=frozenset({eos}))
     )
     run(c, [eos, eos, eos, word])
-    assert c.finish_reason is FinishReason.STOP and c.num_tokens == 3  # eos ignored until min_tokens
+    assert c.finish_reason is FinishReason.STOP
+    assert c.num_tokens == 3  # eos ignored until min_tokens
 
     c = Completion(tokenizer, [1], StopConditions(max_tokens=2))
     run(c, [word] * 5)
-    assert c.finish_reason is FinishReason.LENGTH and c.num_tokens == 2
+    assert c.finish_reason is FinishReason.LENGTH
+    assert c.num_tokens == 2
 
 
 @pytest.mark.parametrize("grpc_flag", [[], ["--grpc"]])

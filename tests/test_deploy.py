@@ -108,7 +108,8 @@ def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles
         else:
             assert (model["type"], model["source"]) == ("volume", "no-model")
         token = next(v for v in service["volumes"] if v["target"] == "/run/pagedserve")
-        assert token["read_only"] and token["source"] == "internal-token"
+        assert token["read_only"]
+        assert token["source"] == "internal-token"
         assert "--internal-token-file=/run/pagedserve/internal-token" in service["command"]
         assert service["depends_on"]["internal-token"]["condition"] == "service_completed_successfully"
         assert service["restart"] == "unless-stopped"
@@ -122,11 +123,13 @@ def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles
     for executor in executors:
         devices = executor.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
         if files == CPU:
-            assert devices is None and "--device=cpu" in executor["command"]
+            assert devices is None
+            assert "--device=cpu" in executor["command"]
         else:
             assert devices[0]["capabilities"] == ["gpu"]
         # Scalable: no fixed name, no host port (each replica would need its own).
-        assert "container_name" not in executor and "ports" not in executor
+        assert "container_name" not in executor
+        assert "ports" not in executor
         assert executor["healthcheck"]["test"][1:] == ["pagedserve", "health", "--executor", "--port=50061"]
 
 
@@ -166,7 +169,8 @@ def test_compose_scheduler_and_gateway(tmp_path):
     assert int(scheduler["stop_grace_period"].rstrip("s")) > int(grace.split("=")[1])
     assert gateway["command"][:2] == ["pagedserve", "openai"]
     assert "--scheduler=dns:///scheduler:50051" in gateway["command"]
-    assert gateway["ports"][0]["target"] == 8000 and gateway["profiles"] == ["openai"]
+    assert gateway["ports"][0]["target"] == 8000
+    assert gateway["profiles"] == ["openai"]
     # A port range for `--scale scheduler=2` and the per-scheduler executor cap come from variables.
     env = {"PORT": "50051-50052", "MAX_EXECUTORS": "2"}
     scaled = compose_config(tmp_path, BASE, env)["services"]["scheduler"]
@@ -484,7 +488,8 @@ def start(cmd: list[str], log: Path) -> subprocess.Popen:
 def healthcheck(service: dict, port: int) -> list[str]:
     """A compose healthcheck's command pointed at a loopback port."""
     test = service["healthcheck"]["test"]
-    assert test[0] == "CMD" and test[1] == "pagedserve"
+    assert test[0] == "CMD"
+    assert test[1] == "pagedserve"
     args = [f"--port={port}" if a.startswith("--port=") else a for a in test[2:]]
     return [sys.executable, "-m", "pagedserve.cli", *args]
 

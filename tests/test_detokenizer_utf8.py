@@ -66,7 +66,8 @@ def test_completion_streams_whole_characters_and_drops_a_dangling_byte(splitting
     ids = splitting_tokenizer.encode("a🙂b🚀", add_special_tokens=False)
     completion = Completion(splitting_tokenizer, [], StopConditions(max_tokens=len(ids)))
     texts = [completion.add_token(i).text for i in ids]
-    assert all("\ufffd" not in t for t in texts) and "".join(texts) == "a🙂b🚀"
+    assert all("\ufffd" not in t for t in texts)
+    assert "".join(texts) == "a🙂b🚀"
 
     rocket = splitting_tokenizer.encode("🚀", add_special_tokens=False)
     assert len(rocket) > 1
@@ -74,4 +75,5 @@ def test_completion_streams_whole_characters_and_drops_a_dangling_byte(splitting
     stop = StopConditions(max_tokens=100, stop_token_ids=frozenset({eos}))
     completion = Completion(splitting_tokenizer, [], stop)
     texts = [completion.add_token(i).text for i in [*splitting_tokenizer.encode("x"), rocket[0], eos]]
-    assert "".join(texts) == "x" and completion.finish_reason is not None
+    assert "".join(texts) == "x"
+    assert completion.finish_reason is not None

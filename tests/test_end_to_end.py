@@ -111,7 +111,8 @@ def test_cancelled_stream_frees_its_blocks(services):
         assert scheduler_stats(services).gpu_blocks_in_use > 0
         responses.cancel()
     stats = wait_for_idle(services)
-    assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+    assert stats.gpu_blocks_in_use == 0
+    assert stats.num_active_requests == 0
 
 
 def test_stop_string_ends_the_text_before_it(services):
@@ -135,14 +136,16 @@ def test_seeded_sampling_repeats_and_logprobs(services):
             [20, 21, 22], max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True, return_logprobs=True
         )
         result = generate(channel, r)
-        assert len(result.logprobs) == len(result.token_ids) and all(lp <= 0 for lp in result.logprobs)
+        assert len(result.logprobs) == len(result.token_ids)
+        assert all(lp <= 0 for lp in result.logprobs)
         return result.token_ids
 
     with services.channel() as channel, ThreadPoolExecutor(4) as pool:
         # Same seed alone and beside other requests: the same tokens.
         alone = sample(1234, channel)
         crowded = list(pool.map(lambda s: sample(s, channel), [1234, 99, 1234, 7]))
-    assert crowded[0] == alone and crowded[2] == alone
+    assert crowded[0] == alone
+    assert crowded[2] == alone
     assert crowded[1] != alone
 
 

@@ -156,7 +156,8 @@ def test_requests_spread_and_survive_the_loss_of_an_executor(tokenizer, text_ids
             await h.until(lambda: all(s.attached for s in h.engine.executor_statuses()))
             actives = [h.submit(p) for p in prompts(12)]
             routed = [h.status(a).requests_routed for a in fakes]
-            assert min(routed) >= 3 and sum(routed) == 12, routed  # balanced by queued tokens
+            assert min(routed) >= 3, routed
+            assert sum(routed) == 12, routed  # balanced by queued tokens
             moved = len(h.engine._replicas["e1:1"].seq_ids)
             await h.until(lambda: fakes["e1:1"].steps >= 5)
             counters_before = h.engine.core_stats()
@@ -165,7 +166,8 @@ def test_requests_spread_and_survive_the_loss_of_an_executor(tokenizer, text_ids
             for prompt, tokens in zip(prompts(12), results, strict=True):
                 assert tokens == expected_tokens(text_ids, prompt)  # no duplicate, no gap
             lost = h.status("e1:1")
-            assert not lost.attached and lost.state.startswith("lost: ")
+            assert not lost.attached
+            assert lost.state.startswith("lost: ")
             assert sum(s.requests_routed for s in h.engine.executor_statuses()) == 12 + moved
             after = h.engine.core_stats()
             for name in ("prompt_tokens_computed", "prefix_cache_query_tokens", "num_preemptions"):
@@ -173,8 +175,10 @@ def test_requests_spread_and_survive_the_loss_of_an_executor(tokenizer, text_ids
             assert h.engine.tokens_generated == 12 * MAX_TOKENS
             fakes["e1:1"].up = True  # it comes back: re-attached under a new lease
             await h.until(lambda: h.status("e1:1").attached)
-            assert h.status("e1:1").lease_epoch == 2 and h.status("e1:1").state == "attached"
-            assert h.status("e0:1").steps > 0 and h.status("e0:1").busy_seconds >= 0
+            assert h.status("e1:1").lease_epoch == 2
+            assert h.status("e1:1").state == "attached"
+            assert h.status("e0:1").steps > 0
+            assert h.status("e0:1").busy_seconds >= 0
 
     asyncio.run(scenario())
 
@@ -190,7 +194,8 @@ def test_requests_wait_while_no_executor_is_attached(tokenizer, text_ids):
             await h.until(lambda: not h.engine.is_serving)
             second = h.submit(prompts(2)[1])  # queued in the engine, not refused
             await asyncio.sleep(0.3)
-            assert h.engine.core_stats().num_waiting == 2 and h.engine.model_info() is not None
+            assert h.engine.core_stats().num_waiting == 2
+            assert h.engine.model_info() is not None
             fakes["only:1"].up = True
             tokens = await asyncio.wait_for(asyncio.gather(collect(first), collect(second)), 20)
             assert tokens[0] == expected_tokens(text_ids, prompts(1)[0], 200)
@@ -242,7 +247,8 @@ def test_an_executor_of_another_model_is_refused(tokenizer, text_ids):
         async with Harness(tokenizer, fakes) as h:
             fakes["b:1"].up = True
             await h.until(lambda: h.status("b:1").state.startswith("refused"))
-            assert "vocab_size" in h.status("b:1").state and not h.status("b:1").attached
+            assert "vocab_size" in h.status("b:1").state
+            assert not h.status("b:1").attached
             assert fakes["b:1"].detached == [1]  # its lease given back at once
 
     asyncio.run(scenario())
@@ -267,10 +273,12 @@ def test_heartbeats_while_idle_and_a_fenced_lease(tokenizer, text_ids):
             assert await asyncio.wait_for(collect(waiting), 10) == expected_tokens(text_ids, prompts(1)[0])
             count = fake.heartbeats
             await asyncio.sleep(0.3)
-            assert h.status("a:1").attached and fake.heartbeats <= count + 1  # tolerated, not asked again
+            assert h.status("a:1").attached
+            assert fake.heartbeats <= count + 1  # tolerated, not asked again
             await h.engine.release_executors()
             assert fake.detached == [fake.epoch]
-            assert h.status("a:1").state == "released" and not h.engine.is_serving
+            assert h.status("a:1").state == "released"
+            assert not h.engine.is_serving
 
     asyncio.run(scenario())
 
@@ -308,8 +316,10 @@ def test_submit_before_any_executor_attached_is_unavailable(tokenizer):
     engine = Engine(ServiceConfig(model="m"), tokenizer)
     with pytest.raises(EngineUnavailable, match="no executor has attached yet"):
         engine.submit("x", [1, 2], SamplingOptions(), StopConditions(max_tokens=2))
-    assert engine.model_info() is None and not engine.is_serving
-    assert engine.core_stats().num_gpu_blocks == 0 and engine.executor_statuses() == []
+    assert engine.model_info() is None
+    assert not engine.is_serving
+    assert engine.core_stats().num_gpu_blocks == 0
+    assert engine.executor_statuses() == []
 
 
 def test_attach_response_has_the_lease_timeout():

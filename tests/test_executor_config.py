@@ -76,10 +76,8 @@ def test_bad_flag_values_exit_as_argparse_does_naming_the_flags(capsys):
         ServiceConfig.from_args(ns, parser=scheduler)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert (
-        "usage: pagedserve scheduler" in err
-        and "--max-num-batched-tokens (32) must be >= --max-num-seqs" in err
-    )
+    assert "usage: pagedserve scheduler" in err
+    assert "--max-num-batched-tokens (32) must be >= --max-num-seqs" in err
 
 
 LAYOUT = KVCacheLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -122,4 +120,6 @@ def test_swap_moves_blocks_between_pools():
     untouched = [1, 3, 5]
     torch.testing.assert_close(cache.device_pool[:, :, untouched], original[:, :, untouched], rtol=0, atol=0)
     k, v = cache.layer_caches()[1]
-    assert k.shape == (6, 16, 2, 8) and k.is_contiguous() and v.is_contiguous()
+    assert k.shape == (6, 16, 2, 8)
+    assert k.is_contiguous()
+    assert v.is_contiguous()

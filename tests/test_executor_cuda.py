@@ -68,10 +68,12 @@ def test_float32_graphs_and_eager_match_hf_on_cuda(model_dir):
     assert eager.graphs is None
     assert _generate(eager) == expected
     graphs = _runner(model_dir, "float32", eager=False)
-    assert graphs.graphs is not None and graphs.graphs.decode_sizes == [1, 2, 4, 8]
+    assert graphs.graphs is not None
+    assert graphs.graphs.decode_sizes == [1, 2, 4, 8]
     assert graphs.graphs.mixed_sizes == [64]
     assert _generate(graphs) == expected
-    assert graphs.stats.graph_steps == graphs.stats.steps and eager.stats.graph_steps == 0
+    assert graphs.stats.graph_steps == graphs.stats.steps
+    assert eager.stats.graph_steps == 0
 
 
 def test_bfloat16_graphs_match_eager(model_dir):

@@ -82,7 +82,8 @@ def test_a_name_that_stops_resolving_keeps_its_addresses():
     targets = [parse_executor_target("dns:///pool:1"), parse_executor_target("10.0.0.9:2")]
     gai = fake_getaddrinfo({"pool": [(socket.AF_INET, "10.0.0.2")]})
     resolved, errors = resolve_all(targets, {}, gai)
-    assert resolved == {"dns:///pool:1": ["10.0.0.2:1"], "10.0.0.9:2": ["10.0.0.9:2"]} and not errors
+    assert resolved == {"dns:///pool:1": ["10.0.0.2:1"], "10.0.0.9:2": ["10.0.0.9:2"]}
+    assert not errors
     again, errors = resolve_all(targets, resolved, fake_getaddrinfo({}))
     assert again == resolved
     assert "dns:///pool:1" in errors
@@ -106,7 +107,8 @@ def test_executor_flag_is_repeatable_with_a_default():
         0.5,
         "round_robin",
     )
-    assert parse_flags().max_executors is None and parse_flags().routing_policy == "prefix"
+    assert parse_flags().max_executors is None
+    assert parse_flags().routing_policy == "prefix"
 
 
 @pytest.mark.parametrize(

@@ -34,12 +34,15 @@ def lease(clock) -> Lease:
 
 def test_a_live_lease_refuses_another_scheduler_naming_the_holder(lease, clock):
     epoch, previous = lease.attach("sched-a", "ipv4:10.0.0.1:4242")
-    assert previous is None and lease.epoch == epoch
+    assert previous is None
+    assert lease.epoch == epoch
     clock.advance(TIMEOUT - 0.1)
     with pytest.raises(LeaseHeld) as refused:
         lease.attach("sched-b", "ipv4:10.0.0.2:999")
     message = str(refused.value)
-    assert "'sched-a'" in message and "ipv4:10.0.0.1:4242" in message and str(epoch) in message
+    assert "'sched-a'" in message
+    assert "ipv4:10.0.0.1:4242" in message
+    assert str(epoch) in message
     assert lease.epoch == epoch  # nothing changed
     lease.check(epoch)
 
@@ -51,11 +54,13 @@ def test_an_idle_lease_expires_after_the_timeout_and_frees_the_executor(lease, c
     clock.advance(0.01)
     expired = lease.expire_if_due()
     assert (expired.scheduler_id, expired.peer, expired.epoch) == ("sched-a", "peer-a", epoch)
-    assert lease.holder is None and lease.expire_if_due() is None
+    assert lease.holder is None
+    assert lease.expire_if_due() is None
     with pytest.raises(StaleLease, match="expired"):
         lease.check(epoch)
     new_epoch, previous = lease.attach("sched-b", "peer-b")
-    assert previous is None and new_epoch > epoch
+    assert previous is None
+    assert new_epoch > epoch
     assert not lease.touch(epoch)  # a plan of the old lease keeps nothing alive
 
 
@@ -65,7 +70,8 @@ def test_a_lease_past_due_yields_to_attach_before_it_is_expired(lease, clock):
     with pytest.raises(StaleLease):
         lease.heartbeat(epoch)  # too late: the holder must attach again
     new_epoch, previous = lease.attach("sched-b", "peer-b")
-    assert previous.epoch == epoch and new_epoch > epoch  # the service fences `previous`
+    assert previous.epoch == epoch
+    assert new_epoch > epoch  # the service fences `previous`
     assert lease.expire_if_due() is None  # the new lease is live
 
 
@@ -88,7 +94,8 @@ def test_the_same_scheduler_may_attach_again_and_fences_its_older_epoch(lease, c
     first, _ = lease.attach("sched-a", "peer-a")
     clock.advance(1)
     second, previous = lease.attach("sched-a", "peer-a2")  # restarted, new connection
-    assert second > first and previous.epoch == first
+    assert second > first
+    assert previous.epoch == first
     with pytest.raises(StaleLease, match="stale lease") as stale:
         lease.check(first)
     assert str(second) in str(stale.value)

@@ -116,14 +116,16 @@ def test_a_second_scheduler_waits_for_the_lease_and_the_first_is_fenced(executor
             a.heartbeat()
             refused = _refused(b.attach)
             assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "'sched-a'" in refused.details() and "ipv4:127.0.0.1:" in refused.details()
+            assert "'sched-a'" in refused.details()
+            assert "ipv4:127.0.0.1:" in refused.details()
             assert str(a.epoch) in refused.details()
             time.sleep(LEASE_TIMEOUT_S / 4)
 
         # A goes silent (its stream stays open): the lease expires and A's idle stream is cut.
         started = time.monotonic()
         cut = _refused(a.next_output)
-        assert cut.code() == grpc.StatusCode.FAILED_PRECONDITION and "expired" in cut.details()
+        assert cut.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "expired" in cut.details()
         assert time.monotonic() - started < LEASE_TIMEOUT_S + 2
 
         b.attach()  # accepted now
@@ -132,13 +134,15 @@ def test_a_second_scheduler_waits_for_the_lease_and_the_first_is_fenced(executor
         assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION
         a.open_stream()  # the old holder's plans are refused (fenced by epoch)
         fenced = _refused(a.step, executor_pb2.StepPlan(step_id=2))
-        assert fenced.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale lease" in fenced.details()
+        assert fenced.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "stale lease" in fenced.details()
 
         # The expiry freed A's request: B's executor does not know seq 1.
         b.open_stream()
         running = executor_pb2.RunningRequest(seq_id=1, num_new_tokens=1)
         unknown = _refused(b.step, executor_pb2.StepPlan(step_id=1, running=[running]))
-        assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown" in unknown.details()
+        assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "unknown" in unknown.details()
 
         # Detach hands the executor over at once; a stale Detach is refused.
         b.detach()

@@ -56,7 +56,8 @@ def test_one_plan_ahead_matches_hf(runner, hf_model):
     drive_ahead(runner, sched, steps=20)
     for seq_id, prompt in prompts.items():
         got = sched.outputs[seq_id]
-        assert len(got) >= 18 and got == _hf_greedy(hf_model, prompt, len(got)), seq_id
+        assert len(got) >= 18, seq_id
+        assert got == _hf_greedy(hf_model, prompt, len(got)), seq_id
 
 
 def _check_tables(runner: ModelRunner, sched: ToyScheduler) -> None:
@@ -113,7 +114,9 @@ def test_graph_sizes():
     assert decode_graph_sizes(256)[-3:] == [224, 240, 256]
     assert decode_graph_sizes(6) == [1, 2, 4, 6]
     mixed = mixed_graph_sizes(8192, 256, 8192)
-    assert mixed[:3] == [128, 256, 384] and mixed[15:18] == [2048, 2304, 2560] and mixed[-2:] == [7680, 8192]
+    assert mixed[:3] == [128, 256, 384]
+    assert mixed[15:18] == [2048, 2304, 2560]
+    assert mixed[-2:] == [7680, 8192]
     assert len(mixed) == 32
     # The end never exceeds what max_num_seqs sequences of max_model_len can hold.
     assert mixed_graph_sizes(64, 8, 48) == [64]
@@ -150,7 +153,8 @@ def test_padded_decode_batch_equals_eager(runner):
 
     scheduled = [_Scheduled(st, 1) for st in states]
     batch = runner._host_batch(scheduled)
-    assert batch.decode_only and graphs._plan(batch) == (4, False)
+    assert batch.decode_only
+    assert graphs._plan(batch) == (4, False)
     pool_before = runner.kv_cache.device_pool.clone()
     logits, sample_rows = graphs.run_uncaptured(batch)
     padded = logits.clone()
@@ -185,7 +189,8 @@ def test_steps_through_padded_graph_layouts_match_hf(
     monkeypatch.setenv("PAGEDSERVE_ATTENTION", attention)
     runner.reset()
     graphs = _graphs(runner, [1, 2, 4], mixed_sizes)
-    assert graphs.num_pad_seqs == num_pad_seqs and graphs.num_seq_slots == 8 + num_pad_seqs
+    assert graphs.num_pad_seqs == num_pad_seqs
+    assert graphs.num_seq_slots == 8 + num_pad_seqs
     monkeypatch.setattr(graphs, "run", graphs.run_uncaptured)
     monkeypatch.setattr(runner, "graphs", graphs)
     # Step 1: prompts 1 and 2 (37 tokens); step 2: their decodes and prompt 3 (7 tokens); then
@@ -203,7 +208,8 @@ def test_steps_through_padded_graph_layouts_match_hf(
     assert torch.equal(runner.kv_cache.device_pool[:, :, 0], block0)
     for seq_id, prompt in prompts.items():
         got = sched.outputs[seq_id]
-        assert len(got) >= steps - 2 and got == _hf_greedy(hf_model, prompt, len(got)), seq_id
+        assert len(got) >= steps - 2, seq_id
+        assert got == _hf_greedy(hf_model, prompt, len(got)), seq_id
 
 
 # ---- the overlapped service loop, with a runner whose steps finish when the test says -------------
@@ -363,5 +369,6 @@ def test_step_trace_records_each_step_and_sums_up(tiny_model_dir, tmp_path):
     assert records[2]["kv_tokens"] == 22 + 10
     assert all(r["gpu_ms"] is None and r["launch_ms"] > 0 for r in records)  # no CUDA events here
     text = summarize(records)
-    assert "| prefill | 1 | 20 | 0 |" in text and "| mixed | 1 | 10 | 1 |" in text
+    assert "| prefill | 1 | 20 | 0 |" in text
+    assert "| mixed | 1 | 10 | 1 |" in text
     assert "| decode | 4 | 8 |" in text

@@ -94,7 +94,8 @@ def test_banned_ids_are_never_sampled():
     out = sample(logits, params, range(300), banned)
     assert not any(t in b for t, b in zip(out.token_ids.tolist(), banned, strict=True))
     ban = SamplingParams(min_tokens=2, stop_token_ids=(2,))
-    assert ban.banned_ids(1) == (2,) and ban.banned_ids(2) == ()
+    assert ban.banned_ids(1) == (2,)
+    assert ban.banned_ids(2) == ()
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,8 @@ def test_attach_describes_the_executor(stub, tiny_model_dir):
     assert info.lease_epoch > 0
     assert info.model == str(tiny_model_dir)
     assert (info.max_model_len, info.vocab_size, info.block_size) == (256, 512, 16)
-    assert info.num_gpu_blocks == NUM_BLOCKS and info.num_cpu_blocks > 0
+    assert info.num_gpu_blocks == NUM_BLOCKS
+    assert info.num_cpu_blocks > 0
     assert list(info.eos_token_ids) == [2]
     assert info.device == "cpu"
     assert _attach(stub).lease_epoch > info.lease_epoch
@@ -110,7 +111,8 @@ def test_swap_round_trip_equals_uninterrupted_generation(stub, server):
     stats = stub.GetStats(executor_pb2.GetStatsRequest())
     assert stats.swap_out_blocks - before.swap_out_blocks == 2  # 19 prompt + 5 generated tokens
     assert stats.swap_in_blocks - before.swap_in_blocks == 2
-    assert stats.tokens_sampled > before.tokens_sampled and stats.busy_seconds > 0
+    assert stats.tokens_sampled > before.tokens_sampled
+    assert stats.busy_seconds > 0
 
 
 def test_stale_or_missing_epoch_is_refused(stub):
@@ -159,7 +161,8 @@ def test_bad_plan_is_invalid_argument_and_server_keeps_serving(stub, plan, messa
     stream = StepStream(stub, epoch)  # same lease, new stream
     ok = executor_pb2.NewRequest(seq_id=3, token_ids=[4, 5], num_new_tokens=2, block_ids=[0])
     out = stream.step(executor_pb2.StepPlan(step_id=2, new_requests=[ok]))
-    assert list(out.seq_ids) == [3] and out.step_seconds > 0
+    assert list(out.seq_ids) == [3]
+    assert out.step_seconds > 0
     stream.close()
 
 
@@ -184,13 +187,15 @@ def test_python_m_executor_serves_and_stops_on_sigterm(tiny_model_dir):
                     stub.GetStats(executor_pb2.GetStatsRequest(), timeout=1)  # the health check
                     break
                 except grpc.RpcError:
-                    assert proc.poll() is None and time.monotonic() < deadline, "executor did not come up"
+                    assert proc.poll() is None, "executor did not come up"
+                    assert time.monotonic() < deadline, "executor did not come up"
                     time.sleep(0.2)
             assert _attach(stub).num_gpu_blocks == 64
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
         logs = proc.stdout.read()
-        assert '"event": "executor.loaded"' in logs and '"event": "executor.attach"' in logs
+        assert '"event": "executor.loaded"' in logs
+        assert '"event": "executor.attach"' in logs
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -42,7 +42,8 @@ def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     a, e = actual.float().cpu(), expected.float().cpu()
     bad = a != e
     if not INTERPRETED:  # compiled: equal but for the GPU's rsqrt/exp moving a rare tie by a step
-        assert bad.float().mean() <= 1e-3 and ((a[bad] - e[bad]).abs() <= e[bad].abs() / 8).all()
+        assert bad.float().mean() <= 1e-3
+        assert ((a[bad] - e[bad]).abs() <= e[bad].abs() / 8).all()
         return
     assert bad.float().mean() < 0.1, f"{int(bad.sum())} of {a.numel()} quantized values differ"
     # a binade (or a subnormal step, 2^-9) low, never more
@@ -77,12 +78,14 @@ def test_per_token_quantization_round_trip_and_scales():
     x = torch.randn(7, 300) * torch.logspace(-3, 3, 7)[:, None]  # rows six decades apart
     x[3] = 0.0
     q = fp8.quantize_per_token_reference(x)
-    assert q.data.dtype == torch.float8_e4m3fn and q.scale.shape == (7, 1)
+    assert q.data.dtype == torch.float8_e4m3fn
+    assert q.scale.shape == (7, 1)
     amax = x.abs().amax(dim=1, keepdim=True)
     live = amax.view(-1) > 0
     torch.testing.assert_close(q.scale[live], amax[live] / 448)
     assert q.data.float().abs().amax(dim=1)[live].eq(448).all()  # each row uses the full range
-    assert q.scale[3].item() == pytest.approx(fp8.MIN_SCALE) and q.data[3].float().eq(0).all()
+    assert q.scale[3].item() == pytest.approx(fp8.MIN_SCALE)
+    assert q.data[3].float().eq(0).all()
     err = (dequantized(q) - x).abs()
     assert (err <= E4M3_REL * x.abs() + q.scale * 2**-9).all()  # half a step (or a subnormal step)
 
@@ -90,7 +93,9 @@ def test_per_token_quantization_round_trip_and_scales():
 def test_weight_quantization_is_per_output_channel():
     w = torch.randn(48, 80, dtype=torch.bfloat16) * torch.linspace(0.01, 5, 48, dtype=torch.bfloat16)[:, None]
     q, scale = fp8.quantize_weight(w)
-    assert q.shape == w.shape and scale.shape == (48,) and scale.dtype == torch.float32
+    assert q.shape == w.shape
+    assert scale.shape == (48,)
+    assert scale.dtype == torch.float32
     torch.testing.assert_close(scale, w.float().abs().amax(dim=1) / 448)
     rel = (fp8.dequantize(q, scale[:, None]) - w.float()).norm() / w.float().norm()
     assert rel < 0.04
@@ -308,7 +313,8 @@ def test_fp8_pool_holds_twice_the_blocks_and_swaps_bytes():
         config.swap_space_bytes // bf16.bytes_per_block
     )
     cache = KVCache(f8, 6, 4, torch.device("cpu"))
-    assert cache.device_pool.dtype == torch.uint8 and cache.layer_caches()[0][0].dtype == FP8_KV_DTYPE
+    assert cache.device_pool.dtype == torch.uint8
+    assert cache.layer_caches()[0][0].dtype == FP8_KV_DTYPE
     k0 = cache.layer_caches()[1][1]
     k0[2].copy_(torch.full((16, 2, 64), 1.5).to(FP8_KV_DTYPE))
     cache.swap_out([2], [3])
@@ -400,7 +406,8 @@ def test_fp8_checkpoint_loads_directly_with_its_scales(tmp_path, monkeypatch):
     k_rows = saved["model.layers.1.self_attn.k_proj.weight_scale"].view(-1)
     torch.testing.assert_close(qkv_scale[spec.q_size : spec.q_size + spec.kv_size], k_rows)
     # KV scales from the checkpoint: no calibration step
-    assert direct.model.kv_scales_loaded and not direct.calibrate_kv_scales
+    assert direct.model.kv_scales_loaded
+    assert not direct.calibrate_kv_scales
     assert direct.model.layers[0].self_attn.k_scale.item() == pytest.approx(0.03)
     assert layer.self_attn.v_scale.item() == pytest.approx(0.04)
     prompts = {1: list(range(3, 30))}
@@ -487,11 +494,13 @@ def test_fp8_runs_follow_full_precision(tmp_path_factory, monkeypatch, quantizat
         ExecutorConfig(**base, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     )
     if kv_cache_dtype == "fp8":
-        assert runner.kv_cache.layout.dtype == FP8_KV_DTYPE and runner.calibrate_kv_scales
+        assert runner.kv_cache.layout.dtype == FP8_KV_DTYPE
+        assert runner.calibrate_kv_scales
     got = _greedy(runner, prompts, 8)
     attn = runner.model.layers[0].self_attn
     if kv_cache_dtype == "fp8":
-        assert not runner.calibrate_kv_scales and attn.k_scale.item() != 1.0
+        assert not runner.calibrate_kv_scales
+        assert attn.k_scale.item() != 1.0
     agreement = _agreement(got, full)
     print(f"greedy agreement {quantization}/{kv_cache_dtype} vs float32: {agreement:.2f}")
     # A random tiny model's logits are flat (prompt 2's top two differ by 0.01), so tokens are
@@ -547,7 +556,8 @@ def test_w5_preset_is_the_kv_bound_workload():
 
     w5, rates = bench.resolve(bench.build_parser().parse_args(["--workload", "W5"]))
     requests = bench.generate_requests(w5, vocab_size=128256, max_model_len=12544)
-    assert rates == [math.inf] and len(requests) == 128
+    assert rates == [math.inf]
+    assert len(requests) == 128
     assert all(len(r.prompt) == 12000 and r.output_len == 512 for r in requests)
 
 

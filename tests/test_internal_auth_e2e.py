@@ -37,7 +37,8 @@ def services(tiny_model_dir, tmp_path_factory):
 def test_scheduler_with_the_token_serves_end_to_end(services):
     with services.channel() as channel:
         result = generate(channel, make_request([5, 6, 7], max_tokens=6, ignore_eos=True), timeout=60)
-    assert len(result.token_ids) == 6 and result.usage.completion_tokens == 6
+    assert len(result.token_ids) == 6
+    assert result.usage.completion_tokens == 6
     assert wait_for_idle(services).gpu_blocks_in_use == 0
     assert "internal link unauthenticated" not in services.scheduler_log() + services.executor_log()
 
@@ -140,4 +141,5 @@ def test_an_unreadable_token_file_stops_the_service_in_one_line(service, tiny_mo
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
-    assert "cannot read --internal-token-file" in result.stderr and "Traceback" not in result.stderr
+    assert "cannot read --internal-token-file" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -200,7 +200,8 @@ def test_mixed_batch_splits_its_work_between_the_kernels(
     ta._launch_varlen(*args, others_only, None)
     is_decode = torch.zeros(batch["q"].shape[0], dtype=torch.bool)
     is_decode[decode_rows] = True
-    assert decodes_only[~is_decode].isnan().all() and others_only[is_decode].isnan().all()
+    assert decodes_only[~is_decode].isnan().all()
+    assert others_only[is_decode].isnan().all()
     assert_matches(decodes_only[is_decode], expected[is_decode], dtype)
     assert_matches(others_only[~is_decode], expected[~is_decode], dtype)
     assert_matches(run_triton(batch), expected, dtype)
@@ -222,7 +223,8 @@ def test_long_decode_uses_split_kv() -> None:
     """A small batch with a long context splits by default, and every split count agrees."""
     batch = make_batch([1, 1], [700, 3], 8, 2, 64, 16, torch.bfloat16, seed=2)
     plan = ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"])
-    assert plan.num_splits > 1 and plan.meta["SINGLE_TILE"]
+    assert plan.num_splits > 1
+    assert plan.meta["SINGLE_TILE"]
     expected = reference_fp32(batch)
     assert_matches(run_triton(batch), expected, torch.bfloat16)
     assert_matches(run_triton(batch, num_splits=7), expected, torch.bfloat16)
@@ -238,7 +240,9 @@ def test_decode_split_with_several_tiles_per_split(dtype, head_dim, num_q_heads,
     )
     config = ta.DecodeConfig(block_n=16, num_warps=4, num_stages=2)
     plan = ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"], config, 2)
-    assert plan.num_splits == 2 and plan.tokens_per_split > 16 and not plan.meta["SINGLE_TILE"]
+    assert plan.num_splits == 2
+    assert plan.tokens_per_split > 16
+    assert not plan.meta["SINGLE_TILE"]
     assert_matches(run_triton(batch, decode_config=config, num_splits=2), reference_fp32(batch), dtype)
 
 
@@ -250,7 +254,8 @@ def test_merge_over_many_splits(splits: int, single_tile: bool) -> None:
     batch = make_batch([1, 1], [700, 21], 10, 2, 64, 16, torch.float16, seed=12)
     config = ta.DecodeConfig(block_n=16, num_warps=4, num_stages=2)
     plan = ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"], config, splits)
-    assert plan.num_splits == splits and plan.meta["SINGLE_TILE"] == single_tile
+    assert plan.num_splits == splits
+    assert plan.meta["SINGLE_TILE"] == single_tile
     assert plan.merge_meta["S_PAD"] > plan.num_splits
     assert_matches(
         run_triton(batch, decode_config=config, num_splits=splits), reference_fp32(batch), torch.float16

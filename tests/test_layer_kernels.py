@@ -33,7 +33,8 @@ def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator, scale: float =
 
 def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Within two ulps everywhere; compiled on CUDA, 16-bit results also bit-identical on >= 99%."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert actual.dtype == expected.dtype
+    assert actual.shape == expected.shape
     rtol = RTOL[actual.dtype]
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=rtol * 1e-2)
     # In float32 a different summation order alone moves whole rows by an ulp; rounding to 16 bits

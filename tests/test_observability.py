@@ -29,7 +29,8 @@ def test_preemption_warning_fires_past_the_threshold_at_most_once_a_period():
         assert not warning.observe(65, now=230.0)
     assert len(logs) == 2
     assert logs[0]["log_level"] == "warning"
-    assert "--max-num-seqs" in logs[0]["event"] and "--max-model-len" in logs[0]["event"]
+    assert "--max-num-seqs" in logs[0]["event"]
+    assert "--max-model-len" in logs[0]["event"]
     assert logs[0]["preemptions"] == 11
 
 
@@ -109,7 +110,8 @@ def test_metrics_exposition_names_types_and_labels():
         (sample,) = [s for s in family.samples if not s.name.endswith("_created")]
         assert sample.labels == {"model_name": "tiny"}, name
         assert sample.value == value, name
-    assert "pagedserve:prompt_tokens_total{" in text and "pagedserve:num_preemptions_total{" in text
+    assert "pagedserve:prompt_tokens_total{" in text
+    assert "pagedserve:num_preemptions_total{" in text
     success = {s.labels["finished_reason"]: s.value for s in families["pagedserve:request_success"].samples}
     assert success == {"stop": 0, "length": 1, "abort": 0}
     for name, count in (

@@ -111,8 +111,10 @@ def test_completions_plain_and_streamed_equal_grpc(stack, client):
     assert plain.choices[0].finish_reason == "length"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert plain.usage.prompt_tokens == direct.usage.prompt_tokens
-    assert plain.usage.completion_tokens == 12 and plain.usage.total_tokens == direct.usage.prompt_tokens + 12
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert plain.usage.completion_tokens == 12
+    assert plain.usage.total_tokens == direct.usage.prompt_tokens + 12
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 12
     assert all(c.usage is None for c in chunks[:-1])
     # Token ids as the prompt, and the sampled token's logprobs.
     ids = client.completions.create(
@@ -141,15 +143,19 @@ def test_chat_plain_and_streamed_equal_grpc(stack, client, chat_model_dir):
     with services.channel() as channel:
         direct = generate(channel, make_request(ids, max_tokens=10, temperature=0, ignore_eos=True))
     content = plain.choices[0].message.content
-    assert plain.choices[0].message.role == "assistant" and plain.choices[0].finish_reason == "length"
+    assert plain.choices[0].message.role == "assistant"
+    assert plain.choices[0].finish_reason == "length"
     assert content == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == direct.text
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert plain.usage.prompt_tokens == len(ids) and plain.usage.completion_tokens == 10
-    assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].choices == []
+    assert plain.usage.prompt_tokens == len(ids)
+    assert plain.usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+    assert chunks[-1].choices == []
     streamed_logprobs = [
         lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content
     ]
-    assert len(streamed_logprobs) == 10 and all(lp.logprob <= 0 for lp in streamed_logprobs)
+    assert len(streamed_logprobs) == 10
+    assert all(lp.logprob <= 0 for lp in streamed_logprobs)
 
 
 @pytest.mark.parametrize(
@@ -167,14 +173,17 @@ def test_bad_requests_are_400_naming_the_field(client, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny-chat", prompt="hello", **kwargs)
     error = info.value.body
-    assert info.value.status_code == 400 and error["param"] == param and words in error["message"]
+    assert info.value.status_code == 400
+    assert error["param"] == param
+    assert words in error["message"]
     assert error["type"] == "invalid_request_error"
 
 
 def test_unknown_model_is_404_and_chat_shape_errors_are_400(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="hello")
-    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    assert info.value.body["code"] == "model_not_found"
+    assert info.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny-chat", messages=[])
     assert info.value.body["param"] == "messages"
@@ -191,14 +200,16 @@ def test_no_scheduler_is_503_and_no_chat_template_is_400(tiny_model_dir, tmp_pat
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model="tiny", prompt="hello", max_tokens=2)
-        assert info.value.status_code == 503 and "no scheduler is serving" in info.value.body["message"]
+        assert info.value.status_code == 503
+        assert "no scheduler is serving" in info.value.body["message"]
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model="tiny", prompt="hello", max_tokens=2, stream=True)
         assert info.value.status_code == 503
         assert httpx.get(f"{url}/health").status_code == 503
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
-        assert "no chat template" in info.value.body["message"] and info.value.body["param"] == "messages"
+        assert "no chat template" in info.value.body["message"]
+        assert info.value.body["param"] == "messages"
 
 
 def test_round_robin_skips_a_scheduler_that_is_down(stack, tmp_path):
@@ -229,11 +240,13 @@ def test_client_disconnect_cancels_the_request_and_frees_its_blocks(stack):
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
     stats = wait_for_idle(services)
-    assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+    assert stats.gpu_blocks_in_use == 0
+    assert stats.num_active_requests == 0
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
     stats = wait_for_idle(services)
-    assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+    assert stats.gpu_blocks_in_use == 0
+    assert stats.num_active_requests == 0
     assert stats.tokens_generated - before < 2000
 
 
@@ -269,5 +282,6 @@ def test_bench_compare_openai_runs_the_same_requests_through_the_gateway(tiny_mo
     report = json.loads(result.read_text())
     assert [r["completed"] for r in report["runs"]] == [6, 6, 6]
     comparison = report["comparison"]
-    assert comparison["greedy outputs identical (stream)"] and comparison["greedy outputs identical (plain)"]
+    assert comparison["greedy outputs identical (stream)"]
+    assert comparison["greedy outputs identical (plain)"]
     assert "gateway cost, stream (1 - openai/gRPC)" in capsys.readouterr().out

@@ -70,7 +70,8 @@ def test_health_watch_reflection_and_executor_sigterm(tiny_model_dir, tmp_path):
         assert check(services.executor_port) == SERVING
         assert check(services.executor_port, wire.EXECUTOR_HEALTH_SERVICE) == SERVING
         ok = health_cli(f"--port={services.port}")
-        assert ok.returncode == 0 and "SERVING" in ok.stdout, ok
+        assert ok.returncode == 0, ok
+        assert "SERVING" in ok.stdout, ok
         assert health_cli("--executor", f"--port={services.executor_port}").returncode == 0
 
         with services.channel() as channel:
@@ -99,7 +100,8 @@ def test_health_watch_reflection_and_executor_sigterm(tiny_model_dir, tmp_path):
             services.executor.wait(timeout=10)
             wait_for_status(services.port, NOT_SERVING)
             bad = health_cli(f"--port={services.port}")
-            assert bad.returncode == 1 and "NOT_SERVING" in bad.stderr, bad
+            assert bad.returncode == 1, bad
+            assert "NOT_SERVING" in bad.stderr, bad
             services.start_executor()
             wait_for_status(services.port, SERVING, timeout=120)
             deadline = time.monotonic() + 10
@@ -167,7 +169,8 @@ def test_metrics_count_exactly_and_deadline_frees_blocks(tiny_model_dir, tmp_pat
                 assert m[f"pagedserve:{histogram}_count"] == len(results), histogram
             assert m["pagedserve:inter_token_latency_seconds_count"] == generated - len(results)
             stats = scheduler_stats(services)
-            assert m["pagedserve:num_requests_running"] == 0 and m["pagedserve:kv_cache_usage_perc"] == 0
+            assert m["pagedserve:num_requests_running"] == 0
+            assert m["pagedserve:kv_cache_usage_perc"] == 0
             assert m["pagedserve:num_preemptions_total"] == stats.num_preemptions
             assert m["pagedserve:prefix_cache_queries_total"] == stats.prefix_cache_query_tokens
             assert m["pagedserve:prefix_cache_hits_total"] == stats.prefix_cache_hit_tokens
@@ -212,11 +215,13 @@ def test_sigterm_drains_running_streams(tiny_model_dir, tmp_path):
             assert check(services.port, wire.SCHEDULER_HEALTH_SERVICE) == NOT_SERVING
             with pytest.raises(grpc.RpcError) as err:
                 generate(channel, make_request([5, 6], max_tokens=2), timeout=30)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in err.value.details()
             assert not any(f.done() for f in finals), "the streams ended before the test could look"
             for final in finals:
                 response = final.result(timeout=120)
-                assert response.finish_reason == 1 and response.usage.completion_tokens == 120  # LENGTH
+                assert response.finish_reason == 1
+                assert response.usage.completion_tokens == 120  # LENGTH
         assert services.scheduler.wait(timeout=60) == 0
         channel.close()
         assert "drained: every stream finished" in services.scheduler_log()

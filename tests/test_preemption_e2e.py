@@ -32,5 +32,6 @@ def test_preemption_keeps_greedy_outputs_exact(mode, tiny_model_dir, hf_model, t
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == hf_greedy(hf_model, prompt, MAX_TOKENS)
     assert stats.num_preemptions > 0, "the pool was meant to be too small"
-    assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+    assert stats.gpu_blocks_in_use == 0
+    assert stats.num_active_requests == 0
     assert "preempt" in log

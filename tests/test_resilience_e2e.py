@@ -94,7 +94,8 @@ def test_full_queue_gets_resource_exhausted(tiny_model_dir, tmp_path):
                     assert generate(channel, make_request([5, 6], max_tokens=2), timeout=30).token_ids
                     break
                 except grpc.RpcError as exc:
-                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert time.monotonic() < deadline
                     time.sleep(0.2)
 
 

@@ -132,7 +132,8 @@ def test_requests_spread_and_follow_their_prefix(pool):
         list(threads.map(lambda r: generate(channel, r, timeout=120), requests))
     spread = wait_idle(pool)
     routed = [spread[i].requests_routed - before[i].requests_routed for i in range(NUM_EXECUTORS)]
-    assert all(n > 0 for n in routed) and sum(routed) == len(prompts), routed
+    assert all(n > 0 for n in routed), routed
+    assert sum(routed) == len(prompts), routed
 
     prefix = [(7 * k) % 500 + 3 for k in range(256)]  # 16 full blocks
     with pool.channel() as channel:
@@ -209,7 +210,8 @@ def test_kill_9_of_a_busy_executor_loses_no_token(pool, hf_model):
         pool.executors[i].wait(timeout=10)
 
     victim, rows = interrupted_streams(pool, hf_model, kill)
-    assert not rows[victim].attached and rows[victim].state.startswith("lost"), rows[victim]
+    assert not rows[victim].attached, rows[victim]
+    assert rows[victim].state.startswith("lost"), rows[victim]
     pool.start_executor(victim)  # the same port
     wait_reattached(pool, victim, epochs[victim])
     result = generate(pool.channel(), make_request([5, 6, 7], max_tokens=4, temperature=0), timeout=60)
@@ -226,7 +228,8 @@ def test_frozen_executor_is_lost_and_its_requests_continue_elsewhere(pool, hf_mo
 
     try:
         victim, rows = interrupted_streams(pool, hf_model, freeze)
-        assert not rows[victim].attached and rows[victim].state.startswith("lost"), rows[victim]
+        assert not rows[victim].attached, rows[victim]
+        assert rows[victim].state.startswith("lost"), rows[victim]
     finally:
         for i in frozen:
             pool.executors[i].send_signal(signal.SIGCONT)

@@ -84,28 +84,40 @@ def test_prefill_then_decode_one_step_ahead_and_max_tokens() -> None:
     s = make_scheduler(block_size=4, num_gpu_blocks=4, max_model_len=16)
     r = add(s, 1, [1, 2, 3, 4, 5, 6], max_tokens=3)
     p0 = s.schedule()
-    assert p0.step_id == 0 and p0.running == [] and p0.removed_seq_ids == []
+    assert p0.step_id == 0
+    assert p0.running == []
+    assert p0.removed_seq_ids == []
     assert p0.new_requests == [NewRequestPlan(1, [1, 2, 3, 4, 5, 6], 0, 6, [0, 1], SamplingOptions())]
-    assert p0.sampling_seq_ids == [1] and p0.num_scheduled_tokens == 6
-    assert r.num_pending_outputs == 1 and r.num_tokens == 7 and r.num_computed_tokens == 6
+    assert p0.sampling_seq_ids == [1]
+    assert p0.num_scheduled_tokens == 6
+    assert r.num_pending_outputs == 1
+    assert r.num_tokens == 7
+    assert r.num_computed_tokens == 6
     # Step 1 is planned before step 0's output arrives: the decode token is the pending one.
     p1 = s.schedule()
-    assert p1.running == [RunningPlan(1, 1, [])] and p1.sampling_seq_ids == [1]
-    assert r.num_pending_outputs == 2 and r.num_computed_tokens == 7
+    assert p1.running == [RunningPlan(1, 1, [])]
+    assert p1.sampling_seq_ids == [1]
+    assert r.num_pending_outputs == 2
+    assert r.num_computed_tokens == 7
     assert s.process_output(0, [1], [50]) == [r]
-    assert r.output_token_ids == [50] and r.num_pending_outputs == 1
+    assert r.output_token_ids == [50]
+    assert r.num_pending_outputs == 1
     p2 = s.schedule()  # position 7 still fits in block 1
     assert p2.running == [RunningPlan(1, 1, [])]
     assert r.num_sampled_tokens == 3 == r.max_tokens
     # Its last token is sampled: the final token's KV is never computed, nothing more to do.
     p3 = s.schedule()
-    assert p3.is_empty and p3.num_scheduled_tokens == 0
+    assert p3.is_empty
+    assert p3.num_scheduled_tokens == 0
     assert s.process_output(1, [1], [51]) == [r]
-    assert r.status is RequestStatus.RUNNING and s.has_unfinished_requests()
+    assert r.status is RequestStatus.RUNNING
+    assert s.has_unfinished_requests()
     # The max_tokens-th output finishes it here; it is still returned (it got a token).
     assert s.process_output(2, [1], [52]) == [r]
-    assert r.output_token_ids == [50, 51, 52] and r.status is RequestStatus.FINISHED
-    assert not s.has_unfinished_requests() and s.get_request(SeqId(1)) is None
+    assert r.output_token_ids == [50, 51, 52]
+    assert r.status is RequestStatus.FINISHED
+    assert not s.has_unfinished_requests()
+    assert s.get_request(SeqId(1)) is None
     assert s.schedule().removed_seq_ids == [1]
     assert s.kv_cache_manager.block_pool.num_blocks_in_use == 0
     assert s.stats.prompt_tokens_computed == 6
@@ -118,7 +130,8 @@ def test_max_tokens_one_samples_once() -> None:
     assert p0.sampling_seq_ids == [1]
     assert s.schedule().is_empty  # no decode: it already sampled its only token
     s.process_output(p0.step_id, [1], [9])
-    assert r.status is RequestStatus.FINISHED and r.output_token_ids == [9]
+    assert r.status is RequestStatus.FINISHED
+    assert r.output_token_ids == [9]
 
 
 def test_step_ids_are_consecutive_and_empty_plan() -> None:
@@ -146,7 +159,8 @@ def test_prefix_hit_reuses_blocks_of_a_running_request() -> None:
     assert c.num_cached_prompt_tokens == 4
     blocks = s.kv_cache_manager.block_pool.blocks
     assert [blocks[i].ref_count for i in range(7)] == [2, 2, 1, 1, 1, 1, 1]
-    assert s.stats.prefix_cache_hit_tokens == 4 and s.stats.prefix_cache_query_tokens == 16
+    assert s.stats.prefix_cache_hit_tokens == 4
+    assert s.stats.prefix_cache_query_tokens == 16
     assert s.stats.prompt_tokens_computed == 5 + 5 + 2
 
 
@@ -156,14 +170,17 @@ def test_finished_blocks_stay_cached_and_whole_prompt_hit_recomputes_last_block(
     step(s)  # finishes by length on its output
     assert not s.has_unfinished_requests()
     pool = s.kv_cache_manager.block_pool
-    assert pool.num_blocks_in_use == 0 and pool.num_cached_free_blocks == 2
+    assert pool.num_blocks_in_use == 0
+    assert pool.num_cached_free_blocks == 2
     r = add(s, 2, [1, 2, 3, 4], max_tokens=2)
     p = s.schedule()
     assert p.removed_seq_ids == [1]
     # The whole prompt is cached, but its last token must be computed: block 1 is not reused.
     (new,) = p.new_requests
-    assert new.num_computed_tokens == 2 and new.num_new_tokens == 2
-    assert new.block_ids[0] == 0 and new.block_ids[1] != 1
+    assert new.num_computed_tokens == 2
+    assert new.num_new_tokens == 2
+    assert new.block_ids[0] == 0
+    assert new.block_ids[1] != 1
     assert r.num_cached_prompt_tokens == 2
 
 
@@ -180,7 +197,8 @@ def test_lru_eviction_of_cached_free_blocks() -> None:
     add(s, 3, [5, 6, 7, 8, 9], max_tokens=1)  # 3 blocks: the 2 uncached ones, then evicts LRU block 0
     p = s.schedule()
     assert p.new_requests[0].block_ids == [2, 3, 0]
-    assert [b.block_id for b in pool.free_queue()] == [1] and pool.num_cached_free_blocks == 1
+    assert [b.block_id for b in pool.free_queue()] == [1]
+    assert pool.num_cached_free_blocks == 1
     deliver(s, p)
     add(s, 5, [3, 4, 7], max_tokens=1)
     add(s, 4, [1, 2, 7], max_tokens=1)
@@ -194,7 +212,8 @@ def test_prefix_caching_off() -> None:
     step(s)
     c = add(s, 2, [1, 2, 3, 4, 5])
     p = step(s)
-    assert p.new_requests[0].num_computed_tokens == 0 and c.num_cached_prompt_tokens == 0
+    assert p.new_requests[0].num_computed_tokens == 0
+    assert c.num_cached_prompt_tokens == 0
     assert s.kv_cache_manager.block_pool.num_cached_blocks == 0
     assert s.stats.prefix_cache_query_tokens == 0
 
@@ -217,7 +236,8 @@ def test_chunked_prefill_keeps_decodes_going(long_priority: int) -> None:
         assert plan.num_scheduled_tokens <= 8
         chunks.append(counts[9])
     assert chunks == [5, 5, 5, 5, 1]
-    assert long.num_computed_tokens == 21 and long.num_pending_outputs == 0
+    assert long.num_computed_tokens == 21
+    assert long.num_pending_outputs == 0
     assert len(long.output_token_ids) == 1
 
 
@@ -237,7 +257,8 @@ def test_max_num_seqs_caps_admission() -> None:
     assert tokens_by_seq(step(s)) == {1: 1, 2: 1}
     assert tokens_by_seq(step(s)) == {1: 1, 2: 1}  # 1 and 2 finish on this output
     plan = step(s)
-    assert plan.removed_seq_ids == [1, 2] and tokens_by_seq(plan) == {3: 1}
+    assert plan.removed_seq_ids == [1, 2]
+    assert tokens_by_seq(plan) == {3: 1}
 
 
 # ---- priorities ----------------------------------------------------------------------------------
@@ -264,20 +285,25 @@ def test_higher_priority_arrival_preempts_lower_priority_running() -> None:
     with capture_logs() as logs:
         p = step(s)
     # low's decode (which took block 3) is taken back out of the plan, low is pre-empted.
-    assert p.removed_seq_ids == [1] and p.running == []
-    assert low.status is RequestStatus.WAITING and low.num_preemptions == 1
-    assert low.num_computed_tokens == 0 and low.num_pending_outputs == 0
+    assert p.removed_seq_ids == [1]
+    assert p.running == []
+    assert low.status is RequestStatus.WAITING
+    assert low.num_preemptions == 1
+    assert low.num_computed_tokens == 0
+    assert low.num_pending_outputs == 0
     # low's freed blocks: 3 (empty) to the head, its cached chain 2, 1, 0 to the tail.
     assert p.new_requests == [NewRequestPlan(2, [7, 8, 9], 0, 3, [3, 2], SamplingOptions())]
     assert [(e["event"], e["seq_id"], e["mode"]) for e in logs] == [("preempt", 1, "recompute")]
     assert s.stats.num_preemptions == 1
     # low cannot come back while high holds the blocks (and high never yields to it).
     plan = step(s)
-    assert tokens_by_seq(plan) == {2: 1} and high.status is RequestStatus.FINISHED
+    assert tokens_by_seq(plan) == {2: 1}
+    assert high.status is RequestStatus.FINISHED
     plan = step(s)
     assert plan.removed_seq_ids == [2]
     (resumed,) = plan.new_requests
-    assert resumed.seq_id == 1 and resumed.token_ids == [1, 2, 3, 4, 5, 6, token_for(1, 0)]
+    assert resumed.seq_id == 1
+    assert resumed.token_ids == [1, 2, 3, 4, 5, 6, token_for(1, 0)]
     assert resumed.num_computed_tokens == 4  # blocks 0 and 1 came back from the prefix cache
     assert low.num_cached_prompt_tokens == 0  # set at first admission only
 
@@ -295,15 +321,19 @@ def test_priority_preemption_only_when_it_makes_room(mode: str) -> None:
     high = add(s, 3, [3] * 9, max_tokens=2, priority=0)
     while mid.status is not RequestStatus.FINISHED:
         plan = step(s)
-        assert plan.removed_seq_ids == [] and plan.swap_out == [] and high.status is RequestStatus.WAITING
+        assert plan.removed_seq_ids == []
+        assert plan.swap_out == []
+        assert high.status is RequestStatus.WAITING
     # mid's two blocks are free now: pre-empting low makes room, and high goes first.
     plan = step(s)
-    assert plan.removed_seq_ids == [1, 2] and [p.seq_id for p in plan.new_requests] == [3]
+    assert plan.removed_seq_ids == [1, 2]
+    assert [p.seq_id for p in plan.new_requests] == [3]
     while high.status is not RequestStatus.FINISHED:
         assert 2 not in tokens_by_seq(step(s))
     while s.has_unfinished_requests():
         step(s)
-    assert low.num_preemptions == 1 and len(low.output_token_ids) == 9
+    assert low.num_preemptions == 1
+    assert len(low.output_token_ids) == 9
 
 
 def test_equal_priority_arrival_does_not_preempt() -> None:
@@ -312,7 +342,8 @@ def test_equal_priority_arrival_does_not_preempt() -> None:
     step(s)
     add(s, 2, [7, 8, 9], max_tokens=2)
     plan = step(s)
-    assert plan.removed_seq_ids == [] and tokens_by_seq(plan) == {1: 1}
+    assert plan.removed_seq_ids == []
+    assert tokens_by_seq(plan) == {1: 1}
 
 
 # ---- preemption ----------------------------------------------------------------------------------
@@ -331,10 +362,13 @@ def _two_growing_requests(**overrides) -> tuple[Scheduler, Request, Request]:
 def test_recompute_preemption_of_the_latest_arrival() -> None:
     s, a, b = _two_growing_requests()
     p2 = step(s)  # a needs a third block: b (latest) is pre-empted, its blocks freed
-    assert p2.removed_seq_ids == [2] and p2.new_requests == []
+    assert p2.removed_seq_ids == [2]
+    assert p2.new_requests == []
     # b's blocks 2, 3 were full and known: cached, freed tail first, so 3 is evicted first.
     assert p2.running == [RunningPlan(1, 1, [3])]
-    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert b.status is RequestStatus.WAITING
+    assert b.num_computed_tokens == 0
+    assert b.num_preemptions == 1
     assert b.output_token_ids == [token_for(2, 0), token_for(2, 1)]
     # b would need 3 blocks (block 2 back from the cache + 2 new): it waits for a to finish.
     while a.status is not RequestStatus.FINISHED:
@@ -360,14 +394,17 @@ def test_swap_preemption_and_resume() -> None:
     s, a, b = _two_growing_requests(preemption_mode="swap", num_cpu_blocks=4)
     with capture_logs() as logs:
         p2 = step(s)
-    assert p2.removed_seq_ids == [2] and p2.swap_out == [(2, 0), (3, 1)]
+    assert p2.removed_seq_ids == [2]
+    assert p2.swap_out == [(2, 0), (3, 1)]
     assert p2.running == [RunningPlan(1, 1, [3])]
     assert [(e["seq_id"], e["mode"]) for e in logs] == [(2, "swap")]
-    assert b.status is RequestStatus.SWAPPED and b.num_computed_tokens == 4
+    assert b.status is RequestStatus.SWAPPED
+    assert b.num_computed_tokens == 4
     assert s.kv_cache_manager.cpu_block_ids(b.seq_id) == [0, 1]
     while a.status is not RequestStatus.FINISHED:
         plan = step(s)
-        assert plan.swap_in == [] and 2 not in tokens_by_seq(plan)
+        assert plan.swap_in == []
+        assert 2 not in tokens_by_seq(plan)
     plan = step(s)
     assert plan.removed_seq_ids == [1]
     # a's free queue: its partial last block (2) at the head, then its cached chain 3, 1, 0.
@@ -375,7 +412,8 @@ def test_swap_preemption_and_resume() -> None:
     assert plan.new_requests == [
         NewRequestPlan(2, [4, 5, 6, token_for(2, 0), token_for(2, 1)], 4, 1, [2, 3, 1], SamplingOptions())
     ]
-    assert b.status is RequestStatus.RUNNING and s.kv_cache_manager.num_free_cpu_blocks == 4
+    assert b.status is RequestStatus.RUNNING
+    assert s.kv_cache_manager.num_free_cpu_blocks == 4
     while s.has_unfinished_requests():
         step(s)
     assert len(b.output_token_ids) == 5
@@ -385,8 +423,10 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_full() -> None:
     s, a, b = _two_growing_requests(preemption_mode="swap", num_cpu_blocks=1)
     with capture_logs() as logs:
         p2 = step(s)
-    assert p2.swap_out == [] and p2.removed_seq_ids == [2]
-    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert p2.swap_out == []
+    assert p2.removed_seq_ids == [2]
+    assert b.status is RequestStatus.WAITING
+    assert b.num_computed_tokens == 0
     assert [e["mode"] for e in logs] == ["recompute"]
 
 
@@ -398,8 +438,10 @@ def test_requester_preempts_itself_when_it_is_the_latest() -> None:
     plan = step(s)  # a's position 5 fits; b's position 1 fits
     assert tokens_by_seq(plan) == {1: 1, 2: 1}
     plan = step(s)  # a needs a 4th block: b is the victim; then a continues
-    assert plan.removed_seq_ids == [2] and tokens_by_seq(plan) == {1: 1}
-    assert a.num_preemptions == 0 and b.num_preemptions == 1
+    assert plan.removed_seq_ids == [2]
+    assert tokens_by_seq(plan) == {1: 1}
+    assert a.num_preemptions == 0
+    assert b.num_preemptions == 1
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -414,17 +456,22 @@ def test_preempted_request_waits_for_its_pending_output(mode: str) -> None:
     assert tokens_by_seq(p1) == {1: 1, 2: 1}
     deliver(s, p0)
     p2 = s.schedule()  # step 1's output still in flight: a needs a block, b is pre-empted
-    assert p2.removed_seq_ids == [2] and p2.running == [RunningPlan(1, 1, [3])]
+    assert p2.removed_seq_ids == [2]
+    assert p2.running == [RunningPlan(1, 1, [3])]
     assert b.num_pending_outputs == 1
     s.abort_request(a.seq_id)
     p3 = s.schedule()  # every block is free, but b's sampled token has not arrived
-    assert p3.removed_seq_ids == [1] and p3.new_requests == [] and p3.swap_in == []
+    assert p3.removed_seq_ids == [1]
+    assert p3.new_requests == []
+    assert p3.swap_in == []
     deliver(s, p1)
-    assert b.num_pending_outputs == 0 and b.output_token_ids == [token_for(2, 0), token_for(2, 1)]
+    assert b.num_pending_outputs == 0
+    assert b.output_token_ids == [token_for(2, 0), token_for(2, 1)]
     p4 = s.schedule()
     tokens = [4, 5, 6, token_for(2, 0), token_for(2, 1)]
     if mode == "recompute":
-        assert b.num_preemptions == 1 and p4.swap_in == []
+        assert b.num_preemptions == 1
+        assert p4.swap_in == []
         # Block 2 ([4, 5]) is still cached; block 3 ([6, t0]) was evicted when a took it.
         assert p4.new_requests == [NewRequestPlan(2, tokens, 2, 3, [2, 3, 1], SamplingOptions())]
     else:
@@ -443,11 +490,13 @@ def test_swapped_and_waiting_requests_start_in_one_priority_order() -> None:
     step(s)
     step(s)
     p2 = step(s)  # seq 1 needs a third block: the latest arrival is swapped out
-    assert p2.swap_out == [(4, 0), (5, 1)] and swapped.status is RequestStatus.SWAPPED
+    assert p2.swap_out == [(4, 0), (5, 1)]
+    assert swapped.status is RequestStatus.SWAPPED
     s.abort_request(x.seq_id)  # 3 blocks free: room for high (2) or for swapped (3), not both
     high = add(s, 4, [1, 1, 1], max_tokens=2, priority=0)
     p3 = step(s)
-    assert [p.seq_id for p in p3.new_requests] == [4] and p3.swap_in == []
+    assert [p.seq_id for p in p3.new_requests] == [4]
+    assert p3.swap_in == []
     while high.status is not RequestStatus.FINISHED:
         assert step(s).swap_in == []
     while swapped.status is RequestStatus.SWAPPED:
@@ -455,17 +504,20 @@ def test_swapped_and_waiting_requests_start_in_one_priority_order() -> None:
     assert [src for src, _ in plan.swap_in] == [0, 1]
     while s.has_unfinished_requests():
         step(s)
-    assert len(swapped.output_token_ids) == 5 and swapped.num_preemptions == 1
+    assert len(swapped.output_token_ids) == 5
+    assert swapped.num_preemptions == 1
 
 
 def test_a_step_that_preempts_admits_nobody() -> None:
     s, a, b = _two_growing_requests()
     c = add(s, 3, [7], max_tokens=1, priority=-1)  # one block would do, and one is free after b goes
     p2 = step(s)
-    assert p2.removed_seq_ids == [2] and p2.new_requests == []
+    assert p2.removed_seq_ids == [2]
+    assert p2.new_requests == []
     assert s.kv_cache_manager.block_pool.num_free_blocks == 1
     p3 = step(s)
-    assert [p.seq_id for p in p3.new_requests] == [3] and c.status is RequestStatus.FINISHED
+    assert [p.seq_id for p in p3.new_requests] == [3]
+    assert c.status is RequestStatus.FINISHED
 
 
 # ---- abort ---------------------------------------------------------------------------------------
@@ -483,26 +535,31 @@ def test_abort_frees_everything_and_late_outputs_are_ignored() -> None:
     assert running.status is RequestStatus.FINISHED
     # The output of the in-flight step for the aborted request is ignored.
     returned = s.process_output(p0.step_id, [1, 2], [11, 12])
-    assert [r.seq_id for r in returned] == [2] and running.output_token_ids == []
+    assert [r.seq_id for r in returned] == [2]
+    assert running.output_token_ids == []
     s.abort_request(SeqId(1))  # idempotent
     s.abort_request(SeqId(99))  # unknown: no-op
     s.abort_request(waiting.seq_id)
     p1 = s.schedule()
-    assert p1.removed_seq_ids == [1] and p1.new_requests == []
+    assert p1.removed_seq_ids == [1]
+    assert p1.new_requests == []
     s.abort_request(SeqId(2))
     assert s.schedule().removed_seq_ids == [2]
     assert not s.has_unfinished_requests()
     pool = s.kv_cache_manager.block_pool
-    assert pool.num_blocks_in_use == 0 and all(b.ref_count == 0 for b in pool.blocks)
+    assert pool.num_blocks_in_use == 0
+    assert all(b.ref_count == 0 for b in pool.blocks)
     assert s.stats.num_running == s.stats.num_waiting == s.stats.num_swapped == 0
 
 
 def test_abort_a_swapped_request_releases_its_cpu_blocks() -> None:
     s, a, b = _two_growing_requests(preemption_mode="swap", num_cpu_blocks=4)
     step(s)
-    assert b.status is RequestStatus.SWAPPED and s.kv_cache_manager.num_free_cpu_blocks == 2
+    assert b.status is RequestStatus.SWAPPED
+    assert s.kv_cache_manager.num_free_cpu_blocks == 2
     s.abort_request(b.seq_id)
-    assert s.kv_cache_manager.num_free_cpu_blocks == 4 and b.status is RequestStatus.FINISHED
+    assert s.kv_cache_manager.num_free_cpu_blocks == 4
+    assert b.status is RequestStatus.FINISHED
     assert 2 not in s.schedule().removed_seq_ids  # the executor already forgot it when swapped
 
 
@@ -518,7 +575,8 @@ def test_a_request_as_long_as_the_pool_always_finishes() -> None:
             break
         step(s)
     assert not s.has_unfinished_requests()
-    assert len(big.output_token_ids) == 3 and all(len(o.output_token_ids) == 3 for o in others)
+    assert len(big.output_token_ids) == 3
+    assert all(len(o.output_token_ids) == 3 for o in others)
 
 
 def test_stats_peak_and_slot_utilization() -> None:
@@ -527,12 +585,15 @@ def test_stats_peak_and_slot_utilization() -> None:
     add(s, 2, [1, 2, 3, 4, 6, 7], max_tokens=2)  # same step: no sharing; 2 blocks, 6 of 8
     step(s)
     stats = s.stats
-    assert stats.gpu_blocks_in_use == 4 and stats.peak_gpu_blocks_in_use == 4
+    assert stats.gpu_blocks_in_use == 4
+    assert stats.peak_gpu_blocks_in_use == 4
     assert stats.slot_utilization == pytest.approx(11 / 16)
     assert stats.peak_slot_utilization == pytest.approx(11 / 16)
-    assert stats.num_running == 2 and stats.num_gpu_blocks == 8
+    assert stats.num_running == 2
+    assert stats.num_gpu_blocks == 8
     step(s)  # one decode each; they finish on this output
     stats = s.stats
-    assert stats.gpu_blocks_in_use == 0 and stats.peak_gpu_blocks_in_use == 4
+    assert stats.gpu_blocks_in_use == 0
+    assert stats.peak_gpu_blocks_in_use == 4
     assert stats.cached_free_blocks == 1  # [1, 2, 3, 4] once: the second copy is not canonical
     assert stats.slot_utilization == 0.0

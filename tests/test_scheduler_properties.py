@@ -65,14 +65,16 @@ class FakeExecutor:
     def execute(self, plan: StepPlan) -> tuple[list[int], list[int]]:
         num_gpu, num_cpu = len(self.gpu), len(self.cpu)
         for src, dst in plan.swap_out:
-            assert 0 <= src < num_gpu and 0 <= dst < num_cpu, (src, dst)
+            assert 0 <= src < num_gpu, (src, dst)
+            assert 0 <= dst < num_cpu, (src, dst)
             self.cpu[dst] = list(self.gpu[src])
         for seq_id in plan.removed_seq_ids:
             assert seq_id in self.seqs, f"removing seq {seq_id} the executor does not hold"
             del self.seqs[seq_id]
         held = Counter(b for seq in self.seqs.values() for b in seq.blocks)
         for src, dst in plan.swap_in:
-            assert 0 <= src < num_cpu and 0 <= dst < num_gpu, (src, dst)
+            assert 0 <= src < num_cpu, (src, dst)
+            assert 0 <= dst < num_gpu, (src, dst)
             assert held[dst] == 0, f"swap_in overwrites block {dst} held by a live sequence"
             self.gpu[dst] = list(self.cpu[src])
 
@@ -285,11 +287,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert self.executor.gpu[block.block_id] == self.known_hashes[block.block_hash]
         # Queues, statuses and CPU blocks.
         for request in s.waiting:
-            assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0
+            assert request.status is RequestStatus.WAITING
+            assert request.num_computed_tokens == 0
             assert kv.num_blocks(request.seq_id) == 0
         cpu_held = []
         for request in s.swapped:
-            assert request.status is RequestStatus.SWAPPED and kv.num_blocks(request.seq_id) == 0
+            assert request.status is RequestStatus.SWAPPED
+            assert kv.num_blocks(request.seq_id) == 0
             cpu = kv.cpu_block_ids(request.seq_id)
             assert len(cpu) == cdiv(request.num_computed_tokens, size)
             cpu_held += cpu
@@ -301,7 +305,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         stats = s.stats
         assert stats.gpu_blocks_in_use == pool.num_blocks_in_use <= stats.peak_gpu_blocks_in_use
         assert stats.cached_free_blocks == pool.num_cached_free_blocks
-        assert 0.0 <= stats.slot_utilization <= 1.0 and 0.0 <= stats.peak_slot_utilization <= 1.0
+        assert 0.0 <= stats.slot_utilization <= 1.0
+        assert 0.0 <= stats.peak_slot_utilization <= 1.0
         assert stats.prefix_cache_hit_tokens <= stats.prefix_cache_query_tokens
 
     @invariant()
@@ -331,7 +336,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.block_bookkeeping()
         assert not self.executor.seqs
         pool = self.scheduler.kv_cache_manager.block_pool
-        assert pool.num_blocks_in_use == 0 and all(b.ref_count == 0 for b in pool.blocks)
+        assert pool.num_blocks_in_use == 0
+        assert all(b.ref_count == 0 for b in pool.blocks)
         assert pool.num_free_blocks == pool.num_blocks
         assert self.scheduler.kv_cache_manager.num_free_cpu_blocks == self.config.num_cpu_blocks
         for request in self.requests.values():

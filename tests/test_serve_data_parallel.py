@@ -82,7 +82,8 @@ def generate(port: int, deadline_s: float = 60) -> list[int]:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             try:
                 completion = client_generate(channel, request, timeout=30)
-                assert completion.finish_reason and len(completion.token_ids) == 6
+                assert completion.finish_reason
+                assert len(completion.token_ids) == 6
                 return completion.token_ids
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
@@ -117,7 +118,8 @@ def test_serve_two_executors_generates_and_restarts_a_killed_executor(tiny_model
 
         victim = executor_pid(serve, ports[0])
         survivor = executor_pid(serve, ports[1])
-        assert victim and survivor
+        assert victim
+        assert survivor
         os.kill(victim, signal.SIGKILL)
         wait_for(
             lambda: (pid := executor_pid(serve, ports[0])) is not None and pid != victim,

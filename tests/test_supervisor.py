@@ -71,7 +71,8 @@ def test_a_dying_executor_is_restarted_with_backoff_and_the_scheduler_ending_end
     supervisor = Supervisor(specs, popen=popen, clock=clock)
     assert supervisor.start() is None
     executor, scheduler = started
-    assert executor.env["CUDA_VISIBLE_DEVICES"] == "0" and "PATH" in executor.env
+    assert executor.env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "PATH" in executor.env
     assert scheduler.env is None  # serve's own environment
 
     def current_executor() -> FakeProcess:
@@ -129,7 +130,8 @@ def test_executors_sharing_a_gpu_start_one_after_another():
     ]
     supervisor = Supervisor(specs, popen=FakeProcess.popen)
     assert supervisor.start() is None
-    assert [p.argv for p in FakeProcess.started[-2:]] == [["e0"], ["e1"]] and ready["polls"] == 3
+    assert [p.argv for p in FakeProcess.started[-2:]] == [["e0"], ["e1"]]
+    assert ready["polls"] == 3
 
 
 @pytest.mark.parametrize(

@@ -55,14 +55,16 @@ def test_one_clients_burst_does_not_slow_another(services):
             return await asyncio.gather(*burst), b
 
     a, (b_first, b_end, b_tokens) = asyncio.run(run())
-    assert b_tokens == 3 and all(tokens == 3 for _, _, tokens in a)
+    assert b_tokens == 3
+    assert all(tokens == 3 for _, _, tokens in a)
     a_starts = sorted(first for first, _, _ in a)
     # B finished before A's last request even started: B did not queue behind A's burst.
     assert b_end < a_starts[-1]
     started_before_b = sum(start < b_end for start in a_starts)
     assert started_before_b < len(a_starts) // 2, a_starts
     stats = wait_for_idle(services)
-    assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+    assert stats.gpu_blocks_in_use == 0
+    assert stats.num_active_requests == 0
 
 
 def test_a_backlog_is_refused_and_a_deadline_ends_the_wait(services):
@@ -79,10 +81,12 @@ def test_a_backlog_is_refused_and_a_deadline_ends_the_wait(services):
     assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
     refused = [e for e in errors if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
     # At most RATE start per second and MAX_QUEUE_LEN wait: the rest are refused at once.
-    assert refused and all("--max-queue-len" in e.details() for e in refused)
+    assert refused
+    assert all("--max-queue-len" in e.details() for e in refused)
     assert grpc.StatusCode.DEADLINE_EXCEEDED in codes  # waiters the 2 s deadline overtook
     stats = wait_for_idle(services)
-    assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+    assert stats.gpu_blocks_in_use == 0
+    assert stats.num_active_requests == 0
     # And the client is served again once its window is free.
     time.sleep(1.1)
 
