@@ -437,9 +437,9 @@ def merge_kernel(
     """Merges the split partials of one grid row (as in `decode_kernel`) x one query head into its
     output row.
 
-    A launch of its own rather than the last split program's job: on an H200 (B = 1, 4096 keys, 32
-    splits) the merge inside the split kernel, done by whichever program finished last (an atomic
-    counter), cost 6 us of a 15 us call, and this kernel 1.5 us. The partials were written by the
+    A launch of its own rather than the last split program's job: the merge inside the split kernel,
+    done by whichever program finished last (an atomic counter), cost several times what this
+    launch does (README, Kernels). The partials were written by the
     previous launch, so ".cg" loads (L2) are as good as any. Split 0 always has keys, so the max is
     finite and the denominator positive.
     """

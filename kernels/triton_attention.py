@@ -21,7 +21,7 @@ keeps an eager call cheap.
   program stores its partial result (unnormalised sum, running max, denominator) and a second,
   small launch (`merge_kernel`, one program per grid row and query head) combines them. The merge
   once ran inside the split launch, done by the last program to finish (an atomic counter), which
-  saved a launch but cost far more: 15.5 us against 10.1 us at (1, 4096) on an H200. When the
+  saved a launch but cost far more at small batches (the README's Kernels section). When the
   whole context fits one key tile per program in one wave (small batches), each program holds
   exactly one tile and loads that tile's block ids together with the sequence length, saving a
   round trip to memory. The kernel finds each token's sequence itself, and each token attends
@@ -31,11 +31,10 @@ keeps an eager call cheap.
   The decode kernel runs with one grid row per *sequence* (`BY_SEQ`): the rows of sequences with
   exactly one new token do the work above, the others exit at once. The *varlen* kernel, launched
   after it, takes the other sequences (it always leaves single-token ones to the decode kernel).
-  Run through the varlen kernel, a decode would cost a whole query tile of mostly padding: on an
-  H200, 256 decodes of 512 tokens next to a 512-token prompt took 6.25 ms of attention per step
-  that way and 5.91 ms split between the two kernels. The varlen grid is (virtual query tile, KV
-  head). Sequence i owns the tile slots starting at
-  `cu_seqlens_q[i] // BLOCK_Q + i`; that start is increasing in i and leaves each sequence at least
+  Run through the varlen kernel, a decode would cost a whole query tile of mostly padding (the
+  README's Executor steps section measures the difference). The varlen grid is (virtual query
+  tile, KV head). Sequence i owns the tile slots starting at `cu_seqlens_q[i] // BLOCK_Q + i`;
+  that start is increasing in i and leaves each sequence at least
   `ceil(q_len_i / BLOCK_Q)` slots, so `num_tokens // BLOCK_Q + num_seqs` slots always suffice, and a
   program finds its sequence from `cu_seqlens_q` (one vector load and a count for up to 1024
   sequences, a binary search beyond). Slots past a sequence's last tile exit at once. A tile holds
@@ -86,8 +85,8 @@ _FP8 = torch.float8_e4m3fn
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
 # sm_90). Decode programs of one launch are equally long, so the launch is as fast as its fullest
-# wave: the split count is the smallest that fills the resident slots to _WAVE_EFFICIENCY (on an
-# H200, 32 x 16384 ran 10% slower at 5 splits, 2.4 waves, than at 2 or 4). Batches that already
+# wave: the split count is the smallest that fills the resident slots to _WAVE_EFFICIENCY (a
+# partial last wave measurably slows K1's (32, 16384): `--sweep`). Batches that already
 # fill two waves are not split.
 _RESIDENT_PROGRAMS_PER_SM = 4
 _WAVE_EFFICIENCY = 0.9
@@ -105,8 +104,8 @@ _MERGE_ELEMENTS_PER_THREAD = 128
 # search beyond.
 _MAX_VECTOR_SEQS = 1024
 _SEQS_PAD_BUCKETS = (64, 256, _MAX_VECTOR_SEQS)
-# Big prefill tiles need this many waves of programs (one per SM) to beat the default ones: on an
-# H200 they tied at ~4 (one 4096-token prompt, 512 programs) and won by 7% at ~7 and 13% at ~15.
+# Big prefill tiles need this many waves of programs (one per SM) to beat the default ones: they
+# tie at about 4 and win beyond (`python -m pagedserve.bench.kernels --sweep`; README, Kernels).
 _BIG_PREFILL_MIN_WAVES = 4
 
 
@@ -138,9 +137,9 @@ def default_decode_config(head_dim_pad: int, dtype: torch.dtype) -> DecodeConfig
     """Decode reads keys and values once: enough loads in flight matters more than tile size.
 
     fp32 and head_dim 256 take smaller tiles so registers and shared memory suffice (checked with
-    ptxas for sm_90: no spills). For bf16/fp16 `python -m pagedserve.bench.kernels --sweep` on an H200 picked
-    (64 keys, 4 warps, 2 stages) at every K1 shape from (8, 4096) to (32, 16384): 3 stages ran
-    4-32% slower (e.g. (64, 4096): 251 vs 331 us).
+    ptxas for sm_90: no spills). For bf16/fp16 `python -m pagedserve.bench.kernels --sweep` picked
+    (64 keys, 4 warps, 2 stages) at every K1 shape from (8, 4096) to (32, 16384); 3 stages ran
+    slower at all of them (the figures: README, Kernels).
     """
     if dtype == torch.float32:
         return DecodeConfig(block_n=32, num_warps=8, num_stages=2)
@@ -169,13 +168,11 @@ def big_prefill_config() -> PrefillConfig:
     """Query tiles of 256 rows (16 warps, one program per SM) for batches with many new tokens
     (bf16/fp16, head_dim <= 128): each key tile then serves four times as many query rows.
 
-    On H200s (GQA 4:1, head_dim 128, bf16; `python -m pagedserve.bench.kernels --sweep`, which also times
-    both tiles on the batch compositions quoted here): 8 x 2048 prompts 796-802 us instead of
-    913-921 (0.64-0.70x SDPA, was 0.59-0.62x), a W1-size chunk of 12 prompts (7,701 tokens) 217
-    instead of 232 us. With few programs the GPU under-fills and the default tile wins (one
-    2048-token prompt: 151 against 136 us), hence `_BIG_PREFILL_MIN_WAVES`; it only counts
-    programs, so it misses long ones that would still win (4 chunks of 512 after 3072 cached
-    tokens: 310 against 344 us).
+    `python -m pagedserve.bench.kernels --sweep` times both tiles on several batch compositions
+    (the README's Kernels section has the figures): the tall tile wins on large prompt batches and
+    loses where few programs under-fill the GPU, hence `_BIG_PREFILL_MIN_WAVES`; that rule only
+    counts programs, so it misses long ones that would still win (a few chunks after a long cached
+    prefix).
     """
     return PrefillConfig(block_m=256, block_n=64, num_warps=16, num_stages=2)
 
