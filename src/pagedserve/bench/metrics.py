@@ -73,6 +73,12 @@ def server_metrics(result: PassResult) -> dict | None:
         "prefix_cache_hit_rate": hits / queries if queries else None,  # None: not reported or reset
         "steps": after.steps - before.steps,
         "tokens_generated": after.tokens_generated - before.tokens_generated,
+        # The scheduler's CPU per executor step: what decides when a scheduler needs a second one.
+        "scheduler_cpu_ms_per_step": (
+            1000 * (after.process_cpu_seconds - before.process_cpu_seconds) / (after.steps - before.steps)
+            if after.steps > before.steps and after.process_cpu_seconds
+            else None
+        ),
     }
 
 

@@ -54,6 +54,8 @@ def results_table(
     add("prompt tokens computed", [s.get("prompt_tokens_computed") for s in servers])
     add("prefix cache hit rate (hit/query)", [_pct(s.get("prefix_cache_hit_rate")) for s in servers])
     add("cached prompt tokens (usage)", [f"{r['cached_prompt_fraction']:.1%}" for r in runs])
+    add("executor steps", [s.get("steps") for s in servers])
+    add("scheduler CPU per step (ms)", [s.get("scheduler_cpu_ms_per_step") for s in servers])
     text = render_table("pagedserve bench", ["metric", *(r["label"] for r in runs)], rows)
     for r in runs:
         for example in r["error_examples"]:
