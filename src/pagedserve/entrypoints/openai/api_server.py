@@ -160,23 +160,14 @@ def build_app(gateway: Gateway) -> FastAPI:
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        text: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-
-        def on_message(message: generation_pb2.GenerateResponse) -> None:
-            text.append(message.text)
-            token_ids.extend(message.token_ids)
-            logprobs.extend(message.logprobs)
-
-        usage = await generation.collect(on_message)
-        choice = CompletionChoice(text="".join(text), finish_reason=generation.finish_reason)
+        done = await generation.collect()
+        choice = CompletionChoice(text=done.text, finish_reason=generation.finish_reason)
         if body.return_token_ids:
-            choice.token_ids = token_ids
+            choice.token_ids = done.token_ids
         if want_logprobs:
-            choice.logprobs = await _completion_logprobs(gateway, token_ids, logprobs, 0)
+            choice.logprobs = await _completion_logprobs(gateway, done.token_ids, done.logprobs, 0)
         return _json(
-            CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(usage))
+            CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(done.usage))
         )
 
     @app.post(
@@ -200,23 +191,12 @@ def build_app(gateway: Gateway) -> FastAPI:
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
-        text: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-
-        def on_message(message: generation_pb2.GenerateResponse) -> None:
-            text.append(message.text)
-            token_ids.extend(message.token_ids)
-            logprobs.extend(message.logprobs)
-
-        usage = await generation.collect(on_message)
-        choice = ChatChoice(
-            message=ChatMessageOut(content="".join(text)), finish_reason=generation.finish_reason
-        )
+        done = await generation.collect()
+        choice = ChatChoice(message=ChatMessageOut(content=done.text), finish_reason=generation.finish_reason)
         if body.logprobs:
-            choice.logprobs = await _chat_logprobs(gateway, token_ids, logprobs)
+            choice.logprobs = await _chat_logprobs(gateway, done.token_ids, done.logprobs)
         return _json(
-            ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(usage))
+            ChatCompletionResponse(id=request_id, model=model, choices=[choice], usage=usage_info(done.usage))
         )
 
     return app

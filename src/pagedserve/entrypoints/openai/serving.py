@@ -187,6 +187,16 @@ def usage_info(usage: generation_pb2.Usage) -> UsageInfo:
     )
 
 
+@dataclass
+class Completed:
+    """A whole generation, for a non-streamed response."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    usage: generation_pb2.Usage
+
+
 class Generation:
     """One request's gRPC stream, from its first message to its last, cancelled if the HTTP client
     goes away (a watcher on the ASGI receive channel) or the handler ends early."""
@@ -244,16 +254,19 @@ class Generation:
         self.call = None
         self.gateway.metrics.finished(self.endpoint, status, time.perf_counter() - self.start, usage)
 
-    async def collect(
-        self, on_message: Callable[[generation_pb2.GenerateResponse], None]
-    ) -> generation_pb2.Usage:
-        """Reads the whole stream (non-streamed responses); returns its usage."""
+    async def collect(self) -> Completed:
+        """Reads the whole stream (non-streamed responses)."""
         status, usage = 500, None
+        text: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[float] = []
         try:
             async for message in self.messages():
-                on_message(message)
+                text.append(message.text)
+                token_ids.extend(message.token_ids)
+                logprobs.extend(message.logprobs)
             usage, status = message.usage, 200
-            return usage
+            return Completed("".join(text), token_ids, logprobs, usage)
         except asyncio.CancelledError:
             status = 499
             if self.disconnected:
