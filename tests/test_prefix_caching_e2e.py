@@ -1,4 +1,4 @@
-"""Workload W2 (shared/bench/WORKLOADS.md) end to end on the CPU: 256 requests sharing a 1024-token
+"""Workload W2 (README, Workloads) end to end on the CPU: 256 requests sharing a 1024-token
 prefix, each with its own 64-token suffix and 64 greedy output tokens, all submitted at once.
 
 With prefix caching on, the prefill tokens actually computed must drop at least 10x against a run

@@ -1,6 +1,6 @@
 """`pagedserve make-model`: writes benchmark model directories with random weights.
 
-Nothing can be downloaded, so the GPU benchmark model ("llama-8b-shape" in WORKLOADS.md) has
+Nothing can be downloaded, so the GPU benchmark model ("llama-8b-shape" of the README's Workloads) has
 Llama-3.1-8B's architecture and random bf16 weights. The 16 GB checkpoint is streamed to one
 model.safetensors tensor by tensor: the header is computed from the shapes up front, then each
 tensor is generated, written and dropped, so memory stays at the size of the largest tensor.
@@ -108,7 +108,7 @@ class ModelShape:
 
 
 SHAPES: dict[str, ModelShape] = {
-    # WORKLOADS.md's "llama-8b-shape": Llama-3.1-8B (8.03 B parameters, 16.06 GB in bf16).
+    # the README's "llama-8b-shape" (Workloads): Llama-3.1-8B (8.03 B parameters, 16.06 GB in bf16).
     "llama-8b": ModelShape(
         hidden_size=4096,
         intermediate_size=14336,
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "--shape",
         default="llama-8b",
         choices=(*SHAPES, "tiny"),
-        help="llama-8b: WORKLOADS.md's llama-8b-shape (16 GB, bf16); llama-8b-mini: the same "
+        help="llama-8b: the README's llama-8b-shape (16 GB, bf16); llama-8b-mini: the same "
         "topology scaled down; tiny: the built-in default model",
     )
     parser.add_argument("--seed", type=int, default=0)

@@ -68,7 +68,7 @@ def run_hf_static(
 def run_hf_cb(model_dir: str, requests: Sequence[BenchRequest], device: str = "auto", cb_config=None):
     """transformers' continuous batching (the paged-cache manager `generate_batch` drives), with
     each request's own max_new_tokens and EOS disabled. `cb_config` (a ContinuousBatchingConfig)
-    defaults to transformers' defaults, the setting of WORKLOADS.md's anchor."""
+    defaults to transformers' defaults, the setting of the README's W1 anchor."""
     import inspect
 
     from tqdm import tqdm

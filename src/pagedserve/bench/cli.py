@@ -91,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument(
-        "--workload", choices=tuple(PRESETS), help="WORKLOADS.md preset; explicit flags override it"
+        "--workload",
+        choices=tuple(PRESETS),
+        help="a preset of the README's Workloads; explicit flags override it",
     )
     p.add_argument("--dataset", choices=("random", "shared-prefix"))
     p.add_argument("--num-prompts", type=_positive_int)

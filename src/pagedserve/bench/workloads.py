@@ -61,7 +61,7 @@ class Workload:
             raise ValueError("num_prefixes must be positive")
 
 
-# WORKLOADS.md; W3 is W1's lengths with Poisson arrivals (the rate comes from the command line).
+# the README's Workloads; W3 is W1's lengths with Poisson arrivals (the rate comes from the command line).
 PRESETS: dict[str, dict] = {
     "W1": dict(
         dataset="random", num_prompts=512, input_len="128:1024", output_len="64:512", request_rate="inf"
@@ -109,7 +109,7 @@ class BenchRequest:
 
 
 def token_id_range(vocab_size: int) -> tuple[int, int]:
-    """WORKLOADS.md's [1000, 100000), clamped so a small test vocabulary still works."""
+    """W1's [1000, 100000), clamped so a small test vocabulary still works."""
     if vocab_size >= 100_000:
         return 1000, 100_000
     return min(1000, vocab_size // 2), vocab_size
