@@ -337,7 +337,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return output
 
     def GetStats(self, request: executor_pb2.GetStatsRequest, context: grpc.ServicerContext):
-        """Also the health check: it answers only once the model is loaded and the server is up."""
+        """Counters for operators and benchmarks (the health check is grpc.health.v1)."""
         s = self._runner.stats
         return executor_pb2.ExecutorStats(
             steps=s.steps,

@@ -164,18 +164,29 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error(f"--openai-port must be in 1..65535, got {args.openai_port}")
 
 
+def health_status(address: str, service: str, timeout: float) -> str:
+    """The grpc.health.v1 status name the server at `address` reports for `service` (open even
+    where an internal token guards the executor's other RPCs). Raises grpc.RpcError."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def _executor_ready(port: int) -> bool:
-    """Whether the executor on `port` has loaded its model (GetStats answers only then)."""
+    """Whether the executor on `port` has loaded its model and serves."""
     import grpc
 
-    from pagedserve.protos import executor_pb2, executor_pb2_grpc
+    from pagedserve.protos import wire
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        try:
-            executor_pb2_grpc.ExecutorStub(channel).GetStats(executor_pb2.GetStatsRequest(), timeout=2)
-        except grpc.RpcError:
-            return False
-    return True
+    try:
+        return health_status(f"127.0.0.1:{port}", wire.EXECUTOR_HEALTH_SERVICE, timeout=2) == "SERVING"
+    except grpc.RpcError:
+        return False
 
 
 def serve_children(args: argparse.Namespace, model: Path) -> list[ChildSpec]:
@@ -294,21 +305,16 @@ def health(args: argparse.Namespace) -> int:
     """grpc.health.v1 Check of the scheduler (SERVING while an executor is attached) or of the
     executor (SERVING once its model is loaded): prints the status, exit 0 on SERVING, else 1."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pagedserve.protos import wire
 
     service = wire.EXECUTOR_HEALTH_SERVICE if args.executor else wire.SCHEDULER_HEALTH_SERVICE
-    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=args.timeout
-            )
-        except grpc.RpcError as exc:
-            print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+    try:
+        status = health_status(f"{args.host}:{args.port}", service, args.timeout)
+    except grpc.RpcError as exc:
+        print(f"unhealthy: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if status != "SERVING":
         print(f"unhealthy: {status}", file=sys.stderr)
         return 1
     print(status)
