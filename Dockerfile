@@ -6,8 +6,7 @@ FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PAGEDSERVE_HOME=/var/lib/pagedserve
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
 # The package's layout: src/pagedserve plus the four root folders that install as
@@ -28,10 +27,10 @@ RUN pip install --no-deps . \
     && pagedserve scheduler --help > /dev/null
 
 # Not root. /run/pagedserve holds the internal token (docker-compose.yml's internal-token volume
-# takes this directory's owner when first created); PAGEDSERVE_HOME is for anything cached at run time.
+# takes this directory's owner when first created).
 RUN useradd --uid 10001 --create-home pagedserve \
-    && mkdir -p /run/pagedserve "$PAGEDSERVE_HOME" /model \
-    && chown pagedserve:pagedserve /run/pagedserve "$PAGEDSERVE_HOME"
+    && mkdir -p /run/pagedserve /model \
+    && chown pagedserve:pagedserve /run/pagedserve
 USER pagedserve
 WORKDIR /home/pagedserve
 

@@ -102,7 +102,7 @@ def wait_for(condition, timeout: float, what: str, serve: subprocess.Popen, log:
 def test_serve_two_executors_generates_and_restarts_a_killed_executor(tiny_model_dir, tmp_path):
     port, executor_port = free_port(), consecutive_free_ports(2)
     log = tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_HOME": str(tmp_path)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
         serve = subprocess.Popen(
             [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(tiny_model_dir),
