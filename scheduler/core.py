@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
-from pagedserve.scheduler.block_pool import Block
+from pagedserve.scheduler.block_pool import Block, BlockHash
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
@@ -120,6 +121,7 @@ class _Step:
     sampling: set[SeqId] = field(default_factory=set)
     admitted: set[SeqId] = field(default_factory=set)
     preempted: set[SeqId] = field(default_factory=set)
+    shared: set[SeqId] = field(default_factory=set)  # registered blocks in this step: never un-scheduled
 
 
 def _sort_key(request: Request) -> tuple[int, int]:
@@ -143,6 +145,10 @@ class Scheduler:
         self._running: list[Request] = []
         self._swapped: list[Request] = []
         self._removed: list[SeqId] = []  # finished while the executor held them: forget next step
+        # What the router knows of requests not yet admitted (see add_request): their prompt blocks'
+        # hash chains, counted, and the tokens each is expected to compute.
+        self._queued_hashes: Counter[BlockHash] = Counter()
+        self._queued_prefixes: dict[SeqId, tuple[Sequence[BlockHash], int]] = {}
         self._in_flight: dict[int, set[SeqId]] = {}  # step id -> requests that sample in it
         self._next_step_id = 0
         self._next_arrival = 0
@@ -155,8 +161,13 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, block_hashes: Sequence[BlockHash] = ()) -> None:
         """Queues a new request (WAITING, ordered by priority then arrival).
+
+        ``block_hashes``, the hash chain of its prompt's full blocks (the router computes it), makes
+        its prefix visible to the router before it is admitted (``num_prefix_hit_blocks``):
+        requests placed together with a common prefix then go where the first one will compute it,
+        and ``num_queued_tokens`` counts that prefix once.
 
         Raises:
             ValueError: duplicate seq_id, empty prompt, max_tokens < 1, or a sequence longer than
@@ -178,6 +189,10 @@ class Scheduler:
         self._next_arrival += 1
         self._requests[request.seq_id] = request
         bisect.insort(self._waiting, request, key=_sort_key)
+        if block_hashes:
+            hit_tokens = self.num_prefix_hit_blocks(block_hashes) * self.config.block_size
+            self._queued_prefixes[request.seq_id] = (block_hashes, request.num_tokens - hit_tokens)
+            self._queued_hashes.update(block_hashes)
 
     def abort_request(self, seq_id: SeqId) -> None:
         """Finishes a request (abort or stop condition): frees its blocks (full computed ones stay
@@ -195,6 +210,7 @@ class Scheduler:
             self.kv_cache_manager.free_swapped(request)
         else:
             self._waiting.remove(request)
+            self._forget_queued_prefix(seq_id)
         self.kv_cache_manager.forget(seq_id)
         request.status = RequestStatus.FINISHED
 
@@ -214,9 +230,6 @@ class Scheduler:
         )
         self._next_step_id += 1
         self._removed = []
-        # Everything computed so far was computed by plans already handed out: safe to share.
-        for request in self._running:
-            self.kv_cache_manager.cache_full_blocks(request)
         self._schedule_running(step)
         # A step that had to pre-empt has no room to admit anyone (and must not re-admit a victim).
         if not step.preempted:
@@ -312,6 +325,7 @@ class Scheduler:
         if self.kv_cache_manager.allocate_slots(request, num_tokens, cached_blocks) is None:
             return self.kv_cache_manager.num_blocks_short(request, num_tokens, cached_blocks)
         self._waiting.remove(request)
+        self._forget_queued_prefix(request.seq_id)
         if self.config.enable_prefix_caching:
             self._prefix_hit_tokens += num_cached_tokens
             self._prefix_query_tokens += request.num_tokens
@@ -327,11 +341,16 @@ class Scheduler:
         """Pre-empts the lowest-priority, latest-arrived running request if its priority is strictly
         lower than ``request``'s (a larger number) and it was not started in this step, provided
         that all such requests together hold the ``num_blocks_short`` blocks ``request`` lacks
-        (less ``keep``, its prefix hits): a pre-emption that cannot make room only costs work."""
+        (less ``keep``, its prefix hits): a pre-emption that cannot make room only costs work.
+
+        A request that registered blocks in this step is no victim either: others may already
+        share blocks whose KV only its part of this plan writes."""
         victims = [
             victim
             for victim in self._running
-            if victim.priority > request.priority and victim.seq_id not in step.admitted
+            if victim.priority > request.priority
+            and victim.seq_id not in step.admitted
+            and victim.seq_id not in step.shared
         ]
         reclaimable = self.kv_cache_manager.num_reclaimable_blocks(
             [victim.seq_id for victim in victims], keep
@@ -361,9 +380,13 @@ class Scheduler:
         self._schedule_tokens(request, num_new, step)
 
     def _schedule_tokens(self, request: Request, num_new: int, step: _Step) -> None:
-        """Counts ``num_new`` tokens as computed; if that reaches the end, the step samples a token."""
+        """Counts ``num_new`` tokens as computed and registers the blocks they fill in the prefix
+        cache (requests admitted later in this step may share them); if that reaches the end, the
+        step samples a token."""
         request.num_computed_tokens += num_new
         step.budget -= num_new
+        if self.kv_cache_manager.cache_full_blocks(request):
+            step.shared.add(request.seq_id)
         if request.num_computed_tokens == request.num_tokens:
             request.num_pending_outputs += 1
             step.sampling.add(request.seq_id)
@@ -511,10 +534,36 @@ class Scheduler:
     @property
     def num_queued_tokens(self) -> int:
         """Tokens the queued (waiting and swapped-out) requests still have to compute: the work a
-        new request would wait behind (the router's load)."""
-        return sum(r.num_tokens - r.num_computed_tokens for r in self._waiting) + sum(
-            r.num_tokens - r.num_computed_tokens for r in self._swapped
-        )
+        new request would wait behind (the router's load). A prefix that several queued requests
+        share counts once (the estimate made when each was queued)."""
+        estimates = self._queued_prefixes
+        return sum(
+            estimates[r.seq_id][1] if r.seq_id in estimates else r.num_tokens - r.num_computed_tokens
+            for r in self._waiting
+        ) + sum(r.num_tokens - r.num_computed_tokens for r in self._swapped)
+
+    def num_prefix_hit_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of the chain `block_hashes` are in the prefix cache or in the
+        prompt of a queued request (computed before a request queued now would start): the hit
+        such a request is expected to get here."""
+        num_cached = self.kv_cache_manager.num_cached_blocks(block_hashes)
+        num_queued = 0
+        for block_hash in block_hashes:
+            if not self._queued_hashes[block_hash]:
+                break
+            num_queued += 1
+        return max(num_cached, num_queued)
+
+    def _forget_queued_prefix(self, seq_id: SeqId) -> None:
+        """Drops a request's prefix from the router's view once it is admitted (its blocks are then
+        in the prefix cache) or aborted."""
+        entry = self._queued_prefixes.pop(seq_id, None)
+        if entry is None:
+            return
+        self._queued_hashes.subtract(entry[0])
+        for block_hash in entry[0]:
+            if self._queued_hashes[block_hash] <= 0:
+                del self._queued_hashes[block_hash]
 
     # Read-only views for tests and the engine's metrics.
     @property

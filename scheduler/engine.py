@@ -323,7 +323,7 @@ class Engine:
         index = self._router.choose(request.num_tokens, [r.load(hashes) for r in replicas])
         replica = replicas[index]
         try:
-            replica.add_request(request)
+            replica.add_request(request, hashes)
         except ValueError as exc:  # limits changed with the executors (another model): cannot serve
             self._active.pop(request.seq_id, None)
             active.deltas.put_nowait(EngineUnavailable(f"the executors cannot serve it any more: {exc}"))

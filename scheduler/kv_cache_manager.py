@@ -3,12 +3,13 @@
 The manager answers mechanism questions ("does it fit?", "which blocks?") and never decides policy:
 ``allocate_slots`` returns None when blocks are short and the Scheduler decides whom to pre-empt.
 
-Safety rule for the prefix cache: a block is registered under its hash only once every token in it
-is known *and* computed by a plan that has already been handed out. Plans run in order, so any later
-plan that reuses the block reads KV that is already written; nothing is ever shared within the step
-that writes it. The scheduler therefore calls ``cache_full_blocks`` at the start of each
-``schedule()`` (and ``free``/``swap_out`` call it before releasing blocks), never after it has
-scheduled new tokens in the current step.
+Safety rule for the prefix cache: a block is registered under its hash once every token in it is
+known *and* scheduled, by the plan being built or an earlier one. Plans run in order, and within a
+step the executor writes every token's KV (``kernels.write_kv``) before any attention of the same
+layer reads the cache, so a request admitted later in the same step may already share the block: as
+in vLLM V1, requests that arrive together with a common prefix compute it once. The scheduler calls
+``cache_full_blocks`` right after it schedules a request's tokens, and never un-schedules a request
+whose blocks it registered in the step being built (see ``Scheduler._preempt_lower_priority``).
 """
 
 from __future__ import annotations
@@ -135,20 +136,23 @@ class KVCacheManager:
                 return index
         return len(block_hashes)
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Registers the request's blocks that are full of known, computed tokens in the prefix
-        cache. Call only when ``num_computed_tokens`` counts tokens of plans already handed out."""
+    def cache_full_blocks(self, request: Request) -> bool:
+        """Registers the request's blocks that are full of known, scheduled tokens in the prefix
+        cache (``num_computed_tokens`` counts the tokens of the plan being built: see the module's
+        safety rule). Returns whether it registered any."""
         if not self.enable_prefix_caching:
-            return
+            return False
         table = self._tables.get(request.seq_id)
         if not table:
-            return
+            return False
         num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_size
         start = self._num_cached_blocks.get(request.seq_id, 0)
+        if num_full <= start:
+            return False
         for index in range(start, num_full):
             self.block_pool.cache_block(table[index], self._block_hash(request, index))
-        if num_full > start:
-            self._num_cached_blocks[request.seq_id] = num_full
+        self._num_cached_blocks[request.seq_id] = num_full
+        return True
 
     # ---- GPU blocks ----------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +33,7 @@ import structlog
 from asyncio_throttle import Throttler
 
 from pagedserve.protos import executor_pb2
+from pagedserve.scheduler.block_pool import BlockHash
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.core import Scheduler, SchedulerStats, StepPlan
 from pagedserve.scheduler.request import Request, SeqId
@@ -189,7 +191,7 @@ class ExecutorReplica:
 
     # ---- requests (called by the engine) ------------------------------------------------------
 
-    def load(self, block_hashes) -> ExecutorLoad:
+    def load(self, block_hashes: Sequence[BlockHash]) -> ExecutorLoad:
         """The router's view of this executor for a request whose prompt blocks hash to
         `block_hashes` (empty: no prefix lookup)."""
         core = self.scheduler
@@ -201,13 +203,14 @@ class ExecutorReplica:
             queued_tokens=core.num_queued_tokens,
             num_free_blocks=manager.block_pool.num_free_blocks,
             block_size=manager.block_size,
-            hit_blocks=manager.num_cached_blocks(block_hashes) if block_hashes else 0,
+            hit_blocks=core.num_prefix_hit_blocks(block_hashes) if block_hashes else 0,
         )
 
-    def add_request(self, request: Request) -> None:
-        """Queues a request on this executor's core (ValueError: it does not fit its limits)."""
+    def add_request(self, request: Request, block_hashes: Sequence[BlockHash] = ()) -> None:
+        """Queues a request on this executor's core (ValueError: it does not fit its limits);
+        `block_hashes` (its prompt's, from routing) let later requests find its prefix here."""
         assert self.scheduler is not None
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, block_hashes)
         self.seq_ids.add(request.seq_id)
         self.requests_routed += 1
         self._wakeup.set()

@@ -1,15 +1,18 @@
 """Which executor a new (or re-placed) request goes to: pure policy over numbers the engine gathers.
 
 The scheduler owns every executor's block table, so it knows, exactly, how many of a request's full
-prompt blocks are already cached on each executor (`hit_blocks`): routers in front of engines that
-schedule themselves can only approximate this (SGLang's router keeps an approximate radix tree of
-the text it sent each worker; llm-d's "precise" scorer subscribes to each engine's KV events).
+prompt blocks are already cached on each executor, or will be once the requests queued there start
+(`hit_blocks`: requests that arrive together with a common prefix follow the first one, which
+computes it): routers in front of engines that schedule themselves can only approximate this
+(SGLang's router keeps an approximate radix tree of the text it sent each worker; llm-d's "precise"
+scorer subscribes to each engine's KV events, which only report blocks already computed).
 
 Policy `prefix` (the default) picks the executor of least estimated cost, in tokens of work that
 stand between the request and its first token::
 
     cost(e) = (T - hit_blocks(e) * block_size)       # prompt tokens it must compute there
-            + queued_tokens(e)                        # prefill of requests waiting there before it
+            + queued_tokens(e)                        # prefill of requests waiting there (a shared
+                                                      #   prefix counted once)
             + DECODE_TOKEN_WEIGHT * num_running(e)    # decodes sharing every step with it
             + block_size * blocks_short(e)            # blocks it would wait for (or pre-empt)
 
@@ -55,7 +58,8 @@ class ExecutorLoad:
         queued_tokens: tokens its queued requests still have to compute.
         num_free_blocks: free GPU blocks (cached free ones included: they can be evicted).
         block_size: tokens per block.
-        hit_blocks: the request's full prompt blocks whose hash chain is cached there.
+        hit_blocks: the request's leading full prompt blocks whose hash chain is cached there, or
+            is the prefix of a request queued there.
     """
 
     num_running: int

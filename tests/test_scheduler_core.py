@@ -147,21 +147,67 @@ def test_step_ids_are_consecutive_and_empty_plan() -> None:
 def test_prefix_hit_reuses_blocks_of_a_running_request() -> None:
     s = make_scheduler(block_size=2, num_gpu_blocks=10, max_model_len=12)
     a = add(s, 1, [1, 2, 3, 4, 5], max_tokens=4)
-    b = add(s, 2, [1, 2, 3, 4, 5], max_tokens=4)  # same step as a: nothing is shared within a step
+    b = add(s, 2, [1, 2, 3, 4, 5], max_tokens=4)  # same step as a: it shares what a's part writes
     p0 = step(s)
-    assert [p.block_ids for p in p0.new_requests] == [[0, 1, 2], [3, 4, 5]]
-    assert a.num_cached_prompt_tokens == b.num_cached_prompt_tokens == 0
+    assert [p.block_ids for p in p0.new_requests] == [[0, 1, 2], [0, 1, 3]]
+    assert [p.num_computed_tokens for p in p0.new_requests] == [0, 4]
+    assert a.num_cached_prompt_tokens == 0
+    assert b.num_cached_prompt_tokens == 4
     c = add(s, 3, [1, 2, 3, 4, 9, 9])
     p1 = step(s)
     (new_c,) = p1.new_requests
-    # a's full blocks were registered first (running order), so c shares a's 0 and 1.
-    assert new_c == NewRequestPlan(3, [1, 2, 3, 4, 9, 9], 4, 2, [0, 1, 6], SamplingOptions())
+    assert new_c == NewRequestPlan(3, [1, 2, 3, 4, 9, 9], 4, 2, [0, 1, 4], SamplingOptions())
     assert c.num_cached_prompt_tokens == 4
     blocks = s.kv_cache_manager.block_pool.blocks
-    assert [blocks[i].ref_count for i in range(7)] == [2, 2, 1, 1, 1, 1, 1]
-    assert s.stats.prefix_cache_hit_tokens == 4
+    assert [blocks[i].ref_count for i in range(5)] == [3, 3, 1, 1, 1]
+    assert s.stats.prefix_cache_hit_tokens == 8
     assert s.stats.prefix_cache_query_tokens == 16
-    assert s.stats.prompt_tokens_computed == 5 + 5 + 2
+    assert s.stats.prompt_tokens_computed == 5 + 1 + 2
+
+
+def test_a_request_that_registered_blocks_in_the_step_is_no_victim_in_it() -> None:
+    """Blocks are shared from the step that schedules their tokens: a request whose chunk just
+    registered some cannot be un-scheduled (pre-empted) in that step, or a later admission could
+    hit blocks whose KV nobody writes."""
+    s = make_scheduler(block_size=2, num_gpu_blocks=4, max_model_len=8, max_num_batched_tokens=4)
+    low = add(s, 1, [1, 2, 3, 4, 5, 6, 7], max_tokens=1, priority=5)
+    step(s)  # tokens 0-3: blocks 0 and 1 registered
+    high = add(s, 2, [8, 8, 8], max_tokens=1, priority=0)
+    plan = s.schedule()  # low's tokens 4-6 fill block 2 (registered) and take the last free block
+    assert tokens_by_seq(plan) == {1: 3}
+    assert plan.removed_seq_ids == []
+    assert low.status is RequestStatus.RUNNING
+    assert high.status is RequestStatus.WAITING  # not admitted by pre-empting low in this step
+    deliver(s, plan)
+    for _ in range(10):
+        if not s.has_unfinished_requests():
+            break
+        step(s)
+    assert not s.has_unfinished_requests()
+    assert len(low.output_token_ids) == len(high.output_token_ids) == 1
+
+
+def test_queued_prefixes_are_visible_to_the_router_and_counted_once() -> None:
+    s = make_scheduler(block_size=2, num_gpu_blocks=20, max_model_len=16, max_num_batched_tokens=4)
+    manager = s.kv_cache_manager
+    prefix = [1, 2, 3, 4, 5, 6]
+    first = Request(SeqId(1), prefix + [7], 2, SamplingOptions())
+    s.add_request(first, manager.prompt_block_hashes(first.all_token_ids))
+    other = manager.prompt_block_hashes(prefix + [8, 8, 8])
+    assert manager.num_cached_blocks(other) == 0
+    assert s.num_prefix_hit_blocks(other) == 3  # queued, not computed yet
+    assert s.num_prefix_hit_blocks(manager.prompt_block_hashes([1, 2, 9, 9, 9])) == 1
+    second = Request(SeqId(2), prefix + [8, 8, 8], 2, SamplingOptions())
+    s.add_request(second, other)
+    assert s.num_queued_tokens == 7 + (9 - 6)  # the shared prefix once
+    s.abort_request(SeqId(2))
+    assert s.num_queued_tokens == 7
+    step(s)  # a budget of 4: the first request's first chunk; its 2 full blocks are now cached
+    assert s.num_queued_tokens == 0
+    assert s.num_prefix_hit_blocks(other) == 2
+    step(s)
+    assert s.num_prefix_hit_blocks(other) == 3
+    assert not s._queued_hashes
 
 
 def test_finished_blocks_stay_cached_and_whole_prompt_hit_recomputes_last_block() -> None:
@@ -582,7 +628,7 @@ def test_a_request_as_long_as_the_pool_always_finishes() -> None:
 def test_stats_peak_and_slot_utilization() -> None:
     s = make_scheduler(block_size=4, num_gpu_blocks=8, max_model_len=16)
     add(s, 1, [1, 2, 3, 4, 5], max_tokens=2)  # 2 blocks, 5 of 8 slots filled
-    add(s, 2, [1, 2, 3, 4, 6, 7], max_tokens=2)  # same step: no sharing; 2 blocks, 6 of 8
+    add(s, 2, [9, 2, 3, 4, 6, 7], max_tokens=2)  # no common prefix; 2 blocks, 6 of 8
     step(s)
     stats = s.stats
     assert stats.gpu_blocks_in_use == 4
@@ -595,5 +641,5 @@ def test_stats_peak_and_slot_utilization() -> None:
     stats = s.stats
     assert stats.gpu_blocks_in_use == 0
     assert stats.peak_gpu_blocks_in_use == 4
-    assert stats.cached_free_blocks == 1  # [1, 2, 3, 4] once: the second copy is not canonical
+    assert stats.cached_free_blocks == 2  # each prompt's one full block
     assert stats.slot_utilization == 0.0

@@ -2,9 +2,12 @@
 preemptions against a fake executor that stores each token id in its KV slot.
 
 The fake executor applies plans exactly as the protocol says (swap_out, removed, swap_in, then the
-forward pass, then sampling) and checks that every token it is asked to compute has a slot, that it
-never writes a block another live sequence holds, and that every computed position of every live
-sequence (prefix-cache hits and swapped-in blocks included) holds the right token. The scheduler's
+forward pass: every scheduled token's KV written before any is read, then sampling) and checks that
+every token it is asked to compute has a slot, that a write into a block another live sequence holds
+puts there the very token that sequence has at that position (a request admitted in the step that
+computes a shared prefix reads it, as in the real executor), and that every computed position of
+every live sequence (prefix-cache hits, shared in the same step or earlier, and swapped-in blocks
+included) holds the right token. The scheduler's
 block bookkeeping is checked after every rule.
 """
 
@@ -87,8 +90,6 @@ class FakeExecutor:
             assert new.num_computed_tokens + new.num_new_tokens <= len(new.token_ids)
             assert all(0 <= b < num_gpu for b in new.block_ids)
             seq = _Seq(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
-            for p in range(seq.computed):  # prefix-cache hits and swapped-in KV
-                assert self.slot(seq, p) == seq.tokens[p], f"seq {new.seq_id} position {p} not in its KV"
             self.seqs[new.seq_id] = seq
             scheduled.append((new.seq_id, seq, new.num_new_tokens))
         for running in plan.running:
@@ -100,22 +101,29 @@ class FakeExecutor:
             scheduled.append((running.seq_id, seq, running.num_new_tokens))
         assert len({seq_id for seq_id, _, _ in scheduled}) == len(scheduled)
 
-        held = Counter(b for seq in self.seqs.values() for b in seq.blocks)
+        holders: dict[int, list[_Seq]] = {}
         for seq_id, seq in self.seqs.items():
             assert len(set(seq.blocks)) == len(seq.blocks), f"seq {seq_id} holds a block twice"
-        for seq_id, seq, num_new in scheduled:
+            for b in seq.blocks:
+                holders.setdefault(b, []).append(seq)
+        for seq_id, seq, num_new in scheduled:  # write_kv: every new token, before any read
             end = seq.computed + num_new
             assert len(seq.blocks) == cdiv(end, self.block_size), (
                 f"seq {seq_id}: blocks do not fit its tokens"
             )
             for p in range(seq.computed, end):
                 block = seq.blocks[p // self.block_size]
-                assert held[block] == 1, f"seq {seq_id} writes block {block}, which another sequence holds"
+                for other in holders[block]:  # a shared block only ever receives its own tokens
+                    q = other.blocks.index(block) * self.block_size + p % self.block_size
+                    assert other is seq or q >= len(other.tokens) or other.tokens[q] == seq.tokens[p], (
+                        f"seq {seq_id} writes into block {block} a token another sequence does not have"
+                    )
                 self.gpu[block][p % self.block_size] = seq.tokens[p]
-            seq.computed = end
-        for seq_id, seq in self.seqs.items():
+        for _, seq, num_new in scheduled:
+            seq.computed += num_new
+        for seq_id, seq in self.seqs.items():  # attention: every computed position, shared ones too
             for p in range(seq.computed):
-                assert self.slot(seq, p) == seq.tokens[p], f"seq {seq_id} position {p} was overwritten"
+                assert self.slot(seq, p) == seq.tokens[p], f"seq {seq_id} position {p} not in its KV"
 
         out_ids, out_tokens = [], []
         for seq_id, seq, _ in scheduled:
