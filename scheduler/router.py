@@ -15,10 +15,16 @@ stand between the request and its first token::
                                                       #   prefix counted once)
             + DECODE_TOKEN_WEIGHT * num_running(e)    # decodes sharing every step with it
             + block_size * blocks_short(e)            # blocks it would wait for (or pre-empt)
+            + block_size * (max_hit - hit_blocks(e))  # blocks the pool would compute a second time
 
-where T is the request's known tokens. A one-block hit (block_size tokens) is thus worth one
-running request less (DECODE_TOKEN_WEIGHT = block_size): affinity wins while loads are comparable,
-and load wins once they are not.
+where T is the request's known tokens and max_hit the best hit of any executor. The last term is the
+work a miss adds to the pool as a whole: an executor that recomputes a prefix another one holds
+spends that time on no one else, so a miss costs its blocks twice, once in this request's wait and
+once as work done again. A one-block hit is thus worth two running requests less
+(DECODE_TOKEN_WEIGHT = block_size): affinity wins while loads are comparable, and load wins once
+they are not. (Without the last term, on W4 over 3 executors, a request went elsewhere as soon as
+the home of its prefix had one request more queued than another executor: prefixes grew second and
+third homes and were computed again.)
 
 **The bound against a hot prefix.** A prefix shared by most requests would otherwise draw them all
 to the one executor that cached it first (its hit always outweighs a few waiting requests). So an
@@ -78,8 +84,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def cost(num_tokens: int, executor: ExecutorLoad, use_hit: bool = True) -> int:
-    """The estimated tokens of work ahead of the request's first token on `executor`."""
+def cost(num_tokens: int, executor: ExecutorLoad, use_hit: bool = True, max_hit: int = 0) -> int:
+    """The estimated tokens of work ahead of the request's first token on `executor`, plus the
+    blocks of the best hit elsewhere (`max_hit`) it would compute again (see the module docstring)."""
     hit = executor.hit_blocks if use_hit else 0
     size = executor.block_size
     blocks_needed = _cdiv(num_tokens + 1, size) - hit
@@ -90,6 +97,7 @@ def cost(num_tokens: int, executor: ExecutorLoad, use_hit: bool = True) -> int:
         + executor.queued_tokens
         + DECODE_TOKEN_WEIGHT * executor.num_running
         + size * blocks_short
+        + size * max(0, max_hit - hit)
     )
 
 
@@ -119,13 +127,14 @@ class Router:
             return start
         use_hit = self.policy == "prefix"
         min_load = min(e.load for e in executors)
+        max_hit = max(e.hit_blocks for e in executors) if use_hit else 0
         best, best_cost = -1, 0
         for offset in range(n):  # from the round-robin position: ties go round robin
             i = (start + offset) % n
             executor = executors[i]
             if use_hit and not within_hot_bound(executor, min_load):
                 continue
-            c = cost(num_tokens, executor, use_hit)
+            c = cost(num_tokens, executor, use_hit, max_hit)
             if best < 0 or c < best_cost:
                 best, best_cost = i, c
         return best

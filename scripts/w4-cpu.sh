@@ -3,11 +3,11 @@
 # output tok/s with 1, 2, 4 executors behind one scheduler (exact prefix routing), and prefill
 # tokens computed with prefix routing vs round robin. Meant for a many-core machine (the GPU
 # machine's 16 cores); each executor gets cores / N threads (serve's placement).
-#   OUT=w4-results SIZES="1 2 4" bash scripts/w4-cpu.sh
+#   OUT=w4-results bash scripts/w4-cpu.sh
+#   OUT=w4-results RUNS="prefix:4 round_robin:4" bash scripts/w4-cpu.sh   # some runs (POLICY:EXECUTORS)
 set -uo pipefail
 OUT=${OUT:-w4-results}
-SIZES=${SIZES:-1 2 4}
-RR_SIZES=${RR_SIZES:-4}
+RUNS=${RUNS:-prefix:1 prefix:2 prefix:4 round_robin:4 least_loaded:4 prefix:3 round_robin:3}
 MODEL=${MODEL:-/tmp/w4-tiny}
 EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
@@ -25,5 +25,4 @@ run() {  # run NAME DP POLICY
     --scheduler-args "--routing-policy $3" --result-file "$OUT/$1.json" > "$OUT/$1.txt" 2>&1
   grep -E "output throughput|prompt tokens computed|duration" "$OUT/$1.txt"
 }
-for n in $SIZES; do run "w4-dp$n-prefix" "$n" prefix; done
-for n in $RR_SIZES; do run "w4-dp$n-round_robin" "$n" round_robin; done
+for spec in $RUNS; do run "w4-dp${spec#*:}-${spec%%:*}" "${spec#*:}" "${spec%%:*}"; done

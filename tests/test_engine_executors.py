@@ -330,7 +330,7 @@ def test_attach_response_has_the_lease_timeout():
 def test_requests_placed_together_follow_their_prefix(tokenizer, text_ids, policy):
     """W4 in miniature: 8 prefixes of 4 blocks, 4 requests each with their own suffix, arriving
     interleaved and all placed before any step runs (nothing is cached yet), over 3 executors. Prefix
-    routing keeps each prefix on one executor (but one) and computes it once there: the requests that
+    routing keeps each prefix on one executor (but at most one) and computes it once there: the requests that
     follow the first see its queued prefix, and those admitted in its step share its blocks. Round
     robin places by arrival alone: each prefix is computed on all three."""
     fakes = {f"e{i}:1": FlakyExecutor(text_ids, len(tokenizer)) for i in range(3)}
@@ -355,8 +355,8 @@ def test_requests_placed_together_follow_their_prefix(tokenizer, text_ids, polic
             computed = h.engine.core_stats().prompt_tokens_computed
             suffixes = num_prefixes * per_prefix * suffix_len
             if policy == "prefix":
-                # One prefix gets a second home: 8 prefixes do not split evenly over 3 executors,
-                # and one request's worth of imbalance outweighs its hit (see scheduler/router.py).
+                # At most one prefix gets a second home: 8 prefixes do not split evenly over 3
+                # executors, and load may outweigh a hit (see scheduler/router.py).
                 assert sum(len(h) for h in homes.values()) <= num_prefixes + 1, homes
                 assert computed <= (num_prefixes + 1) * prefix_len + suffixes
             else:

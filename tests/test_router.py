@@ -39,6 +39,9 @@ def test_cost_counts_prefill_queue_decodes_and_missing_blocks():
     # 100 tokens + 1 to sample need 7 blocks; with 2 free, 5 blocks' worth of tokens wait.
     assert cost(100, idle(free=2)) == 100 + 5 * BS
     assert cost(100, idle(hit_blocks=4), use_hit=False) == 100
+    # A miss where another executor holds 4 blocks: those blocks would be computed a second time.
+    assert cost(100, idle(), max_hit=4) == 100 + 4 * BS
+    assert cost(100, idle(hit_blocks=4), max_hit=4) == 100 - 4 * BS
 
 
 def test_prefix_policy_goes_where_the_prefix_is_cached():
@@ -49,8 +52,11 @@ def test_prefix_policy_goes_where_the_prefix_is_cached():
 
 def test_a_hit_is_weighed_against_load():
     router = Router("prefix")
-    # A one-block hit is worth one running request: two more running requests outweigh it.
-    assert router.choose(64, [busy(running=3, hit_blocks=1), busy(running=1)]) == 1
+    # A one-block hit is worth two running requests (it saves the wait, and the pool's work):
+    # one more running request does not outweigh it, three more do.
+    for _ in range(2):  # whatever the round-robin position
+        assert router.choose(64, [busy(running=2, hit_blocks=1), busy(running=1)]) == 0
+        assert router.choose(64, [busy(running=4, hit_blocks=1), busy(running=1)]) == 1
     # A long hit wins over a few running requests.
     assert router.choose(640, [busy(running=3, hit_blocks=30), busy(running=1)]) == 0
 
