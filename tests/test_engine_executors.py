@@ -346,9 +346,8 @@ def test_requests_placed_together_follow_their_prefix(tokenizer, text_ids, polic
             placed = []
             for r in range(per_prefix):
                 for p in range(num_prefixes):
-                    active = h.engine.submit(
-                        f"r{p}-{r}", prompt(p, r), SamplingOptions(temperature=0), StopConditions(max_tokens=4)
-                    )
+                    greedy, stop = SamplingOptions(temperature=0), StopConditions(max_tokens=4)
+                    active = h.engine.submit(f"r{p}-{r}", prompt(p, r), greedy, stop)
                     placed.append((p, active, active.replica.address))
             await asyncio.wait_for(asyncio.gather(*(collect(a) for _, a, _ in placed)), 30)
             homes = {p: {address for q, _, address in placed if q == p} for p in range(num_prefixes)}
