@@ -17,7 +17,7 @@ import grpc
 from pagedserve.bench.baselines import run_hf_cb, run_hf_static
 from pagedserve.bench.client import PassResult, SendOptions, get_model_info, run_pass, warmup_requests
 from pagedserve.bench.launch import LaunchError, launched_server
-from pagedserve.bench.metrics import compare_outputs, summarize
+from pagedserve.bench.metrics import compare_outputs, output_matches, summarize
 from pagedserve.bench.report import baseline_table, results_table, write_plot
 from pagedserve.bench.workloads import (
     DEFAULTS,
@@ -177,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --launch: over gRPC, then through a launched gateway streamed and not; reports its cost",
     )
+    gateway.add_argument(
+        "--openai-client-processes",
+        type=_positive_int,
+        default=None,
+        metavar="P",
+        help="client processes that share out the gateway passes' requests, each with its own event "
+        "loop and openai client, all starting at one instant (default: min(8, CPU cores); 1 with "
+        "--max-concurrency)",
+    )
     base = p.add_argument_group("Hugging Face baselines (run after the pagedserve pass)")
     base.add_argument("--baseline", action="append", choices=("hf-static", "hf-cb"), default=[])
     base.add_argument(
@@ -292,13 +301,16 @@ def _measure_openai(
 
     info = get_model_info(scheduler)
     options = send_options(args)
+    processes = args.openai_client_processes
     tag = f"openai {'stream' if stream else 'plain'}"
     if args.num_warmups:
         warmup = warmup_requests(args.num_warmups, info.vocab_size, info.max_model_len)
-        run_openai_pass(url, scheduler, warmup, math.inf, options, "warmup", stream)
+        run_openai_pass(url, scheduler, warmup, math.inf, options, "warmup", stream, processes)
     passes = []
     for p in plan_passes(workload, list(rates), info.vocab_size, info.max_model_len or None, tag):
-        passes.append(run_openai_pass(url, scheduler, p.requests, p.request_rate, options, p.label, stream))
+        passes.append(
+            run_openai_pass(url, scheduler, p.requests, p.request_rate, options, p.label, stream, processes)
+        )
         passes[-1].seed = p.seed
     return passes
 
@@ -364,17 +376,67 @@ def _vocab_and_len(address: str) -> tuple[int, int | None]:
 
 def openai_comparison(grpc_pass: PassResult, stream: PassResult, plain: PassResult, greedy: bool) -> dict:
     """Issue 15's report: output throughput through the OpenAI gateway (streamed and not) against
-    the same requests straight over gRPC, on the same services; the gateway should cost <= 5%."""
+    the same requests straight over gRPC, on the same services; the gateway should cost <= 5%.
+    Greedy outputs are compared request by request: the fraction that match exactly, and where the
+    first differing ones diverge (index@token)."""
     runs = [summarize(p) for p in (grpc_pass, stream, plain)]
     grpc_tps = runs[0]["output_throughput"]
-    comparison = {"output tok/s (gRPC)": grpc_tps}
+    comparison = {
+        "output tok/s (gRPC)": grpc_tps,
+        "output tok/s from the first token (gRPC)": after_first_token(grpc_pass),
+        "requests issued in (s), gRPC": issue_spread(grpc_pass),
+    }
     for name, run, result in (("stream", runs[1], stream), ("plain", runs[2], plain)):
         tps = run["output_throughput"]
         comparison[f"output tok/s (openai {name})"] = tps
         comparison[f"gateway cost, {name} (1 - openai/gRPC)"] = 1 - tps / grpc_tps if grpc_tps else None
-        outputs = compare_outputs(grpc_pass, result)
-        comparison[f"greedy outputs identical ({name})"] = outputs["identical"] if greedy else None
+        if name == "stream":  # a response not streamed has no first token to time
+            comparison["output tok/s from the first token (openai stream)"] = after_first_token(result)
+        comparison[f"requests issued in (s), {name}"] = issue_spread(result)
+        if not greedy:
+            continue
+        matches = output_matches(grpc_pass, result)
+        differing = {i: pos for i, pos in matches.items() if pos is not None}
+        comparison[f"greedy outputs identical ({name})"] = bool(matches) and not differing
+        same = len(matches) - len(differing)
+        comparison[f"greedy requests identical ({name})"] = (
+            f"{same} / {len(matches)} ({same / len(matches):.1%})" if matches else None
+        )
+        if differing:
+            shown = ", ".join(f"{i}@{pos}" for i, pos in sorted(differing.items())[:10])
+            comparison[f"greedy differing ({name}, index@token)"] = shown + (
+                ", ..." if len(differing) > 10 else ""
+            )
     return comparison
+
+
+def after_first_token(result: PassResult) -> float | None:
+    """Output tokens per second from the pass's first token to its end: the throughput without
+    the time it took to issue the requests and prefill the first ones."""
+    times = [t for r in result.records if r.ok for t in r.message_times]
+    if not times:
+        return None
+    first = min(times)
+    tokens = sum(r.num_output for r in result.records if r.ok)
+    return tokens / (result.end - first) if result.end > first else None
+
+
+def mark_matches(run: dict, matches: dict[int, int | None], against: str) -> None:
+    """Each request's record in `run` (a `summarize` dict) says whether its greedy tokens equal
+    those of the same request in the pass `against`, and else the first token where they differ."""
+    for request in run["requests"]:
+        if request["index"] in matches:
+            position = matches[request["index"]]
+            request[f"identical_to_{against}"] = position is None
+            request["first_difference"] = position
+
+
+def issue_spread(result: PassResult) -> float | None:
+    """Seconds from the pass's start until its last request was sent: for an all-at-once workload
+    (rate inf), how long the client itself needed to issue them."""
+    if not math.isinf(result.request_rate) or not result.records:
+        return None
+    return max(r.start for r in result.records) - result.start
 
 
 def caching_comparison(on: PassResult, off: PassResult, greedy: bool) -> dict:
@@ -446,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pagedserve bench: --compare-openai needs --launch (and no other comparison)")
     if args.through_openai and (args.launch or args.in_process):
         raise SystemExit("pagedserve bench: --through-openai URL goes to a running gateway (no --launch)")
+    if (args.compare_openai or args.through_openai) and args.openai_client_processes is None:
+        from pagedserve.bench.openai_client import default_client_processes
+
+        args.openai_client_processes = 1 if args.max_concurrency else default_client_processes()
     if args.in_process or args.launch:  # bad service flags fail now, not in a launched process
         _in_process_configs(args)
     # Written after the run: a path that cannot be a file fails now, not after minutes of load.
@@ -465,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.compare_openai:  # passes: [gRPC..., openai stream..., openai plain...] at each rate
         n = len(rates)
         comparison = openai_comparison(passes[0], passes[n], passes[2 * n], args.temperature == 0)
+        if args.temperature == 0:
+            for k in (n, 2 * n):
+                mark_matches(runs[k], output_matches(passes[0], passes[k]), "grpc")
         title = "gRPC vs through the OpenAI gateway (first rate)"
     elif args.compare_in_process:  # passes: [gRPC at each rate..., in-process at each rate...]
         comparison = split_comparison(passes[0], passes[len(passes) // 2], args.temperature == 0)
