@@ -277,11 +277,14 @@ def test_bench_compare_openai_runs_the_same_requests_through_the_gateway(tiny_mo
     cpu = "--device cpu --dtype float32 --num-gpu-blocks-override 128 --swap-space 0.01"
     argv = ["--launch", "--model", str(tiny_model_dir), "--compare-openai", "--num-prompts", "6",
             "--input-len", "8:40", "--output-len", "4:12", "--no-plot", "--result-file", str(result),
-            "--executor-args", cpu]  # fmt: skip
+            "--executor-args", cpu, "--openai-client-processes", "2"]  # fmt: skip
     assert bench.main(argv) == 0
     report = json.loads(result.read_text())
     assert [r["completed"] for r in report["runs"]] == [6, 6, 6]
     comparison = report["comparison"]
     assert comparison["greedy outputs identical (stream)"]
     assert comparison["greedy outputs identical (plain)"]
+    assert comparison["greedy requests identical (stream)"] == "6 / 6 (100.0%)"
+    assert all(r["identical_to_grpc"] for run in report["runs"][1:] for r in run["requests"])
+    assert report["config"]["openai_client_processes"] == 2
     assert "gateway cost, stream (1 - openai/gRPC)" in capsys.readouterr().out
