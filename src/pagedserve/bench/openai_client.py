@@ -116,7 +116,8 @@ async def _run_pass(
             async def get_stats():
                 return await _get_stats(channel) if channel is not None else None
 
-            return await measure_pass(
+            cpu = time.process_time()
+            result = await measure_pass(
                 lambda req: _send(client, model, req, options, stream),
                 get_stats,
                 requests,
@@ -124,6 +125,8 @@ async def _run_pass(
                 options,
                 label,
             )
+            result.client_cpu_s = time.process_time() - cpu  # this process's, its stats reads included
+            return result
         finally:
             if channel is not None:
                 await channel.close()
@@ -178,7 +181,8 @@ class _Share:
 
 def _client_process(conn: Connection, share: _Share, done: Synchronized) -> None:
     """A client process's whole life: connect, say "ready", wait for the start instant from the
-    parent, send its requests at their offsets from it, send back the records (or the error)."""
+    parent, send its requests at their offsets from it, send back the records and the CPU seconds
+    that took (or the error)."""
     try:
         conn.send(("records", asyncio.run(_client_loop(conn, share, done))))
     except BaseException as exc:  # the parent reports it; nothing is left hanging in it
@@ -187,7 +191,9 @@ def _client_process(conn: Connection, share: _Share, done: Synchronized) -> None
         conn.close()
 
 
-async def _client_loop(conn: Connection, share: _Share, done: Synchronized) -> list[RequestRecord]:
+async def _client_loop(
+    conn: Connection, share: _Share, done: Synchronized
+) -> tuple[list[RequestRecord], float]:
     async with _client(share.url) as client:
         model = (await client.models.list()).data[0].id
         conn.send(("ready", None))
@@ -200,9 +206,11 @@ async def _client_loop(conn: Connection, share: _Share, done: Synchronized) -> l
                 done.value += 1
             return record
 
-        return await asyncio.gather(
+        cpu = time.process_time()
+        records = await asyncio.gather(
             *(send_at(req, start + offset) for req, offset in zip(share.requests, share.offsets, strict=True))
         )
+        return records, time.process_time() - cpu
 
 
 def _receive(conn: Connection, proc: BaseProcess, expect: str, timeout: float):
@@ -273,12 +281,13 @@ async def _run_pass_in_processes(
                     peak[:] = [stats.gpu_blocks_in_use, stats.slot_utilization]
                 await asyncio.wait(results, timeout=0.25)
             bar.update(done.value - bar.n)
-            records = sorted(
-                (r for shard in await asyncio.gather(*results) for r in shard), key=lambda r: r.index
-            )
+            shares = await asyncio.gather(*results)
+        records = sorted((r for shard, _ in shares for r in shard), key=lambda r: r.index)
         end = max((r.end for r in records), default=start)
         after = await _get_stats(channel) if channel is not None else None
-        return PassResult(label, request_rate, records, start, end, before, after, peak[0], peak[1])
+        result = PassResult(label, request_rate, records, start, end, before, after, peak[0], peak[1])
+        result.client_cpu_s = sum(cpu for _, cpu in shares)
+        return result
     finally:
         for proc, conn in children:
             conn.close()
@@ -291,42 +300,68 @@ async def _run_pass_in_processes(
             await channel.close()
 
 
+@dataclass(frozen=True)
+class LaunchedGateway:
+    url: str
+    pid: int  # for its CPU time (`process_cpu_seconds`)
+
+
+@contextlib.contextmanager
+def launched_gateways(
+    scheduler: str, log_dir: Path, count: int = 1, timeout: float = 60.0
+) -> Iterator[list[LaunchedGateway]]:
+    """`count` `pagedserve openai` processes in front of `scheduler`, each on its own port (logs
+    gateway.log, gateway-1.log, ...); yields them once every one is healthy."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    procs: list[tuple[subprocess.Popen, Path, str]] = []
+    try:
+        for k in range(count):
+            port = free_port()
+            log = log_dir / ("gateway.log" if k == 0 else f"gateway-{k}.log")
+            cmd = [sys.executable, "-m", "pagedserve.entrypoints.openai", "--port", str(port),
+                   "--scheduler", scheduler]  # fmt: skip
+            with open(log, "w") as out:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            procs.append((proc, log, f"http://127.0.0.1:{port}"))
+        deadline = time.monotonic() + timeout
+        for proc, log, url in procs:
+            while True:
+                if proc.poll() is not None:
+                    tail = log.read_text(errors="replace")[-4000:]
+                    raise LaunchError(f"gateway exited with {proc.returncode}; its log ends:\n{tail}")
+                with contextlib.suppress(OSError):  # refused, or 503 (HTTPError) until the scheduler answers
+                    with urllib.request.urlopen(f"{url}/health", timeout=2):
+                        break
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"gateway not healthy after {timeout:.0f} s; see {log_dir}")
+                time.sleep(0.3)
+        urls = ", ".join(url for _, _, url in procs)
+        print(f"bench: launched the OpenAI gateway(s) at {urls} in front of {scheduler}", file=sys.stderr)
+        yield [LaunchedGateway(url, proc.pid) for proc, _, url in procs]
+    finally:
+        for proc, _, _ in procs:
+            proc.terminate()
+        for proc, _, _ in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 @contextlib.contextmanager
 def launched_gateway(scheduler: str, log_dir: Path, timeout: float = 60.0) -> Iterator[str]:
     """`pagedserve openai` in front of `scheduler`, as a process; yields its URL once it is healthy."""
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.entrypoints.openai",
-        "--port",
-        str(port),
-        "--scheduler",
-        scheduler,
-    ]
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "gateway.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
+    with launched_gateways(scheduler, log_dir, 1, timeout) as gateways:
+        yield gateways[0].url
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a running process (Linux /proc; None elsewhere)."""
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                tail = (log_dir / "gateway.log").read_text(errors="replace")[-4000:]
-                raise LaunchError(f"gateway exited with {proc.returncode}; its log ends:\n{tail}")
-            with contextlib.suppress(OSError):  # refused, or 503 (HTTPError) until the scheduler answers
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            if time.monotonic() > deadline:
-                raise LaunchError(f"gateway not healthy after {timeout:.0f} s; see {log_dir}")
-            time.sleep(0.3)
-        print(f"bench: launched the OpenAI gateway at {url} in front of {scheduler}", file=sys.stderr)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
