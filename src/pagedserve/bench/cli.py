@@ -169,13 +169,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway = p.add_argument_group("through the OpenAI-compatible gateway (the openai async client)")
     gateway.add_argument(
-        "--through-openai", metavar="URL", default=None,
-        help="send the requests through the gateway at URL (--host/--port: its scheduler, for counters)",
+        "--through-openai", metavar="URL", action="append", default=None,
+        help="send the requests through the gateway at URL (--host/--port: its scheduler, for "
+        "counters); repeatable: the client processes spread over the gateways",
     )  # fmt: skip
     gateway.add_argument(
         "--compare-openai",
         action="store_true",
         help="with --launch: over gRPC, then through a launched gateway streamed and not; reports its cost",
+    )
+    gateway.add_argument(
+        "--openai-gateways",
+        type=_positive_int,
+        default=1,
+        metavar="G",
+        help="with --compare-openai: launch G gateway processes, the client processes spread over them",
     )
     gateway.add_argument(
         "--openai-client-processes",
@@ -289,15 +297,17 @@ def _measure_in_process(
 
 
 def _measure_openai(
-    url: str,
+    urls: Sequence[str],
     scheduler: str,
     workload: Workload,
     rates: Sequence[float],
     args: argparse.Namespace,
     stream: bool,
+    pids: Sequence[int] = (),
 ) -> list[PassResult]:
-    """`_measure`'s passes, the same requests, sent through the gateway at `url`."""
-    from pagedserve.bench.openai_client import run_openai_pass
+    """`_measure`'s passes, the same requests, sent through the gateway(s) at `urls` (the client
+    processes spread over them); with the gateways' `pids`, their CPU seconds over each pass."""
+    from pagedserve.bench.openai_client import process_cpu_seconds, run_openai_pass
 
     info = get_model_info(scheduler)
     options = send_options(args)
@@ -305,13 +315,18 @@ def _measure_openai(
     tag = f"openai {'stream' if stream else 'plain'}"
     if args.num_warmups:
         warmup = warmup_requests(args.num_warmups, info.vocab_size, info.max_model_len)
-        run_openai_pass(url, scheduler, warmup, math.inf, options, "warmup", stream, processes)
+        run_openai_pass(urls, scheduler, warmup, math.inf, options, "warmup", stream, processes)
     passes = []
     for p in plan_passes(workload, list(rates), info.vocab_size, info.max_model_len or None, tag):
-        passes.append(
-            run_openai_pass(url, scheduler, p.requests, p.request_rate, options, p.label, stream, processes)
+        before = [process_cpu_seconds(pid) for pid in pids]
+        result = run_openai_pass(
+            urls, scheduler, p.requests, p.request_rate, options, p.label, stream, processes
         )
-        passes[-1].seed = p.seed
+        after = [process_cpu_seconds(pid) for pid in pids]
+        if pids and None not in before + after:
+            result.gateway_cpu_s = sum(after) - sum(before)
+        result.seed = p.seed
+        passes.append(result)
     return passes
 
 
@@ -354,11 +369,12 @@ def run_pagedserve(
                     address, workload, rates, args, "gRPC" if args.compare_openai else tag
                 )
                 if args.compare_openai:  # the same requests through a gateway, streamed then not
-                    from pagedserve.bench.openai_client import launched_gateway
+                    from pagedserve.bench.openai_client import launched_gateways
 
-                    with launched_gateway(address, sub_dir) as url:
+                    with launched_gateways(address, sub_dir, args.openai_gateways) as gateways:
+                        urls, pids = [g.url for g in gateways], [g.pid for g in gateways]
                         for stream in (True, False):
-                            results += _measure_openai(url, address, workload, rates, args, stream)
+                            results += _measure_openai(urls, address, workload, rates, args, stream, pids)
         except LaunchError as exc:  # its message carries the failing service's log
             raise SystemExit(f"pagedserve bench: {exc}") from None
         for result in results:
@@ -393,6 +409,10 @@ def openai_comparison(grpc_pass: PassResult, stream: PassResult, plain: PassResu
         if name == "stream":  # a response not streamed has no first token to time
             comparison["output tok/s from the first token (openai stream)"] = after_first_token(result)
         comparison[f"requests issued in (s), {name}"] = issue_spread(result)
+        comparison[f"client CPU (s), {name}"] = result.client_cpu_s
+        if result.gateway_cpu_s is not None:  # busy cores: near 1 per gateway, it is the bottleneck
+            comparison[f"gateway CPU (s), {name}"] = result.gateway_cpu_s
+            comparison[f"gateway CPU / duration (cores), {name}"] = result.gateway_cpu_s / run["duration_s"]
         if not greedy:
             continue
         matches = output_matches(grpc_pass, result)

@@ -80,6 +80,7 @@ class PassResult:
     prefix_caching: bool | None = None
     seed: int | None = None  # the prompts' seed
     client_cpu_s: float | None = None  # CPU seconds the client spent sending, where measured
+    gateway_cpu_s: float | None = None  # CPU seconds of the launched OpenAI gateway(s) over the pass
 
 
 @dataclass(frozen=True)
