@@ -97,3 +97,25 @@ def test_client_processes_flag():
     assert args.openai_client_processes is None  # resolved in main: min(8, cores), 1 with --max-concurrency
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--openai-client-processes", "0"])
+
+
+@pytest.mark.slow
+def test_gateway_load_measures_two_gateways_without_a_model(tmp_path, capsys):
+    """`python -m pagedserve.bench.gateway_load`: a stand-in scheduler, two gateways, one and two
+    client processes; every request completes with every message, and the CPU is accounted."""
+    import json
+
+    from pagedserve.bench import gateway_load
+
+    result = tmp_path / "load.json"
+    argv = ["--num-prompts", "6", "--input-len", "16:64", "--output-len", "9", "--step-ms", "1",
+            "--client-processes", "1,2", "--gateways", "2", "--no-plain", "--log-dir", str(tmp_path),
+            "--result-file", str(result)]  # fmt: skip
+    assert gateway_load.main(argv) == 0
+    passes = json.loads(result.read_text())["passes"]
+    assert [p["pass"] for p in passes] == ["P=1 stream", "P=2 stream"]
+    for p in passes:
+        assert p["requests ok / sent"] == "6 / 6"
+        assert p["messages (SSE chunks with tokens)"] == 6 * 3  # 1 token, then 4, then 4
+        assert p["gateway CPU (s)"] >= 0 and p["client CPU (s, all processes, while sending)"] > 0
+    assert "gateway CPU ms per request" in capsys.readouterr().out
