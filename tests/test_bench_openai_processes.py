@@ -90,13 +90,18 @@ def test_greedy_matches_are_reported_request_by_request():
     assert comparison["greedy outputs identical (plain)"] is True
 
 
-def test_client_processes_flag():
+def test_client_processes_and_gateways_flags():
+    from pagedserve import bench
     from pagedserve.bench.cli import build_parser
 
     args = build_parser().parse_args(["--compare-openai"])
     assert args.openai_client_processes is None  # resolved in main: min(8, cores), 1 with --max-concurrency
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--openai-client-processes", "0"])
+    with pytest.raises(SystemExit, match="needs one client process"):
+        bench.main(["--through-openai", "http://x", "--openai-client-processes", "2", "--max-concurrency=4"])
+    with pytest.raises(SystemExit, match="--openai-gateways launches gateways for --compare-openai"):
+        bench.main(["--openai-gateways", "2"])
 
 
 @pytest.mark.slow

@@ -528,6 +528,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pagedserve bench: --compare-openai needs --launch (and no other comparison)")
     if args.through_openai and (args.launch or args.in_process):
         raise SystemExit("pagedserve bench: --through-openai URL goes to a running gateway (no --launch)")
+    if args.openai_gateways > 1 and not args.compare_openai:
+        raise SystemExit("pagedserve bench: --openai-gateways launches gateways for --compare-openai")
+    if (args.openai_client_processes or 1) > 1 and args.max_concurrency:
+        raise SystemExit(
+            "pagedserve bench: --max-concurrency is one limit over all requests: it needs one client "
+            "process (--openai-client-processes 1)"
+        )
     if (args.compare_openai or args.through_openai) and args.openai_client_processes is None:
         from pagedserve.bench.openai_client import default_client_processes
 
