@@ -5,7 +5,11 @@ Each request is `completions.create` with the workload's prompt as token ids, it
 `ignore_eos` and vLLM's `return_token_ids` (so the outputs compare token for token with the gRPC
 pass), streamed or not. The scheduler's counters are read over gRPC, as in a gRPC pass.
 
-    pagedserve bench --launch --model DIR --workload W1 --compare-openai
+One Python process of the `openai` client needs ~15 ms of CPU to issue a W1 request (mostly its
+`transform` of the prompt list), seconds for 512 at once: so a pass can deal its requests out to
+several client processes that start at one instant, and merge their records (`processes`).
+
+    pagedserve bench --launch --model DIR --workload W1 --compare-openai --openai-client-processes 8
     pagedserve bench --workload W1 --port 50051 --through-openai http://127.0.0.1:8000
 """
 
