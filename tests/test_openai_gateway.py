@@ -268,7 +268,8 @@ def test_serve_openai_port_starts_the_gateway_in_front_of_its_scheduler():
 
 def test_bench_compare_openai_runs_the_same_requests_through_the_gateway(tiny_model_dir, tmp_path, capsys):
     """`pagedserve bench --launch --compare-openai` (the GPU measurement of issue 15) on the CPU:
-    gRPC, then through a launched gateway streamed and not; greedy outputs identical in all three."""
+    gRPC, then through two launched gateways (two client processes, one on each) streamed and not;
+    greedy outputs identical in all three, request by request."""
     import json
 
     from pagedserve import bench
@@ -277,11 +278,16 @@ def test_bench_compare_openai_runs_the_same_requests_through_the_gateway(tiny_mo
     cpu = "--device cpu --dtype float32 --num-gpu-blocks-override 128 --swap-space 0.01"
     argv = ["--launch", "--model", str(tiny_model_dir), "--compare-openai", "--num-prompts", "6",
             "--input-len", "8:40", "--output-len", "4:12", "--no-plot", "--result-file", str(result),
-            "--executor-args", cpu]  # fmt: skip
+            "--executor-args", cpu, "--openai-client-processes", "2", "--openai-gateways", "2"]  # fmt: skip
     assert bench.main(argv) == 0
     report = json.loads(result.read_text())
     assert [r["completed"] for r in report["runs"]] == [6, 6, 6]
     comparison = report["comparison"]
     assert comparison["greedy outputs identical (stream)"]
     assert comparison["greedy outputs identical (plain)"]
+    assert comparison["greedy requests identical (stream)"] == "6 / 6 (100.0%)"
+    assert all(r["identical_to_grpc"] for run in report["runs"][1:] for r in run["requests"])
+    assert report["config"]["openai_client_processes"] == 2
+    assert comparison["gateway CPU (s), stream"] > 0  # the two launched gateways' CPU over the pass
+    assert (tmp_path / "logs" / "gateway-1.log").exists()
     assert "gateway cost, stream (1 - openai/gRPC)" in capsys.readouterr().out

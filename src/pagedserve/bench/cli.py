@@ -17,7 +17,7 @@ import grpc
 from pagedserve.bench.baselines import run_hf_cb, run_hf_static
 from pagedserve.bench.client import PassResult, SendOptions, get_model_info, run_pass, warmup_requests
 from pagedserve.bench.launch import LaunchError, launched_server
-from pagedserve.bench.metrics import compare_outputs, summarize
+from pagedserve.bench.metrics import compare_outputs, output_matches, summarize
 from pagedserve.bench.report import baseline_table, results_table, write_plot
 from pagedserve.bench.workloads import (
     DEFAULTS,
@@ -169,13 +169,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway = p.add_argument_group("through the OpenAI-compatible gateway (the openai async client)")
     gateway.add_argument(
-        "--through-openai", metavar="URL", default=None,
-        help="send the requests through the gateway at URL (--host/--port: its scheduler, for counters)",
+        "--through-openai", metavar="URL", action="append", default=None,
+        help="send the requests through the gateway at URL (--host/--port: its scheduler, for "
+        "counters); repeatable: the client processes spread over the gateways",
     )  # fmt: skip
     gateway.add_argument(
         "--compare-openai",
         action="store_true",
         help="with --launch: over gRPC, then through a launched gateway streamed and not; reports its cost",
+    )
+    gateway.add_argument(
+        "--openai-gateways",
+        type=_positive_int,
+        default=1,
+        metavar="G",
+        help="with --compare-openai: launch G gateway processes, the client processes spread over them",
+    )
+    gateway.add_argument(
+        "--openai-client-processes",
+        type=_positive_int,
+        default=None,
+        metavar="P",
+        help="client processes that share out the gateway passes' requests, each with its own event "
+        "loop and openai client, all starting at one instant (default: min(8, CPU cores); 1 with "
+        "--max-concurrency)",
     )
     base = p.add_argument_group("Hugging Face baselines (run after the pagedserve pass)")
     base.add_argument("--baseline", action="append", choices=("hf-static", "hf-cb"), default=[])
@@ -280,26 +297,36 @@ def _measure_in_process(
 
 
 def _measure_openai(
-    url: str,
+    urls: Sequence[str],
     scheduler: str,
     workload: Workload,
     rates: Sequence[float],
     args: argparse.Namespace,
     stream: bool,
+    pids: Sequence[int] = (),
 ) -> list[PassResult]:
-    """`_measure`'s passes, the same requests, sent through the gateway at `url`."""
-    from pagedserve.bench.openai_client import run_openai_pass
+    """`_measure`'s passes, the same requests, sent through the gateway(s) at `urls` (the client
+    processes spread over them); with the gateways' `pids`, their CPU seconds over each pass."""
+    from pagedserve.bench.openai_client import process_cpu_seconds, run_openai_pass
 
     info = get_model_info(scheduler)
     options = send_options(args)
+    processes = args.openai_client_processes
     tag = f"openai {'stream' if stream else 'plain'}"
     if args.num_warmups:
         warmup = warmup_requests(args.num_warmups, info.vocab_size, info.max_model_len)
-        run_openai_pass(url, scheduler, warmup, math.inf, options, "warmup", stream)
+        run_openai_pass(urls, scheduler, warmup, math.inf, options, "warmup", stream, processes)
     passes = []
     for p in plan_passes(workload, list(rates), info.vocab_size, info.max_model_len or None, tag):
-        passes.append(run_openai_pass(url, scheduler, p.requests, p.request_rate, options, p.label, stream))
-        passes[-1].seed = p.seed
+        before = [process_cpu_seconds(pid) for pid in pids]
+        result = run_openai_pass(
+            urls, scheduler, p.requests, p.request_rate, options, p.label, stream, processes
+        )
+        after = [process_cpu_seconds(pid) for pid in pids]
+        if pids and None not in before + after:
+            result.gateway_cpu_s = sum(after) - sum(before)
+        result.seed = p.seed
+        passes.append(result)
     return passes
 
 
@@ -342,11 +369,12 @@ def run_pagedserve(
                     address, workload, rates, args, "gRPC" if args.compare_openai else tag
                 )
                 if args.compare_openai:  # the same requests through a gateway, streamed then not
-                    from pagedserve.bench.openai_client import launched_gateway
+                    from pagedserve.bench.openai_client import launched_gateways
 
-                    with launched_gateway(address, sub_dir) as url:
+                    with launched_gateways(address, sub_dir, args.openai_gateways) as gateways:
+                        urls, pids = [g.url for g in gateways], [g.pid for g in gateways]
                         for stream in (True, False):
-                            results += _measure_openai(url, address, workload, rates, args, stream)
+                            results += _measure_openai(urls, address, workload, rates, args, stream, pids)
         except LaunchError as exc:  # its message carries the failing service's log
             raise SystemExit(f"pagedserve bench: {exc}") from None
         for result in results:
@@ -364,17 +392,71 @@ def _vocab_and_len(address: str) -> tuple[int, int | None]:
 
 def openai_comparison(grpc_pass: PassResult, stream: PassResult, plain: PassResult, greedy: bool) -> dict:
     """Issue 15's report: output throughput through the OpenAI gateway (streamed and not) against
-    the same requests straight over gRPC, on the same services; the gateway should cost <= 5%."""
+    the same requests straight over gRPC, on the same services; the gateway should cost <= 5%.
+    Greedy outputs are compared request by request: the fraction that match exactly, and where the
+    first differing ones diverge (index@token)."""
     runs = [summarize(p) for p in (grpc_pass, stream, plain)]
     grpc_tps = runs[0]["output_throughput"]
-    comparison = {"output tok/s (gRPC)": grpc_tps}
+    comparison = {
+        "output tok/s (gRPC)": grpc_tps,
+        "output tok/s from the first token (gRPC)": after_first_token(grpc_pass),
+        "requests issued in (s), gRPC": issue_spread(grpc_pass),
+    }
     for name, run, result in (("stream", runs[1], stream), ("plain", runs[2], plain)):
         tps = run["output_throughput"]
         comparison[f"output tok/s (openai {name})"] = tps
         comparison[f"gateway cost, {name} (1 - openai/gRPC)"] = 1 - tps / grpc_tps if grpc_tps else None
-        outputs = compare_outputs(grpc_pass, result)
-        comparison[f"greedy outputs identical ({name})"] = outputs["identical"] if greedy else None
+        if name == "stream":  # a response not streamed has no first token to time
+            comparison["output tok/s from the first token (openai stream)"] = after_first_token(result)
+        comparison[f"requests issued in (s), {name}"] = issue_spread(result)
+        comparison[f"client CPU (s), {name}"] = result.client_cpu_s
+        if result.gateway_cpu_s is not None:  # busy cores: near 1 per gateway, it is the bottleneck
+            comparison[f"gateway CPU (s), {name}"] = result.gateway_cpu_s
+            comparison[f"gateway CPU / duration (cores), {name}"] = result.gateway_cpu_s / run["duration_s"]
+        if not greedy:
+            continue
+        matches = output_matches(grpc_pass, result)
+        differing = {i: pos for i, pos in matches.items() if pos is not None}
+        comparison[f"greedy outputs identical ({name})"] = bool(matches) and not differing
+        same = len(matches) - len(differing)
+        comparison[f"greedy requests identical ({name})"] = (
+            f"{same} / {len(matches)} ({same / len(matches):.1%})" if matches else None
+        )
+        if differing:
+            shown = ", ".join(f"{i}@{pos}" for i, pos in sorted(differing.items())[:10])
+            comparison[f"greedy differing ({name}, index@token)"] = shown + (
+                ", ..." if len(differing) > 10 else ""
+            )
     return comparison
+
+
+def after_first_token(result: PassResult) -> float | None:
+    """Output tokens per second from the pass's first token to its end: the throughput without
+    the time it took to issue the requests and prefill the first ones."""
+    times = [t for r in result.records if r.ok for t in r.message_times]
+    if not times:
+        return None
+    first = min(times)
+    tokens = sum(r.num_output for r in result.records if r.ok)
+    return tokens / (result.end - first) if result.end > first else None
+
+
+def mark_matches(run: dict, matches: dict[int, int | None], against: str) -> None:
+    """Each request's record in `run` (a `summarize` dict) says whether its greedy tokens equal
+    those of the same request in the pass `against`, and else the first token where they differ."""
+    for request in run["requests"]:
+        if request["index"] in matches:
+            position = matches[request["index"]]
+            request[f"identical_to_{against}"] = position is None
+            request["first_difference"] = position
+
+
+def issue_spread(result: PassResult) -> float | None:
+    """Seconds from the pass's start until its last request was sent: for an all-at-once workload
+    (rate inf), how long the client itself needed to issue them."""
+    if not math.isinf(result.request_rate) or not result.records:
+        return None
+    return max(r.start for r in result.records) - result.start
 
 
 def caching_comparison(on: PassResult, off: PassResult, greedy: bool) -> dict:
@@ -446,6 +528,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pagedserve bench: --compare-openai needs --launch (and no other comparison)")
     if args.through_openai and (args.launch or args.in_process):
         raise SystemExit("pagedserve bench: --through-openai URL goes to a running gateway (no --launch)")
+    if args.openai_gateways > 1 and not args.compare_openai:
+        raise SystemExit("pagedserve bench: --openai-gateways launches gateways for --compare-openai")
+    if (args.openai_client_processes or 1) > 1 and args.max_concurrency:
+        raise SystemExit(
+            "pagedserve bench: --max-concurrency is one limit over all requests: it needs one client "
+            "process (--openai-client-processes 1)"
+        )
+    if (args.compare_openai or args.through_openai) and args.openai_client_processes is None:
+        from pagedserve.bench.openai_client import default_client_processes
+
+        args.openai_client_processes = 1 if args.max_concurrency else default_client_processes()
     if args.in_process or args.launch:  # bad service flags fail now, not in a launched process
         _in_process_configs(args)
     # Written after the run: a path that cannot be a file fails now, not after minutes of load.
@@ -465,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.compare_openai:  # passes: [gRPC..., openai stream..., openai plain...] at each rate
         n = len(rates)
         comparison = openai_comparison(passes[0], passes[n], passes[2 * n], args.temperature == 0)
+        if args.temperature == 0:
+            for k in (n, 2 * n):
+                mark_matches(runs[k], output_matches(passes[0], passes[k]), "grpc")
         title = "gRPC vs through the OpenAI gateway (first rate)"
     elif args.compare_in_process:  # passes: [gRPC at each rate..., in-process at each rate...]
         comparison = split_comparison(passes[0], passes[len(passes) // 2], args.temperature == 0)

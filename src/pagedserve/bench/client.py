@@ -79,6 +79,8 @@ class PassResult:
     sampled_slot_utilization: float = 0.0  # slot utilization when the sampled block count peaked
     prefix_caching: bool | None = None
     seed: int | None = None  # the prompts' seed
+    client_cpu_s: float | None = None  # CPU seconds the client spent sending, where measured
+    gateway_cpu_s: float | None = None  # CPU seconds of the launched OpenAI gateway(s) over the pass
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,23 @@ def compare_outputs(a: PassResult, b: PassResult) -> dict:
     both = [r for r in a.records if r.ok and r.index in tokens_b]
     differing = [r.index for r in both if r.token_ids != tokens_b[r.index]]
     return {"compared": len(both), "identical": not differing and bool(both), "differing": differing[:20]}
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The position of the first token where `a` and `b` differ (a length counts), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def output_matches(a: PassResult, b: PassResult) -> dict[int, int | None]:
+    """Request by request (index: first differing token, None when the outputs are equal), for the
+    requests that completed in both passes. Greedy decoding in bf16 can still flip a near-tie when
+    batching differs, from that token on; in float32 every request must match."""
+    tokens_b = {r.index: r.token_ids for r in b.records if r.ok}
+    return {
+        r.index: first_difference(r.token_ids, tokens_b[r.index])
+        for r in a.records
+        if r.ok and r.index in tokens_b
+    }
