@@ -14,6 +14,10 @@
 #              decode with an FP8 KV cache)
 #   w1-fp8     W1 with the throughput flags: bf16, --quantization fp8, and both FP8 flags
 #   w5-fp8     W5 (128 x 12,000-token prompts, 512 outputs) with bf16 vs FP8 KV (weights FP8 in both)
+#   scale-out  W1 and W4 through one scheduler with 2 executors sharing the GPU (half the memory
+#              each) vs 1: throughput and the scheduler's CPU per step
+#   w4-cpu     W4 on CPU executors (scripts/w4-cpu.sh): 1, 2, 3, 4 executors, prefix routing vs
+#              round robin and least loaded
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
@@ -54,7 +58,7 @@ if wants step; then
     --mixed-prompt 512 --service
 fi
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m pagedserve.bench.fp8 --result-file "$OUT/fp8-kernels.json"; fi
-if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8; then
+if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
@@ -89,6 +93,16 @@ else
         --executor-args "--max-num-seqs 128 --max-model-len 12544 --quantization fp8 ${variant#*:}"
     done
   fi
+  if wants scale-out; then
+    for dp in 1 2; do
+      bench "w1-dp$dp" 300 --workload W1 --num-warmups 8 --data-parallel-size "$dp" \
+        --executor-args "$W1_EXECUTOR_FLAGS" --scheduler-args "$W1_SCHEDULER_FLAGS"
+    done
+    for run in prefix:1 prefix:2 round_robin:2; do
+      bench "w4-dp${run#*:}-${run%%:*}" 200 --workload W4 --num-warmups 0 --data-parallel-size "${run#*:}" \
+        --scheduler-args "--routing-policy ${run%%:*}"
+    done
+  fi
   if wants pressure; then
     for blocks in 4096 8192; do for mode in recompute swap; do
       bench "pressure-$blocks-$mode" 200 --workload W1 --num-warmups 8 \
@@ -96,6 +110,10 @@ else
         --scheduler-args "$W1_SCHEDULER_FLAGS --preemption-mode $mode"
     done; done
   fi
+fi
+if wants w4-cpu; then
+  echo "=== w4-cpu ($(date +%T))"
+  OUT="$OUT/w4-cpu" bash "$(dirname "$0")/w4-cpu.sh"
 fi
 for trace in "$OUT"/w1*trace*.jsonl; do  # where each W1 pass's GPU time went
   [ -f "$trace" ] && { echo "=== $trace"; python3 -m pagedserve.executor.step_trace "$trace" | sed -n 1,8p; python3 -m pagedserve.executor.step_trace "$trace" | tail -n 1; }
