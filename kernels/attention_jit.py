@@ -60,6 +60,39 @@ def _find_seq_vector(
 
 
 @triton.jit
+def _widen_e4m3(x, OPAQUE: tl.constexpr):
+    """e4m3 -> float16, exact (every e4m3 value, subnormals included, is a float16), two values per
+    `cvt.rn.f16x2.e4m3x2` (sm_89+). bfloat16 has no such instruction: Triton widens to it through
+    float16 and float32, three conversions per value.
+
+    OPAQUE hides the conversion from Triton's layout passes (an inline asm with side effects). A
+    plain cast lets them move the conversion after the layout change into the dot operand, so the
+    one-byte tile is read out of shared memory in the operand's layout: for V (keys are the product's
+    reduction axis, but the cache is contiguous along head_dim) that is one 8-bit load per element.
+    Opaque, the tile is read in its load layout (16-byte vectors), widened, and the 16-bit tile goes
+    through shared memory as in the bf16 kernel (ldmatrix.trans). The interpreter has no inline asm.
+    """
+    if OPAQUE:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r",
+            [x.to(tl.uint8, bitcast=True)],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
+    return x.to(tl.float16)
+
+
+@triton.jit
+def _q_to_f16(q):
+    """q for products with widened FP8 K/V. bf16 -> float16 is exact on float16's normal range
+    (float16 has 3 more mantissa bits); clamped to +-65504 so an outlier saturates, not overflows."""
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _load_block_ids(
     block_table_ptr, k0, limit, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr
 ):
@@ -139,9 +172,12 @@ def _attend_block(
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    elif KV_FP8:
+    elif KV_FP8 == 4:  # sweep only: the old widening to q's dtype
         k = k.to(q.dtype)
         v = v.to(q.dtype)
+    elif KV_FP8:
+        k = _widen_e4m3(k, KV_FP8 == 3)
+        v = _widen_e4m3(v, KV_FP8 >= 2)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
     if BOUNDS:
         scores = tl.where((kpos < kv_end)[None, :], scores, float("-inf"))
@@ -376,6 +412,8 @@ def decode_kernel(
             q = q.to(tl.float32)
         if KV_FP8:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
+            if (not DOT_FP32) & (KV_FP8 != 4):
+                q = _q_to_f16(q)
         context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
 
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
@@ -552,6 +590,8 @@ def varlen_kernel(
             q = q.to(tl.float32)
         if KV_FP8:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
+            if (not DOT_FP32) & (KV_FP8 != 4):
+                q = _q_to_f16(q)
         q_pos = cached + q_tok
 
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)

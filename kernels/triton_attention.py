@@ -83,6 +83,10 @@ _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = torch.float8_e4m3fn
 # Read once: @triton.jit chose the interpreter or the compiler at import time as well.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# How the kernels widen FP8 K/V tiles (`attention_jit._attend_block`, KV_FP8): 1 = a plain cast to
+# float16, 2 = V through the opaque conversion, 3 = K and V through it, 4 = the old cast to q's
+# dtype. The interpreter has no inline asm: 1 there.
+FP8_CVT = 1 if _INTERPRETED else 2
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
 # sm_90). Decode programs of one launch are equally long, so the launch is as fast as its fullest
 # wave: the split count is the smallest that fills the resident slots to _WAVE_EFFICIENCY (a
@@ -533,6 +537,11 @@ def _kv_scales(
     return k_scale, v_scale
 
 
+def _fp8_mode(cache: torch.Tensor) -> int:
+    """The kernels' KV_FP8 constexpr: 0 for caches in the model dtype, else `FP8_CVT`."""
+    return FP8_CVT if cache.dtype == _FP8 else 0
+
+
 def decode_plan(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -597,7 +606,7 @@ def _launch_decode(
         *out.stride(),
         block_tables.stride(0),
         **plan.meta,
-        KV_FP8=k_cache.dtype == _FP8,
+        KV_FP8=_fp8_mode(k_cache),
     )
     if plan.part_rows:
         merge_kernel[plan.grid[0], q.shape[1]](
@@ -647,7 +656,7 @@ def _launch_varlen(
         *out.stride(),
         block_tables.stride(0),
         **meta,
-        KV_FP8=k_cache.dtype == _FP8,
+        KV_FP8=_fp8_mode(k_cache),
     )
 
 

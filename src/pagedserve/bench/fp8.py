@@ -189,6 +189,106 @@ def bench_decode() -> list[dict]:
     return rows
 
 
+SWEEP_LOOP_CONFIGS = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (64, 4, 3), (64, 4, 1), (128, 4, 1)]
+SWEEP_SINGLE_CONFIGS = [(128, 8, 2), (256, 8, 2)]
+PREFILL_SHAPES = [(4, 2048, 2048), (8, 512, 8192)]  # (sequences, new tokens each, context)
+
+
+def sweep_decode(modes: tuple[int, ...]) -> list[dict]:
+    """K1 decode shapes over an FP8 cache: each widening mode (`triton_attention.FP8_CVT`) with the
+    shape-based launch and with every config of SWEEP_*_CONFIGS, against bf16's shape-based launch."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    scale = torch.full((1,), 0.02, device="cuda")
+    saved = ta.FP8_CVT
+    for batch, context in K1_SHAPES:
+        q, k, v, tables, seq_lens, cu = _decode_case(batch, context, torch.bfloat16, gen)
+        k8, v8 = (k / 0.02).to(torch.float8_e4m3fn), (v / 0.02).to(torch.float8_e4m3fn)
+        fp8_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM
+        want = ta.paged_attention(
+            q,
+            k8.to(torch.bfloat16) * 0.02,
+            v8.to(torch.bfloat16) * 0.02,
+            tables,
+            seq_lens,
+            cu,
+            HEAD_DIM**-0.5,
+        )
+        t = _ms(lambda: ta.paged_attention(q, k, v, tables, seq_lens, cu, HEAD_DIM**-0.5))
+        row = {"batch": batch, "context": context, "bf16_us": t * 1e3, "bf16_gbps": 2 * fp8_bytes / t / 1e6}
+        variants = [("auto", None, None)]
+        variants += [(f"loop{c}", ta.DecodeConfig(*c), None) for c in SWEEP_LOOP_CONFIGS]
+        variants += [
+            (f"single{c}", ta.DecodeConfig(*c), -(-context // c[0]))
+            for c in SWEEP_SINGLE_CONFIGS
+            if -(-context // c[0]) <= 128
+        ]
+        for mode in modes:
+            ta.FP8_CVT = mode
+            for label, config, splits in variants:
+                if mode in (1, 4) and label not in ("auto", "loop(128, 4, 2)"):
+                    continue
+                kw = dict(k_scale=scale, v_scale=scale, decode_config=config, num_splits=splits)
+                try:
+                    got = ta.paged_attention(q, k8, v8, tables, seq_lens, cu, HEAD_DIM**-0.5, **kw)
+                    err = (got.float() - want.float()).abs().max().item()
+                    t = _ms(
+                        lambda kw=kw: ta.paged_attention(
+                            q, k8, v8, tables, seq_lens, cu, HEAD_DIM**-0.5, **kw
+                        )
+                    )
+                except Exception as exc:  # noqa: BLE001 - a sweep reports and goes on
+                    print(f"  mode {mode} {label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                key = f"m{mode}_{label}"
+                row[key + "_us"] = t * 1e3
+                ratio = fp8_bytes / t / 1e6 / row["bf16_gbps"]
+                row[key + "_ratio"] = ratio
+                print(f"decode ({batch}, {context}) bf16 {row['bf16_us']:.1f} us | mode {mode} {label}: {t * 1e3:.1f} us, "
+                      f"bw ratio {ratio:.2f}, max err {err:.3g}", flush=True)  # fmt: skip
+        rows.append(row)
+        del q, k, v, k8, v8
+    ta.FP8_CVT = saved
+    return rows
+
+
+def sweep_prefill(modes: tuple[int, ...]) -> list[dict]:
+    """Prefill (varlen kernel) over an FP8 cache against bf16: fresh prompts and chunks after a context."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    scale = torch.full((1,), 0.02, device="cuda")
+    saved = ta.FP8_CVT
+    for num_seqs, q_len, context in PREFILL_SHAPES:
+        blocks_per_seq = context // BLOCK_SIZE
+        num_blocks = num_seqs * blocks_per_seq + 8
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        k = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+        v = torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+        k8, v8 = (k / 0.02).to(torch.float8_e4m3fn), (v / 0.02).to(torch.float8_e4m3fn)
+        tables = torch.randperm(num_blocks, device="cuda", generator=gen)[: num_seqs * blocks_per_seq]
+        tables = tables.view(num_seqs, blocks_per_seq).to(torch.int32)
+        q = torch.randn(
+            num_seqs * q_len, NUM_Q_HEADS, HEAD_DIM, device="cuda", generator=gen, dtype=torch.bfloat16
+        )
+        seq_lens = torch.full((num_seqs,), context, device="cuda", dtype=torch.int32)
+        cu = torch.arange(num_seqs + 1, device="cuda", dtype=torch.int32) * q_len
+        args = (tables, seq_lens, cu, HEAD_DIM**-0.5)
+        row = {"num_seqs": num_seqs, "q_len": q_len, "context": context}
+        row["bf16_us"] = _ms(lambda: ta.paged_attention(q, k, v, *args)) * 1e3
+        want = ta.paged_attention(q, k8.to(torch.bfloat16) * 0.02, v8.to(torch.bfloat16) * 0.02, *args)
+        for mode in modes:
+            ta.FP8_CVT = mode
+            got = ta.paged_attention(q, k8, v8, *args, k_scale=scale, v_scale=scale)
+            err = (got.float() - want.float()).abs().max().item()
+            t = _ms(lambda: ta.paged_attention(q, k8, v8, *args, k_scale=scale, v_scale=scale))
+            row[f"m{mode}_us"] = t * 1e3
+            print(f"prefill {num_seqs}x{q_len} (context {context}): bf16 {row['bf16_us']:.1f} us | mode {mode}: "
+                  f"{t * 1e3:.1f} us ({row['bf16_us'] / (t * 1e3):.2f}x of bf16's speed), max err {err:.3g}", flush=True)  # fmt: skip
+        rows.append(row)
+    ta.FP8_CVT = saved
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -196,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--result-file", default=None)
     parser.add_argument("--parts", default="linear,fused,decode", help="any of linear,fused,decode,errors")
     parser.add_argument("--error-rows", default="64,256,2048,8192", help="M values of the errors part")
+    parser.add_argument("--sweep-modes", default="4,1,2,3", help="FP8_CVT modes the sweeps try")
     parser.add_argument("--device", default="cuda", help="errors part only: cpu runs the references")
     args = parser.parse_args(argv)
     result = {}
@@ -211,6 +312,11 @@ def main(argv: list[str] | None = None) -> None:
         result["fused"] = bench_fused()
     if "decode" in parts:
         result["decode"] = bench_decode()
+    modes = tuple(int(m) for m in args.sweep_modes.split(","))
+    if "sweep" in parts:
+        result["sweep_decode"] = sweep_decode(modes)
+    if "sweep-prefill" in parts:
+        result["sweep_prefill"] = sweep_prefill(modes)
     if args.result_file:
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_file).write_text(json.dumps(result, indent=1))
