@@ -77,18 +77,6 @@ else
   fi
   if wants w2; then bench w2 150 --workload W2 --num-warmups 8 --compare-prefix-caching; fi
   if wants w3; then bench w3 150 --workload W3 --num-warmups 8 --num-prompts 48 --request-rates 2,8,32; fi
-  if wants w1-fp8; then
-    for variant in "bf16:" "fp8:--quantization fp8" "fp8-kv8:--quantization fp8 --kv-cache-dtype fp8"; do
-      bench "w1-${variant%%:*}" 240 --workload W1 --num-warmups 8 \
-        --executor-args "$W1_EXECUTOR_FLAGS ${variant#*:}" --scheduler-args "$W1_SCHEDULER_FLAGS"
-    done
-  fi
-  if wants w5-fp8; then
-    for variant in "kv-auto:" "kv-fp8:--kv-cache-dtype fp8"; do
-      bench "w5-${variant%%:*}" 300 --workload W5 --num-warmups 0 --scheduler-args "--max-num-seqs 128" \
-        --executor-args "--max-num-seqs 128 --max-model-len 12544 --quantization fp8 ${variant#*:}"
-    done
-  fi
   if wants pressure; then
     for blocks in 4096 8192; do for mode in recompute swap; do
       bench "pressure-$blocks-$mode" 200 --workload W1 --num-warmups 8 \
@@ -96,6 +84,26 @@ else
         --scheduler-args "$W1_SCHEDULER_FLAGS --preemption-mode $mode"
     done; done
   fi
+fi
+# FP8 passes, side by side with bf16. QUICK runs the same lines on the CPU through the FP8 references
+# (PAGEDSERVE_FP8_REFERENCE=1, see executor.quantization) with a handful of short requests.
+fp8_w1=(--num-warmups 8) fp8_w5=(--num-warmups 0) fp8_executor=""
+if [ -n "${QUICK:-}" ]; then
+  export PAGEDSERVE_FP8_REFERENCE=1
+  fp8_w1=(--num-prompts 4 --input-len 16:48 --output-len 4:8) fp8_executor="--device cpu"
+  fp8_w5=(--num-prompts 4 --input-len 96 --output-len 4)
+fi
+if wants w1-fp8; then
+  for variant in "bf16:" "fp8:--quantization fp8" "fp8-kv8:--quantization fp8 --kv-cache-dtype fp8"; do
+    bench "w1-${variant%%:*}" 240 --workload W1 "${fp8_w1[@]}" \
+      --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS ${variant#*:}" --scheduler-args "$W1_SCHEDULER_FLAGS"
+  done
+fi
+if wants w5-fp8; then
+  for variant in "kv-auto:" "kv-fp8:--kv-cache-dtype fp8"; do
+    bench "w5-${variant%%:*}" 300 --workload W5 "${fp8_w5[@]}" --scheduler-args "--max-num-seqs 128" \
+      --executor-args "$fp8_executor --max-num-seqs 128 --max-model-len 12544 --quantization fp8 ${variant#*:}"
+  done
 fi
 for trace in "$OUT"/w1*trace*.jsonl; do  # where each W1 pass's GPU time went
   [ -f "$trace" ] && { echo "=== $trace"; python3 -m pagedserve.executor.step_trace "$trace" | sed -n 1,8p; python3 -m pagedserve.executor.step_trace "$trace" | tail -n 1; }

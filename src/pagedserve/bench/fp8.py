@@ -11,7 +11,12 @@
    vs the bf16 RMSNorm kernel followed by torch-op quantization or the Triton quantize, at
    hidden 4096; SiLU-and-mul + quantize at intermediate 14336.
 3. K1 decode shapes with an FP8 KV cache against the bf16 cache (same kernel, same tables): time
-   and KV bytes read per second (bf16 reads 2 bytes per element, FP8 one).
+   and KV bytes read per second (bf16 reads 2 bytes per element, FP8 one), with the shipped
+   widening of the FP8 tiles and with the previous one (plain casts to bf16).
+
+Tuning parts, not in the default run (`--parts sweep,sweep-prefill`): the decode kernel over an FP8
+cache per widening mode (`attention_jit.WIDEN_*`) and launch config, and the varlen kernel per
+widening mode, each against bf16 in the same run.
 
 Times are medians of `triton.testing.do_bench` (L2 flushed before each repetition), eager calls.
 """
@@ -215,8 +220,10 @@ def bench_decode() -> list[dict]:
     return rows
 
 
-SWEEP_LOOP_CONFIGS = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (64, 4, 3), (64, 4, 1), (128, 4, 1)]
-SWEEP_SINGLE_CONFIGS = [(128, 8, 2), (256, 8, 2)]
+# (block_n, num_warps, num_stages). A first sweep on the H200 also tried (64, 4, 3), (64, 4, 1),
+# (128, 4, 1) and single tiles of 256 keys: never the fastest at any K1 shape.
+SWEEP_LOOP_CONFIGS = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (64, 2, 2), (32, 4, 2)]
+SWEEP_SINGLE_CONFIGS = [(128, 8, 2)]
 PREFILL_SHAPES = [(4, 2048, 2048), (8, 512, 8192)]  # (sequences, new tokens each, context)
 
 
@@ -318,7 +325,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--result-file", default=None)
-    parser.add_argument("--parts", default="linear,fused,decode", help="any of linear,fused,decode,errors")
+    parser.add_argument(
+        "--parts", default="linear,fused,decode", help="any of linear,fused,decode,errors,sweep,sweep-prefill"
+    )
     parser.add_argument("--error-rows", default="64,256,2048,8192", help="M values of the errors part")
     parser.add_argument(
         "--sweep-modes", default="1,2", help="widening modes the sweeps try (attention_jit.WIDEN_*)"
