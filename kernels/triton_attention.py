@@ -63,8 +63,8 @@ scale. `write_kv` quantizes. The decode kernel widens to float16 (one instructio
 q is cast to float16 once per program) with V through an opaque conversion, so that V's tile is not
 read byte by byte from shared memory in the dot-operand layout (`attention_jit._widen_v_e4m3`); the
 varlen kernel casts to q's dtype, which measured faster there (`FP8_DECODE_WIDEN`,
-`FP8_PREFILL_WIDEN`). Launch choices are the bf16 ones: on the H200 sweep no other decode config
-beat them with FP8 caches.
+`FP8_PREFILL_WIDEN`). Launch choices are the bf16 ones: in two H200 sweeps no other decode config
+was faster with FP8 caches at the large K1 shapes, and none consistently at the small ones.
 
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
@@ -96,9 +96,10 @@ _FP8 = torch.float8_e4m3fn
 # Read once: @triton.jit chose the interpreter or the compiler at import time as well.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # How each kernel widens FP8 K/V tiles (`attention_jit.WIDEN_*`), measured on the H200 (README,
-# FP8; `python -m pagedserve.bench.fp8 --parts sweep`): float16 with V through the opaque conversion
-# made the decode kernel 1.3-1.9x faster than casts to bf16, but slowed the varlen kernel (prompts
-# 0.69x of bf16's speed against 0.82x); the interpreter has no inline asm.
+# FP8; `python -m pagedserve.bench.fp8 --parts decode,sweep,sweep-prefill`): float16 with V through
+# the opaque conversion made the decode kernel 1.45-2.1x faster than casts to bf16 from 8 sequences
+# up (even at one), but not the varlen kernel (fresh prompts at 0.69x of bf16's speed against
+# 0.82x with the casts); the interpreter has no inline asm.
 FP8_DECODE_WIDEN = WIDEN_TO_Q_DTYPE.value if _INTERPRETED else WIDEN_TO_F16.value
 FP8_PREFILL_WIDEN = WIDEN_TO_Q_DTYPE.value
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
