@@ -98,7 +98,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # How each kernel widens FP8 K/V tiles (`attention_jit.WIDEN_*`), measured on the H200 (README,
 # FP8; `python -m pagedserve.bench.fp8 --parts decode,sweep,sweep-prefill`): float16 with V through
 # the opaque conversion made the decode kernel 1.45-2.1x faster than casts to bf16 from 8 sequences
-# up (even at one), but not the varlen kernel (fresh prompts at 0.69x of bf16's speed against
+# up (about equal at one), but not the varlen kernel (fresh prompts at 0.69x of bf16's speed against
 # 0.82x with the casts); the interpreter has no inline asm.
 FP8_DECODE_WIDEN = WIDEN_TO_Q_DTYPE.value if _INTERPRETED else WIDEN_TO_F16.value
 FP8_PREFILL_WIDEN = WIDEN_TO_Q_DTYPE.value
