@@ -59,6 +59,48 @@ def _find_seq_vector(
     return seq, q_start, q_end, seq_len
 
 
+# How FP8 K/V tiles are widened for the products (the kernels' KV_FP8 constexpr; 0: caches in the
+# model dtype). Chosen per kernel by `triton_attention` (measured: README, FP8).
+WIDEN_TO_Q_DTYPE = tl.constexpr(
+    1
+)  # plain casts to q's dtype (bf16 goes e4m3 -> f16 -> f32 -> bf16: 3 cvt per value)
+WIDEN_TO_F16 = tl.constexpr(
+    2
+)  # K cast to float16, V through `_widen_v_e4m3`, q cast to float16 once per program
+
+
+@triton.jit
+def _widen_v_e4m3(v):
+    """A V tile of e4m3 -> float16 (exact: every e4m3 value, subnormals included, is a float16), two
+    values per `cvt.rn.f16x2.e4m3x2` (sm_89+), as inline asm with side effects, which hides the
+    conversion from Triton's layout passes.
+
+    With a plain cast those passes move the conversion after the layout change into the dot
+    operand, so the one-byte tile is read out of shared memory in the operand's layout. For V that
+    layout pairs values along the keys (the product's reduction axis) while the cache is contiguous
+    along head_dim: one 8-bit shared-memory load per element (ptxas for sm_90: 190 LDS against 14 in
+    the bf16 kernel's loop). Hidden, the tile is read in its load layout (16-byte vectors), widened,
+    and the 16-bit tile reaches the operand through shared memory as in the bf16 kernel
+    (ldmatrix.trans). K needs no help: its operand is contiguous along head_dim, the reduction axis.
+    The interpreter has no inline asm (it runs WIDEN_TO_Q_DTYPE).
+    """
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r",
+        [v.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
+def _q_to_f16(q):
+    """q for products with widened FP8 K/V. bf16 -> float16 is exact on float16's normal range
+    (float16 has 3 more mantissa bits); clamped to +-65504 so an outlier saturates, not overflows."""
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
 @triton.jit
 def _load_block_ids(
     block_table_ptr, k0, limit, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr
@@ -111,8 +153,9 @@ def _attend_block(
     their loads carry no masks. K and V are both requested before the first product needs K.
     Scores stay in the log2 domain; the scale (which includes log2(e)) is applied inside the exponent
     (one fused multiply-add per score instead of a multiply and a subtract).
-    KV_FP8: the caches hold e4m3; K and V are widened to q's dtype in registers (exact) and their
-    scales are applied outside the products (k_scale inside qk_scale, v_scale to the result).
+    KV_FP8: the caches hold e4m3; K and V are widened in registers (exact; to q's dtype or to
+    float16, see WIDEN_*) and their scales are applied outside the products (k_scale inside
+    qk_scale, v_scale to the result).
     """
     kpos = k0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_PAD)
@@ -139,6 +182,9 @@ def _attend_block(
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    elif KV_FP8 == WIDEN_TO_F16:
+        k = k.to(tl.float16)
+        v = _widen_v_e4m3(v)
     elif KV_FP8:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -376,6 +422,8 @@ def decode_kernel(
             q = q.to(tl.float32)
         if KV_FP8:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
+            if KV_FP8 == WIDEN_TO_F16:
+                q = _q_to_f16(q)
         context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
 
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
@@ -552,6 +600,8 @@ def varlen_kernel(
             q = q.to(tl.float32)
         if KV_FP8:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
+            if KV_FP8 == WIDEN_TO_F16:
+                q = _q_to_f16(q)
         q_pos = cached + q_tok
 
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)

@@ -56,10 +56,15 @@ before capturing.
 FP8 caches
 ----------
 Caches of float8_e4m3fn (`--kv-cache-dtype fp8`) go through the same kernels with `KV_FP8`: K/V
-tiles are loaded as bytes (half the traffic), widened to q's dtype in registers, and the per-layer
-scales are read from device memory once per program: k_scale folds into the softmax scale, v_scale
-multiplies the accumulator before it is stored (or stored as a split partial). `write_kv`
-quantizes. Launch choices are the bf16 ones (decode configs were tuned on bf16).
+tiles are loaded as bytes (half the traffic), widened in registers, and the per-layer scales are
+read from device memory once per program: k_scale folds into the softmax scale, v_scale multiplies
+the accumulator before it is stored (or stored as a split partial); no element is multiplied by a
+scale. `write_kv` quantizes. The decode kernel widens to float16 (one instruction per two values;
+q is cast to float16 once per program) with V through an opaque conversion, so that V's tile is not
+read byte by byte from shared memory in the dot-operand layout (`attention_jit._widen_v_e4m3`); the
+varlen kernel casts to q's dtype, which measured faster there (`FP8_DECODE_WIDEN`,
+`FP8_PREFILL_WIDEN`). Launch choices are the bf16 ones: in two H200 sweeps no other decode config
+was faster with FP8 caches at the large K1 shapes, and none consistently at the small ones.
 
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
@@ -74,7 +79,14 @@ from typing import Any
 
 import torch
 
-from pagedserve.kernels.attention_jit import decode_kernel, merge_kernel, varlen_kernel, write_kv_kernel
+from pagedserve.kernels.attention_jit import (
+    WIDEN_TO_F16,
+    WIDEN_TO_Q_DTYPE,
+    decode_kernel,
+    merge_kernel,
+    varlen_kernel,
+    write_kv_kernel,
+)
 
 __all__ = ["paged_attention", "write_kv", "DecodeConfig", "PrefillConfig"]
 
@@ -83,6 +95,13 @@ _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = torch.float8_e4m3fn
 # Read once: @triton.jit chose the interpreter or the compiler at import time as well.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# How each kernel widens FP8 K/V tiles (`attention_jit.WIDEN_*`), measured on the H200 (README,
+# FP8; `python -m pagedserve.bench.fp8 --parts decode,sweep,sweep-prefill`): float16 with V through
+# the opaque conversion made the decode kernel 1.45-2.1x faster than casts to bf16 from 8 sequences
+# up (about equal at one), but not the varlen kernel (fresh prompts at 0.69x of bf16's speed against
+# 0.82x with the casts); the interpreter has no inline asm.
+FP8_DECODE_WIDEN = WIDEN_TO_Q_DTYPE.value if _INTERPRETED else WIDEN_TO_F16.value
+FP8_PREFILL_WIDEN = WIDEN_TO_Q_DTYPE.value
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
 # sm_90). Decode programs of one launch are equally long, so the launch is as fast as its fullest
 # wave: the split count is the smallest that fills the resident slots to _WAVE_EFFICIENCY (a
@@ -533,6 +552,14 @@ def _kv_scales(
     return k_scale, v_scale
 
 
+def _fp8_mode(cache: torch.Tensor, q_dtype: torch.dtype, widen: int) -> int:
+    """The kernels' KV_FP8 constexpr: 0 for caches in the model dtype; `widen` for FP8 caches,
+    but for float32 queries (their products run in float32 from plain casts)."""
+    if cache.dtype != _FP8:
+        return 0
+    return WIDEN_TO_Q_DTYPE.value if q_dtype == torch.float32 else widen
+
+
 def decode_plan(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -597,7 +624,7 @@ def _launch_decode(
         *out.stride(),
         block_tables.stride(0),
         **plan.meta,
-        KV_FP8=k_cache.dtype == _FP8,
+        KV_FP8=_fp8_mode(k_cache, q.dtype, FP8_DECODE_WIDEN),
     )
     if plan.part_rows:
         merge_kernel[plan.grid[0], q.shape[1]](
@@ -647,7 +674,7 @@ def _launch_varlen(
         *out.stride(),
         block_tables.stride(0),
         **meta,
-        KV_FP8=k_cache.dtype == _FP8,
+        KV_FP8=_fp8_mode(k_cache, q.dtype, FP8_PREFILL_WIDEN),
     )
 
 

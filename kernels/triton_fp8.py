@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedActivation
+from pagedserve.kernels.triton_layers import rms_norm_row
 
 __all__ = ["quantize_per_token", "rms_norm_quant", "silu_and_mul_quant"]
 
@@ -67,20 +68,16 @@ def _rms_norm_quant_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """`triton_layers._rms_norm_kernel`, then the row quantized instead of stored in x's dtype."""
+    """`triton_layers._rms_norm_kernel` (the same `rms_norm_row`), then the row rounded to x's dtype
+    and quantized instead of stored."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
-        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * inv_rms).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    y = (weight.to(tl.float32) * normed.to(tl.float32)).to(x.dtype).to(tl.float32)
+    y = rms_norm_row(
+        x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, cols, mask,
+        stride_x, stride_residual, stride_residual_out, hidden, eps, HAS_RESIDUAL,
+    )  # fmt: skip
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     _store_quantized(q_ptr, scale_ptr, row, stride_q, cols, mask, y)
 
 

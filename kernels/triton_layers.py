@@ -37,6 +37,38 @@ _TILE_ELEMENTS = 2048
 
 
 @triton.jit
+def rms_norm_row(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    residual_out_ptr,
+    row,
+    cols,
+    mask,
+    stride_x,
+    stride_residual,
+    stride_residual_out,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """(Residual add +) RMSNorm of one row, the body `_rms_norm_kernel` and
+    `triton_fp8._rms_norm_quant_kernel` share: returns weight * normed in float32, not yet rounded
+    to x's dtype (the caller stores or quantizes it). With a residual, stores the rounded sum
+    x + residual first and normalises that."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    normed = (xf * inv_rms).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    return weight.to(tl.float32) * normed.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
@@ -56,16 +88,10 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
-        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
-    normed = (xf * inv_rms).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = weight.to(tl.float32) * normed.to(tl.float32)
+    out = rms_norm_row(
+        x_ptr, residual_ptr, weight_ptr, residual_out_ptr, row, cols, mask,
+        stride_x, stride_residual, stride_residual_out, hidden, eps, HAS_RESIDUAL,
+    )  # fmt: skip
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -81,18 +81,6 @@ else
   fi
   if wants w2; then bench w2 150 --workload W2 --num-warmups 8 --compare-prefix-caching; fi
   if wants w3; then bench w3 150 --workload W3 --num-warmups 8 --num-prompts 48 --request-rates 2,8,32; fi
-  if wants w1-fp8; then
-    for variant in "bf16:" "fp8:--quantization fp8" "fp8-kv8:--quantization fp8 --kv-cache-dtype fp8"; do
-      bench "w1-${variant%%:*}" 240 --workload W1 --num-warmups 8 \
-        --executor-args "$W1_EXECUTOR_FLAGS ${variant#*:}" --scheduler-args "$W1_SCHEDULER_FLAGS"
-    done
-  fi
-  if wants w5-fp8; then
-    for variant in "kv-auto:" "kv-fp8:--kv-cache-dtype fp8"; do
-      bench "w5-${variant%%:*}" 300 --workload W5 --num-warmups 0 --scheduler-args "--max-num-seqs 128" \
-        --executor-args "--max-num-seqs 128 --max-model-len 12544 --quantization fp8 ${variant#*:}"
-    done
-  fi
   if wants scale-out; then
     for dp in 1 2; do
       bench "w1-dp$dp" 300 --workload W1 --num-warmups 8 --data-parallel-size "$dp" \
@@ -110,6 +98,26 @@ else
         --scheduler-args "$W1_SCHEDULER_FLAGS --preemption-mode $mode"
     done; done
   fi
+fi
+# FP8 passes, side by side with bf16. QUICK runs the same lines on the CPU through the FP8 references
+# (PAGEDSERVE_FP8_REFERENCE=1, see executor.quantization) with a handful of short requests.
+fp8_w1=(--num-warmups 8) fp8_w5=(--num-warmups 0) fp8_executor="" w5_len=12544  # 12,000 + 512 tokens
+if [ -n "${QUICK:-}" ]; then
+  export PAGEDSERVE_FP8_REFERENCE=1
+  fp8_w1=(--num-prompts 4 --input-len 16:48 --output-len 4:8) fp8_executor="--device cpu"
+  fp8_w5=(--num-prompts 4 --input-len 96 --output-len 4) w5_len=512
+fi
+if wants w1-fp8; then
+  for variant in "bf16:" "fp8:--quantization fp8" "fp8-kv8:--quantization fp8 --kv-cache-dtype fp8"; do
+    bench "w1-${variant%%:*}" 240 --workload W1 "${fp8_w1[@]}" \
+      --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS ${variant#*:}" --scheduler-args "$W1_SCHEDULER_FLAGS"
+  done
+fi
+if wants w5-fp8; then
+  for variant in "kv-auto:" "kv-fp8:--kv-cache-dtype fp8"; do
+    bench "w5-${variant%%:*}" 300 --workload W5 "${fp8_w5[@]}" --scheduler-args "--max-num-seqs 128" \
+      --executor-args "$fp8_executor --max-num-seqs 128 --max-model-len $w5_len --quantization fp8 ${variant#*:}"
+  done
 fi
 if wants w4-cpu; then
   echo "=== w4-cpu ($(date +%T))"

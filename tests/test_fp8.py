@@ -168,15 +168,17 @@ def test_silu_and_mul_quant_and_plain_quant_match_reference(dtype):
 
 
 def _fp8_caches(batch: dict, k_scale: torch.Tensor, v_scale: torch.Tensor):
-    k8 = (batch["k_cache"].float() / k_scale).to(FP8_KV_DTYPE)
-    v8 = (batch["v_cache"].float() / v_scale).to(FP8_KV_DTYPE)
+    """The batch's caches in e4m3, saturated as `write_kv` does (torch's CUDA cast turns values
+    beyond 448 into NaN; the CPU's saturates), so both devices see the same caches."""
+    k8 = (batch["k_cache"].float() / k_scale).clamp(-448, 448).to(FP8_KV_DTYPE)
+    v8 = (batch["v_cache"].float() / v_scale).clamp(-448, 448).to(FP8_KV_DTYPE)
     return k8, v8
 
 
-def _batch(q_lens, contexts, dtype, seed=0):
+def _batch(q_lens, contexts, dtype, seed=0, heads=(8, 2), head_dim=64, block_size=16):
     from tests.test_kernels import make_batch
 
-    return make_batch(q_lens, contexts, 8, 2, 64, 16, dtype, seed=seed)
+    return make_batch(q_lens, contexts, *heads, head_dim, block_size, dtype, seed=seed)
 
 
 def test_reference_attention_over_fp8_caches_equals_dequantized_caches():
@@ -236,6 +238,31 @@ def test_triton_attention_over_fp8_caches_matches_reference(dtype, q_lens, conte
     got = triton_attention.paged_attention(*args, k_scale=ks, v_scale=vs)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "heads, head_dim, block_size",
+    [((6, 2), 80, 16), ((3, 3), 48, 8)],
+    ids=["group3-hd80", "mha-hd48-page8"],
+)
+def test_triton_fp8_attention_odd_shapes(heads, head_dim, block_size):
+    """Groups that are not a power of two (padded query rows), head_dim below its power of two
+    (masked columns), small pages: decodes (one split and several) and prefill chunks in one batch."""
+    from pagedserve.kernels import triton_attention as ta
+
+    q_lens, contexts = [1, 9, 1, 1, 23], [700, 30, 3, 131, 23]
+    batch = _batch(
+        q_lens, contexts, torch.bfloat16, seed=8, heads=heads, head_dim=head_dim, block_size=block_size
+    )
+    ks = torch.tensor([0.02], device=DEVICE)
+    vs = torch.tensor([0.005], device=DEVICE)
+    k8, v8 = _fp8_caches(batch, ks, vs)
+    rest = (batch["block_tables"], batch["seq_lens"], batch["cu_seqlens_q"], batch["scale"])
+    want = reference.paged_attention(batch["q"], k8, v8, *rest, None, ks, vs)
+    for kw in ({}, dict(num_splits=4)):
+        got = ta.paged_attention(batch["q"], k8, v8, *rest, k_scale=ks, v_scale=vs, **kw)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 @needs_triton
