@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from pagedserve.bench.client import get_model_info
-from pagedserve.protos import executor_pb2, executor_pb2_grpc
+from pagedserve.protos import admin_pb2, admin_pb2_grpc, executor_pb2, executor_pb2_grpc
 from pagedserve.supervisor import place_executors, visible_gpu_count
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -71,7 +71,8 @@ def launched_server(
     gpu_memory_utilization: float = 0.9,
 ) -> Iterator[str]:
     """Runs `data_parallel_size` executors and a scheduler as processes on loopback; yields the
-    scheduler's address once GetModelInfo answers, and stops them all (scheduler first) on exit.
+    scheduler's address once GetModelInfo answers and every executor is attached (a pass that began
+    with one would place its first requests all there), and stops them all (scheduler first) on exit.
 
     Args:
         device, gpu_memory_utilization: what `executor_args` set (the executors' placement
@@ -125,7 +126,11 @@ def launched_server(
         def scheduler_ready() -> bool:
             try:
                 get_model_info(address, timeout=2)
-                return True
+                with grpc.insecure_channel(address) as channel:
+                    listed = admin_pb2_grpc.AdminStub(channel).ListExecutors(
+                        admin_pb2.ListExecutorsRequest(), timeout=2
+                    )
+                return sum(e.attached for e in listed.executors) == data_parallel_size
             except grpc.RpcError:
                 return False
 
