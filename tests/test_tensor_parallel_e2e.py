@@ -119,7 +119,9 @@ def test_worker_killed_takes_the_executor_down(tiny_model_dir, tmp_path):
     with running_services(tiny_model_dir, tmp_path, TP2) as services:
         [worker] = _children(services.executor.pid)
         with services.channel() as channel:
-            assert generate(channel, make_request([5, 6, 7], max_tokens=4, temperature=0), timeout=60).token_ids
+            assert generate(
+                channel, make_request([5, 6, 7], max_tokens=4, temperature=0), timeout=60
+            ).token_ids
         assert scheduler_stats(services).num_gpu_blocks > 0
         os.kill(worker, signal.SIGKILL)
         code = services.executor.wait(timeout=30)
