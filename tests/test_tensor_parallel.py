@@ -198,3 +198,28 @@ def test_llm_refuses_tensor_parallelism(tiny_model_dir):
 
     with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
         LLM(str(tiny_model_dir), device="cpu", tensor_parallel_size=2)
+
+
+def test_serve_forwards_tensor_parallelism_to_each_executor(tiny_model_dir, monkeypatch, capsys):
+    """`serve -tp 2` starts each executor with --tensor-parallel-size 2 (on the GPUs of its group),
+    and refuses, as a usage error, a group larger than the visible GPUs."""
+    import argparse
+
+    from pagedserve import cli, supervisor
+
+    parser = argparse.ArgumentParser()
+    cli.add_serve_args(parser)
+    args = parser.parse_args(["--device", "cpu", "-tp", "2", "--data-parallel-size", "2"])
+    executors = [c for c in cli.serve_children(args, tiny_model_dir) if c.name.startswith("executor")]
+    assert len(executors) == 2
+    for child in executors:
+        argv = list(child.argv)
+        assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    monkeypatch.setattr(supervisor, "visible_gpu_count", lambda device: 2)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--model", str(tiny_model_dir), "-tp", "2", "--data-parallel-size", "2"])
+    assert exit_info.value.code == 2
+    assert (
+        "--data-parallel-size 2 x --tensor-parallel-size 2 needs 4 GPUs, 2 are visible"
+        in capsys.readouterr().err
+    )
