@@ -136,10 +136,10 @@ def test_worker_killed_takes_the_executor_down(tiny_model_dir, tmp_path):
         assert services.scheduler.poll() is None
 
 
-def _start_executor(model_dir: Path, log_path: Path, *args: str) -> subprocess.Popen:
+def _start_executor(model_dir: Path, log_path: Path, *args: str, port: int = 0) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "pagedserve.executor", f"--model={model_dir}", "--device=cpu",
-        "--dtype=float32", f"--port={free_port()}", "--max-model-len=128", "--swap-space=0.01", *args,
+        "--dtype=float32", f"--port={port or free_port()}", "--max-model-len=128", "--swap-space=0.01", *args,
     ]  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
@@ -173,3 +173,82 @@ def test_rank0_signal_leaves_no_worker(sig, tiny_model_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_executor_protocol_matches_the_single_device_runner(tiny_model_dir, tmp_path):
+    """The TP=2 executor's Step stream against a single-device ModelRunner fed the same plans:
+    chunked prefill, prompt logprobs and logprobs (rank 0 alone computes them), a swap round trip,
+    a bad plan refused by every rank with nothing applied (the next stream carries on), and a new
+    lease (every rank forgets its requests)."""
+    import grpc
+
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner, PlanError
+    from pagedserve.protos import executor_pb2, executor_pb2_grpc
+    from tests.test_executor_service import StepStream
+    from tests.toy_scheduler import ToyScheduler
+
+    port, log_path = free_port(), tmp_path / "executor.log"
+    proc = _start_executor(tiny_model_dir, log_path, *TP2, "--num-gpu-blocks-override=48", port=port)
+    reference = ModelRunner.create(
+        ExecutorConfig(
+            model=str(tiny_model_dir),
+            device="cpu",
+            dtype="float32",
+            max_model_len=128,
+            num_gpu_blocks_override=48,
+            swap_space=0.01,
+        )  # fmt: skip
+    )
+    try:
+        _wait_serving(proc, log_path)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            for lease in range(2):  # Detach resets every rank (and the reference) before the second
+                info = stub.Attach(executor_pb2.AttachRequest(scheduler_id=f"test-{lease}"))
+                reference.reset()
+                # Each rank's swap pool is --swap-space GiB of its (half-size) blocks: twice the reference's.
+                num_cpu_blocks = min(info.num_cpu_blocks, reference.kv_cache.num_cpu_blocks)
+                sched = ToyScheduler(info.num_gpu_blocks, num_cpu_blocks, info.block_size, seed=lease)
+                logprobs = executor_pb2.Sampling(return_prompt_logprobs=True, return_logprobs=True)
+                sched.add(
+                    1, [5, 17, 99, 3, 250, 7, 7, 31, 400, 12, 8, 64, 65, 66, 67, 90, 91, 92, 11], logprobs
+                )
+                sched.add(2, [42, 43, 44])
+                stream = StepStream(stub, info.lease_epoch)
+
+                def step(plan, stream=stream, sched=sched) -> None:
+                    got, want = stream.step(plan), reference.execute(plan)
+                    assert list(got.seq_ids) == list(want.seq_ids)
+                    assert list(got.token_ids) == list(want.token_ids)
+                    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+                    assert [(p.seq_id, p.start) for p in got.prompt_logprobs] == [
+                        (p.seq_id, p.start) for p in want.prompt_logprobs
+                    ]
+                    for g, w in zip(got.prompt_logprobs, want.prompt_logprobs, strict=True):
+                        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+                    sched.observe(got)
+
+                step(sched.plan({1: 8, 2: 3}))  # a prefill chunk of seq 1, all of seq 2
+                for _ in range(3):
+                    step(sched.plan())
+                step(sched.plan({2: 1}, swap_out=[1]))
+                step(sched.plan(swap_in=[1]))
+                bad = executor_pb2.StepPlan(
+                    step_id=999, running=[executor_pb2.RunningRequest(seq_id=12345, num_new_tokens=1)]
+                )
+                with pytest.raises(grpc.RpcError) as err:
+                    stream.step(bad)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                with pytest.raises(PlanError):
+                    reference.execute(bad)
+                stream = StepStream(stub, info.lease_epoch)
+                for _ in range(4):
+                    step(sched.plan(), stream)
+                stream.close()
+                assert len(sched.seqs[1].generated) >= 6
+                stub.Detach(executor_pb2.DetachRequest(lease_epoch=info.lease_epoch))
+        assert proc.poll() is None, log_path.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
