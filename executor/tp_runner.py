@@ -17,6 +17,8 @@ the ranks' state stays identical without a worker ever reading a token on the ho
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 import torch
 
@@ -43,10 +45,19 @@ class TPDriverRunner(ModelRunner):
     """Rank 0: a ModelRunner that hands every plan, reset and sampled token to the workers."""
 
     group: TensorParallelGroup
+    on_fatal: Callable[[], None]  # ends the group (TensorParallelWorkers.fail)
 
     def launch(self, plan: executor_pb2.StepPlan) -> PendingStep:
         self.group.send(STEP, plan.SerializeToString())
-        return super().launch(plan)
+        try:
+            return super().launch(plan)
+        except PlanError:
+            raise  # refused by every rank, nothing applied anywhere
+        except Exception:
+            # Applied in part here, maybe in full on the workers: the ranks no longer agree.
+            log.exception("executor.tp_step_failed", step_id=plan.step_id)
+            self.on_fatal()
+            raise
 
     def reset(self) -> None:
         self.group.send(RESET)

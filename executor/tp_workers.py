@@ -8,6 +8,8 @@ through a TCPStore on a free loopback port. The group lives and dies as one exec
   watchdog logs `executor.tp_worker_died`, kills the other workers and exits with status 1 at
   once (it may be blocked in a collective that will never complete), so the scheduler sees one
   executor lost and `pagedserve serve` restarts the whole group;
+* a step that fails on rank 0 for any reason but a refused plan (a device error, say) ends the
+  group the same way: the ranks may have applied different parts of it;
 * rank 0 dying, even by SIGKILL, leaves no worker behind: each worker watches its parent and exits
   when it is gone (a collective with a dead rank 0 also fails);
 * SIGTERM on rank 0 drains the gRPC service as usual, then sends the workers a stop message; they
@@ -78,7 +80,9 @@ class TensorParallelWorkers:
         device = config.torch_device()
         base = device.index or 0
         store = TensorParallelGroup.host_store(size)
-        payload = json.dumps(dataclasses.asdict(config))
+        # Workers write no step trace of their own (rank 0's has every step) and serve no port.
+        worker_config = dataclasses.replace(config, step_trace=None, metrics_port=None)
+        payload = json.dumps(dataclasses.asdict(worker_config))
         procs = {}
         for rank in range(1, size):
             argv = [
@@ -98,6 +102,7 @@ class TensorParallelWorkers:
             workers.kill()
             raise
         assert isinstance(runner, TPDriverRunner)
+        runner.on_fatal = workers.fail
         workers.runner = runner
         return workers
 
@@ -107,20 +112,21 @@ class TensorParallelWorkers:
                 code = proc.poll()
                 if code is None or self._stopping.is_set():
                     continue
-                log.error(
-                    "executor.tp_worker_died",
-                    rank=rank,
-                    pid=proc.pid,
-                    returncode=code,
-                    action="stopping the whole tensor-parallel group: exiting with status 1",
-                )
-                self.kill()
-                sys.stderr.flush()
-                sys.stdout.flush()
-                os._exit(1)
+                log.error("executor.tp_worker_died", rank=rank, pid=proc.pid, returncode=code)
+                self.fail()
+
+    def fail(self) -> None:
+        """Ends the group at once: the workers are killed and this process exits with status 1
+        (the ranks' state can no longer be trusted to agree; a collective may never complete)."""
+        log.error("executor.tp_group_down", action="killing the workers, exiting with status 1")
+        self.kill()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
 
     def kill(self) -> None:
         """SIGKILLs every worker still running (a failed start, a dead peer)."""
+        self._stopping.set()  # their deaths are expected now
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
@@ -182,9 +188,26 @@ def main(argv: list[str] | None = None) -> None:
     group = TensorParallelGroup.join(args.rank, args.size, device, Rendezvous("127.0.0.1", args.store_port))
     runner = create_runner(config, group)
     assert isinstance(runner, TPWorkerRunner)
-    runner.serve()
+    try:
+        runner.serve()
+    except Exception as exc:  # noqa: BLE001 - any failure ends this worker, and so the group
+        _exit_on_failure(args.parent_pid, exc)
     group.close()
     log.info("executor.tp_worker_stopped", rank=args.rank)
+
+
+def _exit_on_failure(parent_pid: int, exc: Exception) -> None:
+    """Exits 1 with one log line. A collective fails first when rank 0 dies (its sockets close
+    just before this process is reparented): that case is told apart by waiting a moment."""
+    deadline = time.monotonic() + 1.0
+    while os.getppid() == parent_pid and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if os.getppid() != parent_pid:
+        log.error("executor.tp_parent_gone", parent_pid=parent_pid, action="exiting")
+    else:
+        log.exception("executor.tp_worker_failed", error=f"{type(exc).__name__}: {exc}")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":
