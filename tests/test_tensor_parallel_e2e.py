@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedserve.client import generate, make_request
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
@@ -248,6 +249,71 @@ def test_executor_protocol_matches_the_single_device_runner(tiny_model_dir, tmp_
                 stream.close()
                 assert len(sched.seqs[1].generated) >= 6
                 stub.Detach(executor_pb2.DetachRequest(lease_epoch=info.lease_epoch))
+        assert proc.poll() is None, log_path.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_fp8_tp2_prompt_logprobs_close_to_fp8_tp1(tiny_model_dir, tmp_path, monkeypatch):
+    """--quantization fp8 over two ranks (the CPU references, PAGEDSERVE_FP8_REFERENCE=1): the
+    row-parallel FP8 projections (each rank's columns quantized with their own per-row scales)
+    give prompt logprobs within FP8 noise of the single-device FP8 model's, and the group serves
+    decode steps after."""
+    import grpc
+
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner
+    from pagedserve.protos import executor_pb2, executor_pb2_grpc
+    from tests.test_executor_service import StepStream
+    from tests.toy_scheduler import ToyScheduler
+
+    monkeypatch.setenv("PAGEDSERVE_FP8_REFERENCE", "1")  # inherited by the executor and its worker
+    port, log_path = free_port(), tmp_path / "executor.log"
+    fp8 = ("--quantization=fp8", "--num-gpu-blocks-override=16")
+    proc = _start_executor(tiny_model_dir, log_path, *TP2, *fp8, port=port)
+    references = {
+        quantization: ModelRunner.create(
+            ExecutorConfig(
+                model=str(tiny_model_dir),
+                device="cpu",
+                dtype="float32",
+                max_model_len=128,
+                num_gpu_blocks_override=16,
+                swap_space=0.01,
+                quantization=quantization,
+            )  # fmt: skip
+        )
+        for quantization in ("fp8", None)
+    }
+    prompt = list(range(3, 40))
+    try:
+        _wait_serving(proc, log_path)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = executor_pb2_grpc.ExecutorStub(channel)
+            info = stub.Attach(executor_pb2.AttachRequest(scheduler_id="test"))
+            sched = ToyScheduler(info.num_gpu_blocks, 0, info.block_size)
+            sched.add(1, prompt, executor_pb2.Sampling(return_prompt_logprobs=True))
+            stream = StepStream(stub, info.lease_epoch)
+            plan = sched.plan()
+            got = stream.step(plan)
+            want = {q: runner.execute(plan) for q, runner in references.items()}
+            sched.observe(got)
+            for _ in range(4):
+                sched.observe(stream.step(sched.plan()))
+            assert len(sched.seqs[1].generated) == 5
+            stream.close()
+
+        def logprobs(output: executor_pb2.StepOutput) -> torch.Tensor:
+            return torch.tensor([lp for p in output.prompt_logprobs for lp in p.logprobs])
+
+        tp2, tp1, full = logprobs(got), logprobs(want["fp8"]), logprobs(want[None])
+        assert len(tp2) == len(prompt) - 1
+        # A sharding mistake (a scale on the wrong rows) would be far off; FP8 noise is not.
+        tp2_error, tp1_error = float((tp2 - full).abs().mean()), float((tp1 - full).abs().mean())
+        print(f"mean |prompt logprob - float32|: fp8 TP=2 {tp2_error:.4f}, fp8 TP=1 {tp1_error:.4f}")
+        assert tp2_error < 2 * tp1_error + 0.01
+        torch.testing.assert_close(tp2, tp1, atol=0.1, rtol=0.05)
         assert proc.poll() is None, log_path.read_text()
     finally:
         proc.terminate()
