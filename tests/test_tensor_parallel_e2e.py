@@ -318,3 +318,51 @@ def test_fp8_tp2_prompt_logprobs_close_to_fp8_tp1(tiny_model_dir, tmp_path, monk
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_serve_restarts_a_group_whose_worker_died(tiny_model_dir, tmp_path):
+    """`pagedserve serve -tp 2 --device cpu`: SIGKILL of the worker (serve's grandchild) ends its
+    executor, serve restarts the whole group, the same greedy completion comes back, and SIGTERM
+    on serve leaves no process of either group."""
+    from tests.test_serve_data_parallel import children_of, executor_answers, executor_pid, generate, wait_for
+
+    port, executor_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(tiny_model_dir),
+             f"--port={port}", f"--executor-port={executor_port}", "-tp", "2", "--device=cpu",
+             "--max-num-seqs=8", "--max-num-batched-tokens=256", "--max-model-len=256",
+             "--num-gpu-blocks-override=64", "--swap-space=0.01"],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    groups = []
+    try:
+        wait_for(lambda: executor_answers(executor_port), 180, "executor not up", serve, log)
+        tokens = generate(port)
+        executor = executor_pid(serve, executor_port)
+        [worker] = _children(executor)
+        groups += [executor, worker]
+        os.kill(worker, signal.SIGKILL)
+        wait_for(
+            lambda: (pid := executor_pid(serve, executor_port)) is not None and pid != executor,
+            60, "the group was not restarted", serve, log,
+        )  # fmt: skip
+        wait_for(
+            lambda: executor_answers(executor_port), 120, "the restarted group does not listen", serve, log
+        )
+        assert not _alive(executor) and not _alive(worker)
+        restarted = executor_pid(serve, executor_port)
+        groups += [restarted, *_children(restarted)]
+        assert generate(port) == tokens
+        assert "executor.tp_worker_died" in log.read_text() and "serve.child_died" in log.read_text()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            code = serve.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            raise
+    assert code == 0, log.read_text()[-4000:]
+    assert not children_of(serve.pid)
+    assert len(groups) == 4 and all(_wait_gone(pid, 15) for pid in groups)
