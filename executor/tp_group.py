@@ -116,5 +116,8 @@ class TensorParallelGroup:
         return kind, data.numpy().tobytes()
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Leaves the group at shutdown. On CUDA the NCCL communicator is left to process exit:
+        `destroy_process_group` can hang in ncclCommDestroy once NCCL collectives were captured
+        into CUDA graphs (pytorch/pytorch#115388), and a stop must never hang."""
+        if dist.is_initialized() and self.device.type != "cuda":
             dist.destroy_process_group()
