@@ -52,7 +52,7 @@ class TensorParallelGroup:
     def __init__(self, rank: int, size: int, device: torch.device, store: dist.Store) -> None:
         self.rank, self.size, self.device = rank, size, device
         if device.type == "cuda":
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off (module docstring)
             torch.cuda.set_device(device)
             backend = "nccl"
         else:
