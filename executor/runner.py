@@ -128,9 +128,14 @@ class _Scheduled:
 class ModelRunner:
     """Holds the model, the KV pool and every request's state; runs StepPlans.
 
+    `tensor_parallel_size`: ranks of the group this runner is rank 0 of (1: the whole model here;
+    see executor.tp_runner).
+
     Not thread-safe: the service serialises calls. Steps run in launch order on one CUDA stream, so
     step N+1 may be launched while step N runs: it reads only what N leaves on the device.
     """
+
+    tensor_parallel_size = 1
 
     def __init__(
         self,

@@ -143,6 +143,8 @@ def attach_response(
         import torch
 
         device_name = f"{device} ({torch.cuda.get_device_name(device)})"
+    if runner.tensor_parallel_size > 1:  # rank 0's device; the group spans the next ones too
+        device_name += f", tensor parallel over {runner.tensor_parallel_size} devices"
     return executor_pb2.AttachResponse(
         lease_epoch=epoch,
         model=model_name,

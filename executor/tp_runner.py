@@ -139,6 +139,7 @@ def create_runner(config: ExecutorConfig, group: TensorParallelGroup) -> ModelRu
         config, model, in_use_at_start=in_use_at_start, min_over_ranks=group.min_over_ranks
     )
     runner.group = group
+    runner.tensor_parallel_size = group.size
     log.info(
         "executor.tp_rank_ready",
         rank=group.rank,

@@ -207,6 +207,7 @@ def test_executor_protocol_matches_the_single_device_runner(tiny_model_dir, tmp_
             stub = executor_pb2_grpc.ExecutorStub(channel)
             for lease in range(2):  # Detach resets every rank (and the reference) before the second
                 info = stub.Attach(executor_pb2.AttachRequest(scheduler_id=f"test-{lease}"))
+                assert info.device == "cpu, tensor parallel over 2 devices"
                 reference.reset()
                 # Each rank's swap pool is --swap-space GiB of its (half-size) blocks: twice the reference's.
                 num_cpu_blocks = min(info.num_cpu_blocks, reference.kv_cache.num_cpu_blocks)
