@@ -19,6 +19,14 @@ def main(argv: list[str] | None = None) -> None:
     add_cli_args(parser)
     config = ExecutorConfig.from_args(parser.parse_args(argv))
     configure_logging("executor")
+    if config.tensor_parallel_size > 1:  # a size the model or the machine cannot take is a bad flag
+        from pagedserve.executor.parallel import TensorParallelError
+        from pagedserve.executor.tp_workers import check_config
+
+        try:
+            check_config(config)
+        except TensorParallelError as exc:
+            parser.error(str(exc))
 
     from pagedserve.executor.service import serve  # after parsing: --help stays fast
 

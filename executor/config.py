@@ -57,6 +57,9 @@ class ExecutorConfig:
         kv_cache_dtype: "auto" (the model dtype) or "fp8" (e4m3 with per-layer scales: about twice
             the blocks in the same memory).
         metrics_port: serve Prometheus metrics over HTTP on this port (on `host`); None: not served.
+        tensor_parallel_size: devices one executor spans (vLLM's name): this process is rank 0
+            and starts N - 1 worker processes; on CUDA rank r uses GPU (current device + r). See
+            executor.parallel and executor.tp_workers.
     """
 
     model: str
@@ -82,6 +85,7 @@ class ExecutorConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     metrics_port: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -121,6 +125,8 @@ class ExecutorConfig:
             problems.append(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             problems.append(f"metrics_port must be in 1..65535, got {self.metrics_port}")
+        if self.tensor_parallel_size < 1:
+            problems.append(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
 
@@ -232,5 +238,10 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
     group.add_argument(
         "--metrics-port", type=int, default=None,
         help="serve Prometheus metrics over HTTP on this port (default: not served)",
+    )  # fmt: skip
+    group.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="devices one executor spans (default 1): N - 1 worker processes join this one in a "
+        "torch.distributed group (NCCL on CUDA, rank r on GPU current + r; gloo on the CPU)",
     )  # fmt: skip
     return parser

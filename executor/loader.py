@@ -13,11 +13,14 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from pagedserve.executor.parallel import TPShard
 
 log = structlog.get_logger(__name__)
 
@@ -246,7 +249,9 @@ def _destination(spec: ModelSpec, name: str) -> tuple[str, int, int] | None:
     raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
 
 
-def load_weights(model: torch.nn.Module, spec: ModelSpec, model_dir: str | Path) -> None:
+def load_weights(
+    model: torch.nn.Module, spec: ModelSpec, model_dir: str | Path, shard: TPShard | None = None
+) -> None:
     """Copies the checkpoint into `model`'s (already allocated) parameters, checking completeness.
 
     With `--quantization fp8` (the model's linear layers are `Fp8Linear`) full-precision weights
@@ -254,6 +259,10 @@ def load_weights(model: torch.nn.Module, spec: ModelSpec, model_dir: str | Path)
     `executor.quantization`). KV cache scales in the checkpoint fill the layers' k_scale / v_scale
     buffers when those exist (`--kv-cache-dtype fp8`) and are skipped otherwise; the model's
     `kv_scales_loaded` says whether every layer got both.
+
+    With `shard` (tensor parallelism) `spec` is the whole model's and `model` holds rank
+    `shard.rank`'s part: each checkpoint tensor is narrowed to that part first
+    (`executor.parallel`), then placed as usual in the rank's smaller fused parameters.
 
     Raises:
         UnsupportedModelError: on unknown tensors, shape mismatches, or parameters left unloaded.
@@ -264,9 +273,12 @@ def load_weights(model: torch.nn.Module, spec: ModelSpec, model_dir: str | Path)
     buffers = dict(model.named_buffers())
     filled: dict[str, int] = dict.fromkeys(params, 0)
     kv_scales_seen: set[str] = set()
+    dest_spec = spec if shard is None else shard.local_spec(spec)
     with torch.no_grad():
         for name, tensor in iter_checkpoint(model_dir):
-            dest = _destination(spec, name)
+            if shard is not None:
+                tensor = shard.narrow(spec, name, tensor)
+            dest = _destination(dest_spec, name)
             if dest is None:
                 continue
             target, offset, rows = dest

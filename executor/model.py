@@ -11,11 +11,17 @@ With `quantization="fp8"` the four projections of each layer are `executor.quant
 and the kernels before them hand over per-token FP8 activations (the norms and SiLU-and-mul quantize
 in the same kernel: `kernels.fp8`). With an FP8 KV pool each layer's k_scale / v_scale buffers
 travel with its caches to `write_kv` and the attention kernels.
+
+Tensor parallelism (`executor.parallel`): built from a rank's local spec (its heads and MLP rows)
+and given the group's `all_reduce`, the model makes o_proj and down_proj row-parallel (partial sums
+all-reduced, the bias added after); without it (one rank) the layers are the plain ones, so one
+rank runs exactly the single-device code. Ranks other than 0 skip the LM head (`computes_logits`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +127,68 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+AllReduce = Callable[[torch.Tensor], object]  # sums a tensor over the tensor-parallel group, in place
+
+
+class RowParallelLinear(Linear):
+    """A rank's columns of a row-parallel projection: partial x W^T, summed over the ranks, + b.
+
+    The bias is added once, after the all-reduce (each rank holds it whole)."""
+
+    def __init__(
+        self,
+        rows: int,
+        cols: int,
+        bias: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+        all_reduce: AllReduce,
+    ) -> None:
+        super().__init__(rows, cols, bias, device, dtype)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        self.all_reduce(y)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class Fp8RowParallelLinear(Fp8Linear):
+    """`RowParallelLinear` with FP8 weights: the per-output-row scales apply to the partial sums."""
+
+    def __init__(
+        self,
+        rows: int,
+        cols: int,
+        bias: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+        all_reduce: AllReduce,
+    ) -> None:
+        super().__init__(rows, cols, bias, device, dtype)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
+        if not isinstance(x, fp8.QuantizedActivation):
+            x = fp8.quantize_per_token(x)
+        y = fp8.fp8_linear(x, self.weight, self.weight_scale, None, self.out_dtype)
+        self.all_reduce(y)
+        return y if self.bias is None else y.add_(self.bias)
+
+
 def _linear(
-    rows: int, cols: int, bias: bool, device: torch.device, dtype: torch.dtype, quantization: str | None
+    rows: int,
+    cols: int,
+    bias: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None,
+    all_reduce: AllReduce | None = None,
 ) -> Linear | Fp8Linear:
+    """A projection; row-parallel (its output all-reduced) when given the group's `all_reduce`."""
+    if all_reduce is not None:
+        cls = Fp8RowParallelLinear if quantization == "fp8" else RowParallelLinear
+        return cls(rows, cols, bias, device, dtype, all_reduce)
     if quantization == "fp8":
         return Fp8Linear(rows, cols, bias, device, dtype)
     return Linear(rows, cols, bias, device, dtype)
@@ -150,6 +215,7 @@ class Attention(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         quantization: str | None = None,
+        all_reduce: AllReduce | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -158,7 +224,9 @@ class Attention(nn.Module):
         self.rotary = rotary
         qkv_rows = self.q_size + 2 * self.kv_size
         self.qkv_proj = _linear(qkv_rows, spec.hidden_size, spec.qkv_bias, device, dtype, quantization)
-        self.o_proj = _linear(spec.hidden_size, self.q_size, spec.o_bias, device, dtype, quantization)
+        self.o_proj = _linear(
+            spec.hidden_size, self.q_size, spec.o_bias, device, dtype, quantization, all_reduce
+        )
         # Scales of an FP8 KV pool (ignored by the kernels for other pools); 1.0 until the loader
         # or the first step's calibration sets them.
         self.register_buffer("k_scale", torch.ones(1, device=device), persistent=False)
@@ -188,12 +256,17 @@ class MLP(nn.Module):
     """SwiGLU with gate and up fused into one matmul."""
 
     def __init__(
-        self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+        self,
+        spec: ModelSpec,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+        all_reduce: AllReduce | None = None,
     ) -> None:
         super().__init__()
         inter, hidden = spec.intermediate_size, spec.hidden_size
         self.gate_up_proj = _linear(2 * inter, hidden, False, device, dtype, quantization)
-        self.down_proj = _linear(hidden, inter, False, device, dtype, quantization)
+        self.down_proj = _linear(hidden, inter, False, device, dtype, quantization, all_reduce)
         self.act = fp8.silu_and_mul_quant if quantization == "fp8" else layers.silu_and_mul
 
     def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
@@ -215,13 +288,14 @@ class DecoderLayer(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         quantization: str | None = None,
+        all_reduce: AllReduce | None = None,
     ):
         super().__init__()
         quant = quantization == "fp8"
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, quant)
-        self.self_attn = Attention(spec, rotary, device, dtype, quantization)
+        self.self_attn = Attention(spec, rotary, device, dtype, quantization, all_reduce)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, quant)
-        self.mlp = MLP(spec, device, dtype, quantization)
+        self.mlp = MLP(spec, device, dtype, quantization, all_reduce)
 
     def forward(
         self,
@@ -251,6 +325,9 @@ class LlamaModel(nn.Module):
 
     Parameter names (embed_tokens, layers.N.self_attn.qkv_proj, ..., norm, lm_head) are what
     `executor.loader` maps checkpoint tensors onto.
+
+    Tensor parallelism: `spec` is the rank's local spec (`TPShard.local_spec`), `all_reduce` the
+    group's, and `computes_logits=False` on ranks other than 0, whose forward then returns None.
     """
 
     def __init__(
@@ -260,6 +337,8 @@ class LlamaModel(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         quantization: str | None = None,
+        all_reduce: AllReduce | None = None,
+        computes_logits: bool = True,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
@@ -270,7 +349,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, device, dtype)
         rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_model_len, device)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, rotary, device, dtype, quantization) for _ in range(spec.num_layers)
+            DecoderLayer(spec, rotary, device, dtype, quantization, all_reduce)
+            for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
         self.lm_head = (
@@ -278,6 +358,8 @@ class LlamaModel(nn.Module):
             if spec.tie_word_embeddings
             else _param(spec.vocab_size, spec.hidden_size, device=device, dtype=dtype)
         )
+        # Chosen once here, not tested per step: one rank runs the single-device code unchanged.
+        self._head = self._logits if computes_logits else _no_logits
 
     def set_kv_calibration(self, on: bool) -> None:
         """While on, every layer sets its KV scales from the step's keys and values (eager only)."""
@@ -292,8 +374,9 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor | None,
         out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Runs the step's tokens and returns float32 logits [len(logits_indices), vocab].
+    ) -> torch.Tensor | None:
+        """Runs the step's tokens and returns float32 logits [len(logits_indices), vocab] (None on
+        a tensor-parallel rank that does not compute them).
 
         Args:
             input_ids: [num_tokens] int64.
@@ -308,6 +391,15 @@ class LlamaModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, meta, k_cache, v_cache)
+        return self._head(x, residual, logits_indices, out)
+
+    def _logits(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        logits_indices: torch.Tensor | None,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm(x, residual)
@@ -316,3 +408,8 @@ class LlamaModel(nn.Module):
         if out is None:
             return logits.float()
         return out.copy_(logits)
+
+
+def _no_logits(x: torch.Tensor, residual: torch.Tensor, logits_indices, out) -> None:
+    """The head of a tensor-parallel rank other than 0: rank 0 alone computes logits and samples."""
+    del x, residual, logits_indices, out

@@ -80,7 +80,8 @@ def _worst_step_peak(model: LlamaModel, layout: KVCacheLayout, lens: list[int]) 
     inputs = build_step_inputs([[0] * n for n in lens], [0] * num_seqs, tables, [True] * num_seqs,
                                layout.block_size, device)  # fmt: skip
     logits = model(inputs.input_ids, inputs.meta, scratch.layer_caches(), inputs.logits_indices)
-    sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs, lens)
+    if logits is not None:  # None on a tensor-parallel worker: rank 0 alone samples
+        sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs, lens)
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - scratch_bytes
 

@@ -16,6 +16,7 @@ A plan is validated in full against the current state before anything is applied
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,9 +128,14 @@ class _Scheduled:
 class ModelRunner:
     """Holds the model, the KV pool and every request's state; runs StepPlans.
 
+    `tensor_parallel_size`: ranks of the group this runner is rank 0 of (1: the whole model here;
+    see executor.tp_runner).
+
     Not thread-safe: the service serialises calls. Steps run in launch order on one CUDA stream, so
     step N+1 may be launched while step N runs: it reads only what N leaves on the device.
     """
+
+    tensor_parallel_size = 1
 
     def __init__(
         self,
@@ -179,7 +185,13 @@ class ModelRunner:
 
     @classmethod
     def create(cls, config: ExecutorConfig) -> ModelRunner:
-        """Loads the model, then `from_model`."""
+        """Loads the model, then `from_model` (one device: tensor parallelism is
+        `executor.tp_workers`, which `ExecutorServer` starts for --tensor-parallel-size > 1)."""
+        if config.tensor_parallel_size != 1:
+            raise ValueError(
+                f"ModelRunner.create runs on one device; tensor_parallel_size={config.tensor_parallel_size} "
+                "needs executor.tp_workers.TensorParallelWorkers (ExecutorServer starts it)"
+            )
         device = config.torch_device()
         check_fp8_support(config.quantization, config.kv_cache_dtype, device)
         in_use_at_start = 0
@@ -194,7 +206,12 @@ class ModelRunner:
 
     @classmethod
     def from_model(
-        cls, config: ExecutorConfig, model: LlamaModel, *, in_use_at_start: int = 0
+        cls,
+        config: ExecutorConfig,
+        model: LlamaModel,
+        *,
+        in_use_at_start: int = 0,
+        min_over_ranks: Callable[[int], int] | None = None,
     ) -> ModelRunner:
         """Sizes and allocates the KV pools for a loaded model (profiling first on CUDA), then
         captures the CUDA graphs (on CUDA, unless enforce_eager).
@@ -202,6 +219,8 @@ class ModelRunner:
         Args:
             in_use_at_start: device memory in use before the model was loaded (other processes,
                 the CUDA context): outside this executor's budget (see executor.profiling).
+            min_over_ranks: tensor parallelism: the smallest of a value over the group's ranks
+                (each rank sizes its pools for its own shard; block ids must mean the same on all).
         """
         spec = model.spec
         device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
@@ -231,8 +250,11 @@ class ModelRunner:
                 layout, config.cpu_kv_cache_bytes, config.max_num_seqs, max_model_len
             )
             why = f"--cpu-kv-cache-space {config.cpu_kv_cache_space} GiB"
-        check_fits(layout, num_blocks, max_model_len, why=why)
         num_cpu_blocks = config.swap_space_bytes // layout.bytes_per_block
+        if min_over_ranks is not None:
+            num_blocks, num_cpu_blocks = min_over_ranks(num_blocks), min_over_ranks(num_cpu_blocks)
+            why += ", the smallest over the tensor-parallel ranks"
+        check_fits(layout, num_blocks, max_model_len, why=why)
         kv_cache = KVCache(layout, num_blocks, num_cpu_blocks, device)
         log.info(
             "executor.loaded",
@@ -450,14 +472,31 @@ class ModelRunner:
                 self.model.set_kv_calibration(False)
             sample_rows = inputs.sample_rows
             if len(prompt_rows):
-                num_sampled = len(batch.logits_indices)
-                pending.prompt_logprobs = to_host(prompt_logprobs(logits[num_sampled:], targets))
-                logits = logits[:num_sampled]
+                logits = self._prompt_logprobs(logits, len(batch.logits_indices), targets, pending)
         if not sampling:
             if self.device.type == "cuda" and pending.prompt_spans:
                 pending.done = torch.cuda.Event()
                 pending.done.record()
             return
+        self._sample(logits, sample_rows, sampling, pending)
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, num_sampled: int, targets: torch.Tensor, pending: PendingStep
+    ) -> torch.Tensor:
+        """Starts copying the prompt logprobs (the logits rows past the sampled ones) to the host;
+        returns the sampled rows' logits."""
+        pending.prompt_logprobs = to_host(prompt_logprobs(logits[num_sampled:], targets))
+        return logits[:num_sampled]
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        sample_rows: torch.Tensor,
+        sampling: list[RequestState],
+        pending: PendingStep,
+    ) -> None:
+        """Samples each sampling request's next token, feeds it to its next step on the device
+        and starts copying the tokens to the host."""
         banned = [st.sampling.banned_ids(st.num_tokens - st.num_prompt) for st in sampling]
         result = sample(
             logits,
@@ -465,7 +504,7 @@ class ModelRunner:
             [st.num_tokens for st in sampling],  # the position each sampled token takes
             banned if any(banned) else None,
         )
-        self.slots.store_sampled(sample_rows, result.token_ids)
+        self._feed(sample_rows, result.token_ids)
         for st in sampling:
             st.num_tokens += 1
         pending.seq_ids = [st.seq_id for st in sampling]
@@ -475,3 +514,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             pending.done = torch.cuda.Event()
             pending.done.record()
+
+    def _feed(self, sample_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Writes the sampled tokens where the next decode step reads its input (`RequestSlots`)."""
+        self.slots.store_sampled(sample_rows, token_ids)

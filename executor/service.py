@@ -143,6 +143,8 @@ def attach_response(
         import torch
 
         device_name = f"{device} ({torch.cuda.get_device_name(device)})"
+    if runner.tensor_parallel_size > 1:  # rank 0's device; the group spans the next ones too
+        device_name += f", tensor parallel over {runner.tensor_parallel_size} devices"
     return executor_pb2.AttachResponse(
         lease_epoch=epoch,
         model=model_name,
@@ -374,8 +376,31 @@ class ExecutorServer:
         # The token and TLS files first: a bad one fails in a second, not after the model loaded.
         token = read_internal_token(config.internal_token_file)
         tls = config.server_tls()
-        credentials = None if tls is None else tls.credentials()
-        self.runner = runner if runner is not None else ModelRunner.create(config)
+        self._credentials = None if tls is None else tls.credentials()
+        self._tp_workers = None
+        if runner is None and config.tensor_parallel_size > 1:
+            from pagedserve.executor.tp_workers import TensorParallelWorkers  # only for N > 1
+
+            self._tp_workers = TensorParallelWorkers.start(config)
+            runner = self._tp_workers.runner
+        try:
+            runner = runner if runner is not None else ModelRunner.create(config)
+            self._init_server(config, runner, token, max_workers)
+        except BaseException:
+            if self._tp_workers is not None:
+                self._tp_workers.kill()
+            raise
+        self.tls = tls is not None
+        self.address = self._address.rsplit(":", 1)[0] + f":{self.port}"
+        self._stop_metrics = None
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+
+    def _init_server(
+        self, config: ExecutorConfig, runner: ModelRunner, token: str | None, max_workers: int
+    ) -> None:
+        """The service around `runner` and the gRPC server, bound to its port (not started)."""
+        self.runner = runner
         self.service = ExecutorService(self.runner, config.model, config.lease_timeout)
         warn_if_open(token, "executor")
         self._server = grpc.server(
@@ -387,12 +412,8 @@ class ExecutorServer:
         address = f"{config.host}:{config.port}"
         if ":" in config.host and not config.host.startswith("["):
             address = f"[{config.host}]:{config.port}"
-        self.port = listen(self._server, address, credentials)
-        self.tls = tls is not None
-        self.address = address.rsplit(":", 1)[0] + f":{self.port}"
-        self._stop_metrics = None
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._address = address
+        self.port = listen(self._server, address, self._credentials)
 
     def start(self) -> ExecutorServer:
         """Starts serving (the model is loaded by now: SERVING), and the metrics if asked."""
@@ -414,6 +435,8 @@ class ExecutorServer:
         self.service.shut_down()
         self._server.stop(grace).wait()
         self.service.close()
+        if self._tp_workers is not None:
+            self._tp_workers.stop()
         if self._stop_metrics is not None:
             self._stop_metrics()
         log.info("executor.stopped", address=self.address)

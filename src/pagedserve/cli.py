@@ -108,7 +108,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(default 1). On CUDA with at least this many GPUs visible, executor i gets GPU i alone "
         "(CUDA_VISIBLE_DEVICES); with fewer GPUs (G), executor i gets GPU i mod G and its "
         "--gpu-memory-utilization is the flag's value divided by the number of executors on that "
-        "GPU (they start one after another). On the CPU each gets cores/N threads.",
+        "GPU (they start one after another). On the CPU each gets cores/N threads. With "
+        "--tensor-parallel-size T, executor i gets GPUs i*T..i*T+T-1 (N*T GPUs needed).",
     )
     parser.add_argument(
         "--openai-port", type=int, default=None, help="also start the OpenAI-compatible gateway on this port"
@@ -160,6 +161,16 @@ def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         metrics_port=executor_metrics_port(args),
     )
     ServiceConfig.from_args(args, parser=parser, model=model)
+    if args.tensor_parallel_size > 1:  # enough GPUs for every executor's group
+        from pagedserve.supervisor import place_executors, visible_gpu_count
+
+        try:
+            place_executors(
+                args.data_parallel_size, base_port=executor_port, gpu_memory_utilization=1.0,
+                num_gpus=visible_gpu_count(args.device), tensor_parallel_size=args.tensor_parallel_size,
+            )  # fmt: skip
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.openai_port is not None and not 0 < args.openai_port < 65536:
         parser.error(f"--openai-port must be in 1..65535, got {args.openai_port}")
 
@@ -201,6 +212,7 @@ def serve_children(args: argparse.Namespace, model: Path) -> list[ChildSpec]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpus=visible_gpu_count(args.device),
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     executor_flags = forwarded_flags(args, executor_parser(), skip=("metrics_port",))
     first_metrics_port = executor_metrics_port(args)

@@ -14,6 +14,11 @@ together they use what one executor would; executors that share a GPU are starte
 another (each once the one before answers), because each sizes its KV pool from the memory free
 when it starts. On the CPU each of N > 1 executors gets cores / N threads (OMP_NUM_THREADS, unless
 set already), so they do not fight over the same cores.
+
+With `--tensor-parallel-size T` each executor is a group of T processes (executor.tp_workers) on T
+GPUs: executor i gets GPUs i*T..i*T+T-1 (CUDA_VISIBLE_DEVICES lists them; its ranks use its local
+devices 0..T-1), and N*T GPUs must be visible (tensor-parallel executors never share a GPU). On the
+CPU the cores are split over all N*T processes.
 """
 
 from __future__ import annotations
@@ -65,24 +70,44 @@ def place_executors(
     num_gpus: int,
     visible_devices: str | None = None,
     num_cpus: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> list[ExecutorPlacement]:
     """Ports executor_port + i, and the GPU assignment of the module docstring.
 
     Args:
         num_gpus: GPUs visible to `serve` (0: the executors run on the CPU).
-        visible_devices: serve's own CUDA_VISIBLE_DEVICES, if set: executor i gets its i-th entry.
+        visible_devices: serve's own CUDA_VISIBLE_DEVICES, if set: executor i gets its i-th entry
+            (its T entries from i*T on, with tensor parallelism).
         num_cpus: cores for CPU executors to split (default: those this process may run on).
+        tensor_parallel_size: processes (and GPUs) per executor.
+
+    Raises:
+        ValueError: a size below 1, or fewer than n * tensor_parallel_size GPUs for T > 1.
     """
     if n < 1:
         raise ValueError(f"data parallel size must be at least 1, got {n}")
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, got {tp}")
     if num_gpus == 0:
         env: dict[str, str] = {}
-        if n > 1 and "OMP_NUM_THREADS" not in os.environ:
+        if n * tp > 1 and "OMP_NUM_THREADS" not in os.environ:
             cpus = num_cpus or len(os.sched_getaffinity(0))
-            env["OMP_NUM_THREADS"] = str(max(1, cpus // n))
+            env["OMP_NUM_THREADS"] = str(max(1, cpus // (n * tp)))
         return [ExecutorPlacement(i, base_port + i, env, gpu_memory_utilization, False) for i in range(n)]
     ids = [d.strip() for d in visible_devices.split(",")] if visible_devices else []
     ids = ids[:num_gpus] if len(ids) >= num_gpus else [str(g) for g in range(num_gpus)]
+    if tp > 1:
+        if n * tp > num_gpus:
+            raise ValueError(
+                f"--data-parallel-size {n} x --tensor-parallel-size {tp} needs {n * tp} GPUs, "
+                f"{num_gpus} are visible"
+            )
+        envs = [{"CUDA_VISIBLE_DEVICES": ",".join(ids[i * tp : (i + 1) * tp])} for i in range(n)]
+        return [
+            ExecutorPlacement(i, base_port + i, env, gpu_memory_utilization, False)
+            for i, env in enumerate(envs)
+        ]
     placements = []
     for i in range(n):
         gpu = i % num_gpus

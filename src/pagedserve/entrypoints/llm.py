@@ -152,6 +152,8 @@ class LLM:
         tokenizer: a directory to load the tokenizer from instead of `model`'s.
         **kwargs: any other field of `ExecutorConfig` or `ServiceConfig` (e.g.
             `num_gpu_blocks_override`, `cpu_kv_cache_space`, `stream_interval`).
+            `tensor_parallel_size` above 1 raises NotImplementedError: a worker dying would have to
+            end the caller's process; use the service (`pagedserve serve --tensor-parallel-size`).
     Left out (None), a setting takes the default of the config it belongs to.
     """
 
@@ -202,6 +204,13 @@ class LLM:
         self.service_config = ServiceConfig(
             model=model, **{k: v for k, v in given.items() if k in service_fields}
         )
+        if self.executor_config.tensor_parallel_size > 1:
+            raise NotImplementedError(
+                f"LLM(tensor_parallel_size={self.executor_config.tensor_parallel_size}): tensor "
+                "parallelism runs in the executor service only (`pagedserve serve "
+                "--tensor-parallel-size N` or `pagedserve executor --tensor-parallel-size N`); the "
+                "in-process LLM runs on one device (tensor_parallel_size=1)"
+            )
         if seed is not None and not 0 <= seed < (1 << 63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {seed}")
         self.seed = seed

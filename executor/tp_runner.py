@@ -1,0 +1,151 @@
+"""Tensor parallelism, the step engine of each rank: the same `ModelRunner`, fed the same plans.
+
+Every rank holds the same request state and the same block ids (each over its own heads of every
+KV block), so rank 0 broadcasts each StepPlan as it arrives (`TPDriverRunner.launch`) and every
+worker applies it through the same `ModelRunner.launch`: validation, swaps (every rank moves its
+share of each block), admission, the host batch, the choice of eager pass or CUDA graph. The ranks
+thus run the same forward in lockstep, meeting at its all-reduces. Broadcasting the plan rather
+than prepared device inputs keeps everything downstream unchanged: the overlapped step loop (rank
+0 launches plan N+1 before finishing step N; a worker's launch returns as soon as its work is
+queued), the per-request device state, the graphs. A plan rank 0 refuses (PlanError) is refused
+identically by every worker, with nothing applied on any rank.
+
+Only rank 0 computes logits and samples; it broadcasts the sampled token ids over the device group
+(`_feed`), and each worker writes them into its `last_token` (the next decode step's input), so
+the ranks' state stays identical without a worker ever reading a token on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+import torch
+
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.loader import load_model_spec, load_weights
+from pagedserve.executor.model import LlamaModel
+from pagedserve.executor.parallel import TPShard
+from pagedserve.executor.profiling import memory_in_use
+from pagedserve.executor.quantization import check_fp8_support
+from pagedserve.executor.runner import (
+    ModelRunner,
+    PendingStep,
+    PlanError,
+    RequestState,
+    resolve_max_model_len,
+)
+from pagedserve.executor.tp_group import RESET, STEP, STOP, TensorParallelGroup
+from pagedserve.protos import executor_pb2
+
+log = structlog.get_logger(__name__)
+
+
+class TPDriverRunner(ModelRunner):
+    """Rank 0: a ModelRunner that hands every plan, reset and sampled token to the workers."""
+
+    group: TensorParallelGroup
+    on_fatal: Callable[[], None]  # ends the group (TensorParallelWorkers.fail)
+
+    def launch(self, plan: executor_pb2.StepPlan) -> PendingStep:
+        self.group.send(STEP, plan.SerializeToString())
+        try:
+            return super().launch(plan)
+        except PlanError:
+            raise  # refused by every rank, nothing applied anywhere
+        except Exception:
+            # Applied in part here, maybe in full on the workers: the ranks no longer agree.
+            log.exception("executor.tp_step_failed", step_id=plan.step_id)
+            self.on_fatal()
+            raise
+
+    def reset(self) -> None:
+        self.group.send(RESET)
+        super().reset()
+
+    def stop_workers(self) -> None:
+        """Tells the workers to leave their loop (they exit 0)."""
+        self.group.send(STOP)
+
+    def _feed(self, sample_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.group.broadcast_tokens(token_ids)
+        super()._feed(sample_rows, token_ids)
+
+
+class TPWorkerRunner(ModelRunner):
+    """Ranks 1..N-1: runs rank 0's plans; takes rank 0's sampled tokens instead of sampling."""
+
+    group: TensorParallelGroup
+
+    def serve(self) -> None:
+        """Runs rank 0's messages until it says stop."""
+        while True:
+            kind, payload = self.group.recv()
+            if kind == STEP:
+                plan = executor_pb2.StepPlan.FromString(payload)
+                try:
+                    self.launch(plan)
+                except PlanError as e:  # rank 0 refused it too, with nothing applied
+                    log.debug("executor.tp_worker_bad_plan", step_id=plan.step_id, error=str(e))
+            elif kind == RESET:
+                self.reset()
+            elif kind == STOP:
+                return
+            else:
+                raise RuntimeError(f"unknown tensor-parallel control message {kind}")
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor | None, num_sampled: int, targets: torch.Tensor, pending: PendingStep
+    ) -> None:
+        return None  # no logits here: rank 0 reports prompt logprobs
+
+    def _sample(
+        self,
+        logits: torch.Tensor | None,
+        sample_rows: torch.Tensor,
+        sampling: list[RequestState],
+        pending: PendingStep,
+    ) -> None:
+        tokens = torch.empty(len(sampling), dtype=torch.int64, device=self.device)
+        self.group.broadcast_tokens(tokens)
+        self._feed(sample_rows, tokens)
+        for st in sampling:
+            st.num_tokens += 1
+
+
+def create_runner(config: ExecutorConfig, group: TensorParallelGroup) -> ModelRunner:
+    """This rank's runner: loads its shard of the model, sizes the pools (the smallest over the
+    ranks) and captures its graphs. Every rank calls it at once (the profiling passes and the
+    graphs' warm-ups run the forward, all-reduces included, on all ranks together)."""
+    device = group.device
+    check_fp8_support(config.quantization, config.kv_cache_dtype, device)
+    in_use_at_start = 0
+    if device.type == "cuda" and config.num_gpu_blocks_override is None:
+        in_use_at_start = memory_in_use(device)[0]
+    spec = load_model_spec(config.model)
+    shard = TPShard(group.rank, group.size)
+    model = LlamaModel(
+        shard.local_spec(spec),
+        resolve_max_model_len(config, spec),
+        device,
+        config.torch_dtype(device),
+        config.quantization,
+        all_reduce=group.all_reduce,
+        computes_logits=group.rank == 0,
+    )
+    load_weights(model, spec, config.model, shard)
+    cls = TPDriverRunner if group.rank == 0 else TPWorkerRunner
+    runner = cls.from_model(
+        config, model, in_use_at_start=in_use_at_start, min_over_ranks=group.min_over_ranks
+    )
+    runner.group = group
+    runner.tensor_parallel_size = group.size
+    log.info(
+        "executor.tp_rank_ready",
+        rank=group.rank,
+        tensor_parallel_size=group.size,
+        device=str(device),
+        heads=list(shard.q_heads(spec)),
+        kv_heads=list(shard.kv_heads(spec)),
+    )
+    return runner
