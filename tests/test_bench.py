@@ -17,6 +17,7 @@ import pytest
 
 from pagedserve import bench
 from pagedserve.bench import BenchRequest, LengthRange, PassResult, RequestRecord, Workload
+from pagedserve.bench import client as bench_client
 from pagedserve.model_shapes import SHAPES, ModelShape, write_shape_model
 from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.services import free_port
@@ -206,7 +207,17 @@ def synthetic_pass(label: str = "rate inf") -> PassResult:
         prefix_cache_hit_tokens=40,
         prefix_cache_query_tokens=160,
     )
-    return PassResult(label, math.inf, [r0, r1, r2], 10.0, 12.0, before, after, sampled_peak_blocks=7)
+    return PassResult(
+        label,
+        math.inf,
+        [r0, r1, r2],
+        10.0,
+        12.0,
+        before,
+        after,
+        sampled_peak_blocks=7,
+        sampled_peak_running=2,
+    )
 
 
 def test_latency_metrics_follow_their_definitions():
@@ -231,6 +242,7 @@ def test_latency_metrics_follow_their_definitions():
     server = run["server"]
     assert server["preemptions"] == 1
     assert (server["peak_gpu_blocks_in_use"], server["peak_source"]) == (40, "server")
+    assert server["peak_running_requests"] == 2
     assert server["prompt_tokens_computed"] == 30
     assert server["prefix_cache_hit_rate"] == pytest.approx(0.5)
     assert [r["output_tokens"] for r in run["requests"]] == [4, 2, 0]
@@ -270,6 +282,7 @@ def test_table_and_plot_are_written(tmp_path):
     runs = [bench.summarize(p) for p in passes]
     table = bench.results_table(runs, {"greedy outputs identical": True})
     assert "TTFT p99 (ms)" in table
+    assert "peak running requests (sampled)" in table
     assert "prefix caching off" in table
     assert "yes" in table
     assert "RESOURCE_EXHAUSTED: full" in table
@@ -553,3 +566,17 @@ def test_launched_w4_smoke_over_two_executors(tiny_model_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "prompt tokens computed" in out
     assert "output throughput (tok/s)" in out
+
+
+def test_pass_peaks_follow_the_samples():
+    """A pass's peaks come from the GetStats samples taken while it runs: the most blocks (with the
+    slot utilization at that moment) and the most running requests, each at its own sample."""
+    peaks = bench_client.PassPeaks()
+    for blocks, util, running in ((10, 0.5, 4), (30, 0.9, 2), (20, 0.7, 6)):
+        peaks.update(
+            admin_pb2.SchedulerStats(gpu_blocks_in_use=blocks, slot_utilization=util, num_running=running)
+        )
+    peaks.update(None)  # a failed read changes nothing
+    assert (peaks.blocks, peaks.slot_utilization, peaks.running) == (30, pytest.approx(0.9), 6)
+    result = peaks.result("p", math.inf, [], 0.0, 1.0, None, None)
+    assert (result.sampled_peak_blocks, result.sampled_peak_running) == (30, 6)

@@ -77,6 +77,7 @@ class PassResult:
     stats_after: admin_pb2.SchedulerStats | None
     sampled_peak_blocks: int = 0
     sampled_slot_utilization: float = 0.0  # slot utilization when the sampled block count peaked
+    sampled_peak_running: int = 0  # the most requests running at once (all executors), as sampled
     prefix_caching: bool | None = None
     seed: int | None = None  # the prompts' seed
     client_cpu_s: float | None = None  # CPU seconds the client spent sending, where measured
@@ -129,6 +130,29 @@ async def _send(
     return record
 
 
+@dataclass
+class PassPeaks:
+    """This pass's peaks, from the GetStats samples taken while it runs (the server's own peak KV
+    use is over its lifetime, and it keeps no peak of running requests)."""
+
+    blocks: int = 0
+    slot_utilization: float = 0.0  # when the block count peaked
+    running: int = 0
+
+    def update(self, stats: admin_pb2.SchedulerStats | None) -> None:
+        if stats is None:
+            return
+        if stats.gpu_blocks_in_use > self.blocks:
+            self.blocks, self.slot_utilization = stats.gpu_blocks_in_use, stats.slot_utilization
+        self.running = max(self.running, stats.num_running)
+
+    def result(self, label, request_rate, records, start, end, before, after) -> PassResult:
+        return PassResult(
+            label, request_rate, records, start, end, before, after,
+            self.blocks, self.slot_utilization, sampled_peak_running=self.running,
+        )  # fmt: skip
+
+
 async def _get_stats(channel) -> admin_pb2.SchedulerStats | None:
     try:
         return await admin_pb2_grpc.AdminStub(channel).GetStats(
@@ -154,14 +178,12 @@ async def measure_pass(
     arrivals = arrival_times(len(requests), request_rate, options.seed)
     before = await get_stats()
     sem = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
-    peak = [0, 0.0]
+    peaks = PassPeaks()
     done = asyncio.Event()
 
-    async def sample_stats() -> None:  # the server's peak is lifetime; this one is this pass's
+    async def sample_stats() -> None:
         while not done.is_set():
-            stats = await get_stats()
-            if stats is not None and stats.gpu_blocks_in_use > peak[0]:
-                peak[:] = [stats.gpu_blocks_in_use, stats.slot_utilization]
+            peaks.update(await get_stats())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), 0.25)
 
@@ -183,7 +205,7 @@ async def measure_pass(
     if sampler is not None:
         await sampler
     after = await get_stats()
-    return PassResult(label, request_rate, list(records), start, end, before, after, peak[0], peak[1])
+    return peaks.result(label, request_rate, list(records), start, end, before, after)
 
 
 async def _run_pass(

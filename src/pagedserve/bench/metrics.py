@@ -67,6 +67,7 @@ def server_metrics(result: PassResult) -> dict | None:
         "peak_gpu_blocks_in_use": peak,
         "peak_slot_utilization": slot_util,
         "peak_source": source,
+        "peak_running_requests": result.sampled_peak_running or None,  # sampled every 0.25 s
         "prompt_tokens_computed": delta("prompt_tokens_computed"),
         "prefix_cache_hit_tokens": hits,
         "prefix_cache_query_tokens": queries,

@@ -34,7 +34,14 @@ from pathlib import Path
 
 import grpc
 
-from pagedserve.bench.client import PassResult, RequestRecord, SendOptions, _get_stats, measure_pass
+from pagedserve.bench.client import (
+    PassPeaks,
+    PassResult,
+    RequestRecord,
+    SendOptions,
+    _get_stats,
+    measure_pass,
+)
 from pagedserve.bench.launch import REPO, LaunchError, free_port
 from pagedserve.bench.workloads import BenchRequest, arrival_times
 
@@ -270,7 +277,7 @@ async def _run_pass_in_processes(
         for proc, conn in children:  # spawning and importing the client takes a second or so each
             await loop.run_in_executor(waiters, _receive, conn, proc, "ready", 120.0)
         before = await _get_stats(channel) if channel is not None else None
-        peak = [0, 0.0]
+        peaks = PassPeaks()
         with tqdm(total=len(requests), desc=label, unit="req", file=sys.stderr) as bar:
             start = time.perf_counter() + 0.05  # every child is asleep in recv: they wake well before
             for _, conn in children:
@@ -280,16 +287,14 @@ async def _run_pass_in_processes(
             ]
             while not all(r.done() for r in results):  # the progress bar and this pass's peak KV use
                 bar.update(done.value - bar.n)
-                stats = await _get_stats(channel) if channel is not None else None
-                if stats is not None and stats.gpu_blocks_in_use > peak[0]:
-                    peak[:] = [stats.gpu_blocks_in_use, stats.slot_utilization]
+                peaks.update(await _get_stats(channel) if channel is not None else None)
                 await asyncio.wait(results, timeout=0.25)
             bar.update(done.value - bar.n)
             shares = await asyncio.gather(*results)
         records = sorted((r for shard, _ in shares for r in shard), key=lambda r: r.index)
         end = max((r.end for r in records), default=start)
         after = await _get_stats(channel) if channel is not None else None
-        result = PassResult(label, request_rate, records, start, end, before, after, peak[0], peak[1])
+        result = peaks.result(label, request_rate, records, start, end, before, after)
         result.client_cpu_s = sum(cpu for _, cpu in shares)
         return result
     finally:

@@ -51,6 +51,7 @@ def results_table(
         [f"{s['peak_gpu_blocks_in_use']:,} / {s['num_gpu_blocks']:,}" if s else None for s in servers],
     )
     add("peak slot utilization", [_pct(s.get("peak_slot_utilization")) for s in servers])
+    add("peak running requests (sampled)", [s.get("peak_running_requests") for s in servers])
     add("prompt tokens computed", [s.get("prompt_tokens_computed") for s in servers])
     add("prefix cache hit rate (hit/query)", [_pct(s.get("prefix_cache_hit_rate")) for s in servers])
     add("cached prompt tokens (usage)", [f"{r['cached_prompt_fraction']:.1%}" for r in runs])
