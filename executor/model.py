@@ -133,19 +133,10 @@ AllReduce = Callable[[torch.Tensor], object]  # sums a tensor over the tensor-pa
 class RowParallelLinear(Linear):
     """A rank's columns of a row-parallel projection: partial x W^T, summed over the ranks, + b.
 
-    The bias is added once, after the all-reduce (each rank holds it whole)."""
+    The bias is added once, after the all-reduce (each rank holds it whole). `all_reduce` is set by
+    `_linear`."""
 
-    def __init__(
-        self,
-        rows: int,
-        cols: int,
-        bias: bool,
-        device: torch.device,
-        dtype: torch.dtype,
-        all_reduce: AllReduce,
-    ) -> None:
-        super().__init__(rows, cols, bias, device, dtype)
-        self.all_reduce = all_reduce
+    all_reduce: AllReduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -156,17 +147,7 @@ class RowParallelLinear(Linear):
 class Fp8RowParallelLinear(Fp8Linear):
     """`RowParallelLinear` with FP8 weights: the per-output-row scales apply to the partial sums."""
 
-    def __init__(
-        self,
-        rows: int,
-        cols: int,
-        bias: bool,
-        device: torch.device,
-        dtype: torch.dtype,
-        all_reduce: AllReduce,
-    ) -> None:
-        super().__init__(rows, cols, bias, device, dtype)
-        self.all_reduce = all_reduce
+    all_reduce: AllReduce
 
     def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
         if not isinstance(x, fp8.QuantizedActivation):
@@ -188,7 +169,9 @@ def _linear(
     """A projection; row-parallel (its output all-reduced) when given the group's `all_reduce`."""
     if all_reduce is not None:
         cls = Fp8RowParallelLinear if quantization == "fp8" else RowParallelLinear
-        return cls(rows, cols, bias, device, dtype, all_reduce)
+        layer = cls(rows, cols, bias, device, dtype)
+        layer.all_reduce = all_reduce
+        return layer
     if quantization == "fp8":
         return Fp8Linear(rows, cols, bias, device, dtype)
     return Linear(rows, cols, bias, device, dtype)
