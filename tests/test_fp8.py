@@ -175,6 +175,16 @@ def _fp8_caches(batch: dict, k_scale: torch.Tensor, v_scale: torch.Tensor):
     return k8, v8
 
 
+def _fp8_attention_args(batch: dict, k_scale: float = 0.02, v_scale: float = 0.005):
+    """`paged_attention`'s positional arguments over the batch's caches in e4m3, and the scales
+    (float32 [1] tensors on the batch's device)."""
+    device = batch["q"].device
+    ks, vs = torch.tensor([k_scale], device=device), torch.tensor([v_scale], device=device)
+    k8, v8 = _fp8_caches(batch, ks, vs)
+    rest = (batch["block_tables"], batch["seq_lens"], batch["cu_seqlens_q"], batch["scale"])
+    return (batch["q"], k8, v8, *rest), ks, vs
+
+
 def _batch(q_lens, contexts, dtype, seed=0, heads=(8, 2), head_dim=64, block_size=16):
     from tests.test_kernels import make_batch
 
@@ -183,18 +193,8 @@ def _batch(q_lens, contexts, dtype, seed=0, heads=(8, 2), head_dim=64, block_siz
 
 def test_reference_attention_over_fp8_caches_equals_dequantized_caches():
     batch = _batch([7, 1, 0, 19, 1], [40, 300, 5, 19, 70], torch.float32)
-    device = batch["q"].device  # the GPU's when there is one: the reference runs there too
-    ks, vs = torch.tensor([0.01], device=device), torch.tensor([0.004], device=device)
-    k8, v8 = _fp8_caches(batch, ks, vs)
-    args = (
-        batch["q"],
-        k8,
-        v8,
-        batch["block_tables"],
-        batch["seq_lens"],
-        batch["cu_seqlens_q"],
-        batch["scale"],
-    )
+    args, ks, vs = _fp8_attention_args(batch, 0.01, 0.004)  # on the GPU when there is one
+    k8, v8 = args[1], args[2]
     got = reference.paged_attention(*args, None, ks, vs)
     want = reference.paged_attention(batch["q"], k8.float() * ks, v8.float() * vs, *args[3:])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -222,18 +222,7 @@ def test_triton_attention_over_fp8_caches_matches_reference(dtype, q_lens, conte
     from pagedserve.kernels import triton_attention
 
     batch = _batch(q_lens, contexts, dtype, seed=4)
-    ks = torch.tensor([0.02], device=DEVICE)
-    vs = torch.tensor([0.005], device=DEVICE)
-    k8, v8 = _fp8_caches(batch, ks, vs)
-    args = (
-        batch["q"],
-        k8,
-        v8,
-        batch["block_tables"],
-        batch["seq_lens"],
-        batch["cu_seqlens_q"],
-        batch["scale"],
-    )
+    args, ks, vs = _fp8_attention_args(batch)
     want = reference.paged_attention(*args, None, ks, vs)
     got = triton_attention.paged_attention(*args, k_scale=ks, v_scale=vs)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
@@ -255,13 +244,10 @@ def test_triton_fp8_attention_odd_shapes(heads, head_dim, block_size):
     batch = _batch(
         q_lens, contexts, torch.bfloat16, seed=8, heads=heads, head_dim=head_dim, block_size=block_size
     )
-    ks = torch.tensor([0.02], device=DEVICE)
-    vs = torch.tensor([0.005], device=DEVICE)
-    k8, v8 = _fp8_caches(batch, ks, vs)
-    rest = (batch["block_tables"], batch["seq_lens"], batch["cu_seqlens_q"], batch["scale"])
-    want = reference.paged_attention(batch["q"], k8, v8, *rest, None, ks, vs)
+    args, ks, vs = _fp8_attention_args(batch)
+    want = reference.paged_attention(*args, None, ks, vs)
     for kw in ({}, dict(num_splits=4)):
-        got = ta.paged_attention(batch["q"], k8, v8, *rest, k_scale=ks, v_scale=vs, **kw)
+        got = ta.paged_attention(*args, k_scale=ks, v_scale=vs, **kw)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
@@ -291,18 +277,7 @@ def test_triton_fp8_attention_launch_variants(overrides):
         kw["prefill_config"] = ta.big_prefill_config()
     q_lens, contexts = ([1, 1, 1], [40, 600, 70]) if "decode_config" in kw else ([70, 1, 33], [90, 50, 33])
     batch = _batch(q_lens, contexts, dtype, seed=6)
-    ks = torch.tensor([0.02], device=DEVICE)
-    vs = torch.tensor([0.005], device=DEVICE)
-    k8, v8 = _fp8_caches(batch, ks, vs)
-    args = (
-        batch["q"],
-        k8,
-        v8,
-        batch["block_tables"],
-        batch["seq_lens"],
-        batch["cu_seqlens_q"],
-        batch["scale"],
-    )
+    args, ks, vs = _fp8_attention_args(batch)
     want = reference.paged_attention(*args, None, ks, vs)
     got = ta.paged_attention(*args, k_scale=ks, v_scale=vs, **kw)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
