@@ -99,6 +99,16 @@ def wait_for(condition, timeout: float, what: str, serve: subprocess.Popen, log:
         time.sleep(0.3)
 
 
+def stop(serve: subprocess.Popen, timeout: float = 40) -> int:
+    """SIGTERM, then `serve`'s exit code; killed (and the timeout re-raised) if it does not exit."""
+    serve.send_signal(signal.SIGTERM)
+    try:
+        return serve.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        serve.kill()
+        raise
+
+
 def test_serve_two_executors_generates_and_restarts_a_killed_executor(tiny_model_dir, tmp_path):
     port, executor_port = free_port(), consecutive_free_ports(2)
     log = tmp_path / "serve.log"
@@ -131,11 +141,6 @@ def test_serve_two_executors_generates_and_restarts_a_killed_executor(tiny_model
         assert generate(port) == tokens  # greedy: the same completion
         assert "serve.child_died" in log.read_text()
     finally:
-        serve.send_signal(signal.SIGTERM)
-        try:
-            code = serve.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            raise
+        code = stop(serve)
     assert code == 0, log.read_text()[-4000:]
     assert not children_of(serve.pid)

@@ -325,7 +325,14 @@ def test_serve_restarts_a_group_whose_worker_died(tiny_model_dir, tmp_path):
     """`pagedserve serve -tp 2 --device cpu`: SIGKILL of the worker (serve's grandchild) ends its
     executor, serve restarts the whole group, the same greedy completion comes back, and SIGTERM
     on serve leaves no process of either group."""
-    from tests.test_serve_data_parallel import children_of, executor_answers, executor_pid, generate, wait_for
+    from tests.test_serve_data_parallel import (
+        children_of,
+        executor_answers,
+        executor_pid,
+        generate,
+        stop,
+        wait_for,
+    )
 
     port, executor_port = free_port(), free_port()
     log = tmp_path / "serve.log"
@@ -358,12 +365,7 @@ def test_serve_restarts_a_group_whose_worker_died(tiny_model_dir, tmp_path):
         assert generate(port) == tokens
         assert "executor.tp_worker_died" in log.read_text() and "serve.child_died" in log.read_text()
     finally:
-        serve.send_signal(signal.SIGTERM)
-        try:
-            code = serve.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            raise
+        code = stop(serve)
     assert code == 0, log.read_text()[-4000:]
     assert not children_of(serve.pid)
     assert len(groups) == 4 and all(_wait_gone(pid, 15) for pid in groups)
