@@ -18,6 +18,7 @@
 #              each) vs 1: throughput and the scheduler's CPU per step
 #   w4-cpu     W4 on CPU executors (scripts/w4-cpu.sh): 1, 2, 3, 4 executors, prefix routing vs
 #              round robin and least loaded
+#   tp         W1 over one executor at --tensor-parallel-size 1 and 2 (needs 2 GPUs), step traces
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
@@ -58,7 +59,7 @@ if wants step; then
     --mixed-prompt 512 --service
 fi
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m pagedserve.bench.fp8 --result-file "$OUT/fp8-kernels.json"; fi
-if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out; then
+if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
@@ -89,6 +90,12 @@ else
     for run in prefix:1 prefix:2 round_robin:2; do
       bench "w4-dp${run#*:}-${run%%:*}" 200 --workload W4 --num-warmups 0 --data-parallel-size "${run#*:}" \
         --scheduler-args "--routing-policy ${run%%:*}"
+    done
+  fi
+  if wants tp; then
+    for tp in 1 2; do
+      bench "w1-tp$tp" 300 --workload W1 --num-warmups 8 --scheduler-args "$W1_SCHEDULER_FLAGS" \
+        --executor-args "$W1_EXECUTOR_FLAGS --tensor-parallel-size $tp --step-trace $OUT/w1-tp$tp-trace.jsonl"
     done
   fi
   if wants pressure; then

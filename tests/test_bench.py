@@ -580,3 +580,22 @@ def test_pass_peaks_follow_the_samples():
     assert (peaks.blocks, peaks.slot_utilization, peaks.running) == (30, pytest.approx(0.9), 6)
     result = peaks.result("p", math.inf, [], 0.0, 1.0, None, None)
     assert (result.sampled_peak_blocks, result.sampled_peak_running) == (30, 6)
+
+
+def test_launch_places_tensor_parallel_executors_on_their_own_gpus(tiny_model_dir, tmp_path, monkeypatch):
+    """`--executor-args "-tp 2"` reaches the placement, so that on CUDA each launched executor gets
+    its own 2 GPUs (CUDA_VISIBLE_DEVICES) instead of one."""
+    from pagedserve.bench import launch
+
+    seen = {}
+
+    def place(n, **kwargs):  # the placement is all this test is about: stop the launch there
+        seen.update(kwargs, n=n)
+        raise launch.LaunchError("placed")
+
+    monkeypatch.setattr(launch, "place_executors", place)
+    argv = ["--launch", "--model", str(tiny_model_dir), "--executor-args", "--device cpu -tp 2"]
+    argv += ["--num-prompts", "1", "--result-file", str(tmp_path / "r.json"), "--no-plot"]
+    with pytest.raises(SystemExit, match="placed"):
+        bench.main(argv)
+    assert (seen["n"], seen["tensor_parallel_size"]) == (1, 2)

@@ -350,6 +350,7 @@ def run_pagedserve(
         data_parallel_size=args.data_parallel_size,
         device=executor.device,
         gpu_memory_utilization=executor.gpu_memory_utilization,
+        tensor_parallel_size=executor.tensor_parallel_size,
     )
     if args.compare_openai:  # the same prompts go three times: none may find the others' KV cached
         scheduler_args = [*scheduler_args, "--no-enable-prefix-caching"]

@@ -69,14 +69,16 @@ def launched_server(
     data_parallel_size: int = 1,
     device: str = "auto",
     gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
 ) -> Iterator[str]:
     """Runs `data_parallel_size` executors and a scheduler as processes on loopback; yields the
     scheduler's address once GetModelInfo answers and every executor is attached (a pass that began
     with one would place its first requests all there), and stops them all (scheduler first) on exit.
 
     Args:
-        device, gpu_memory_utilization: what `executor_args` set (the executors' placement
-            divides the utilization among executors sharing a GPU).
+        device, gpu_memory_utilization, tensor_parallel_size: what `executor_args` set (the
+            executors' placement divides the utilization among executors sharing a GPU, and gives
+            each tensor-parallel executor its own GPUs).
     """
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -88,6 +90,7 @@ def launched_server(
         gpu_memory_utilization=gpu_memory_utilization,
         num_gpus=visible_gpu_count(device),
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        tensor_parallel_size=tensor_parallel_size,
     )
     executors = []  # (name, command, env, wait until it answers before starting the next)
     addresses = []
