@@ -577,3 +577,16 @@ def test_executor_process_exits_with_one_line_on_the_cpu(tmp_path, monkeypatch):
     assert done.returncode == 1
     assert "--quantization fp8 needs an NVIDIA GPU with FP8 support" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_bench_widening_puts_the_shipped_mode_back_even_on_an_error():
+    from pagedserve.bench.fp8 import widening
+    from pagedserve.kernels import triton_attention as ta
+
+    shipped = ta.FP8_DECODE_WIDEN
+    with widening("FP8_DECODE_WIDEN", shipped + 7):
+        assert ta.FP8_DECODE_WIDEN == shipped + 7
+    assert ta.FP8_DECODE_WIDEN == shipped
+    with pytest.raises(RuntimeError), widening("FP8_DECODE_WIDEN", shipped + 7):
+        raise RuntimeError("a kernel failed")
+    assert ta.FP8_DECODE_WIDEN == shipped

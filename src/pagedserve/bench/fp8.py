@@ -24,7 +24,10 @@ Times are medians of `triton.testing.do_bench` (L2 flushed before each repetitio
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -180,6 +183,18 @@ def _decode_case(batch: int, context: int, kv_dtype: torch.dtype, gen: torch.Gen
     return q, k, v, tables, seq_lens, cu
 
 
+@contextlib.contextmanager
+def widening(name: str, mode: int) -> Iterator[None]:
+    """Runs the block with `triton_attention.<name>` (FP8_DECODE_WIDEN or FP8_PREFILL_WIDEN) set to
+    `mode`, then puts the shipped value back, also on an error."""
+    shipped = getattr(ta, name)
+    setattr(ta, name, mode)
+    try:
+        yield
+    finally:
+        setattr(ta, name, shipped)
+
+
 def bench_decode() -> list[dict]:
     """K1 decode shapes: bf16 cache, FP8 cache with the shipped launch (`fp8`), and FP8 with the
     previous widening (plain casts to bf16, `fp8_cast_bf16`), all with the shape-based launch."""
@@ -197,12 +212,9 @@ def bench_decode() -> list[dict]:
         ):
             q, k, v, tables, seq_lens, cu = _decode_case(batch, context, dtype, gen)
             kw = {} if dtype == torch.bfloat16 else dict(k_scale=scale, v_scale=scale)
-            ta.FP8_DECODE_WIDEN = widen
-            try:
+            with widening("FP8_DECODE_WIDEN", widen):
                 t = _ms(lambda q=q, k=k, v=v, t=tables, s=seq_lens, c=cu, kw=kw: ta.paged_attention(
                     q, k, v, t, s, c, HEAD_DIM**-0.5, **kw))  # fmt: skip
-            finally:
-                ta.FP8_DECODE_WIDEN = shipped
             kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * k.element_size()
             row[f"{label}_us"] = t * 1e3
             row[f"{label}_gbps"] = kv_bytes / t / 1e6
@@ -243,7 +255,6 @@ def sweep_decode(modes: tuple[int, ...]) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(2)
     scale = torch.full((1,), 0.02, device="cuda")
-    saved = ta.FP8_DECODE_WIDEN
     _spin_up()
     for batch, context in K1_SHAPES:
         q, k, v, tables, seq_lens, cu = _decode_case(batch, context, torch.bfloat16, gen)
@@ -260,23 +271,21 @@ def sweep_decode(modes: tuple[int, ...]) -> list[dict]:
             for c in SWEEP_SINGLE_CONFIGS
             if -(-context // c[0]) <= 128
         ]
-        for mode in modes:
-            ta.FP8_DECODE_WIDEN = mode
-            for label, config, splits in variants:
-                kw = dict(k_scale=scale, v_scale=scale, decode_config=config, num_splits=splits)
+        for mode, (label, config, splits) in itertools.product(modes, variants):
+            kw = dict(k_scale=scale, v_scale=scale, decode_config=config, num_splits=splits)
+            with widening("FP8_DECODE_WIDEN", mode):
                 err = (_attention(q, k8, v8, args, **kw).float() - want.float()).abs().max().item()
                 t = _ms(partial(_attention, q, k8, v8, args, **kw))
-                ratio = fp8_bytes / t / 1e6 / row["bf16_gbps"]
-                row[f"m{mode}_{label}_us"] = t * 1e3
-                row[f"m{mode}_{label}_ratio"] = ratio
-                print(
-                    f"decode ({batch}, {context}) bf16 {row['bf16_us']:.1f} us | mode {mode} {label}: "
-                    f"{t * 1e3:.1f} us, bw ratio {ratio:.2f}, max err {err:.3g}",
-                    flush=True,
-                )
+            ratio = fp8_bytes / t / 1e6 / row["bf16_gbps"]
+            row[f"m{mode}_{label}_us"] = t * 1e3
+            row[f"m{mode}_{label}_ratio"] = ratio
+            print(
+                f"decode ({batch}, {context}) bf16 {row['bf16_us']:.1f} us | mode {mode} {label}: "
+                f"{t * 1e3:.1f} us, bw ratio {ratio:.2f}, max err {err:.3g}",
+                flush=True,
+            )
         rows.append(row)
         del q, k, v, k8, v8
-    ta.FP8_DECODE_WIDEN = saved
     return rows
 
 
@@ -286,7 +295,6 @@ def sweep_prefill(modes: tuple[int, ...]) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(5)
     scale = torch.full((1,), 0.02, device="cuda")
-    saved = ta.FP8_PREFILL_WIDEN
     for num_seqs, q_len, context in PREFILL_SHAPES:
         blocks_per_seq = context // BLOCK_SIZE
         num_blocks = num_seqs * blocks_per_seq + 8
@@ -305,10 +313,10 @@ def sweep_prefill(modes: tuple[int, ...]) -> list[dict]:
         row["bf16_us"] = _ms(partial(_attention, q, k, v, args)) * 1e3
         want = _attention(q, k8.to(torch.bfloat16) * 0.02, v8.to(torch.bfloat16) * 0.02, args)
         for mode in modes:
-            ta.FP8_PREFILL_WIDEN = mode
-            got = _attention(q, k8, v8, args, k_scale=scale, v_scale=scale)
+            with widening("FP8_PREFILL_WIDEN", mode):
+                got = _attention(q, k8, v8, args, k_scale=scale, v_scale=scale)
+                t = _ms(partial(_attention, q, k8, v8, args, k_scale=scale, v_scale=scale)) * 1e3
             err = (got.float() - want.float()).abs().max().item()
-            t = _ms(partial(_attention, q, k8, v8, args, k_scale=scale, v_scale=scale)) * 1e3
             row[f"m{mode}_us"] = t
             print(
                 f"prefill {num_seqs}x{q_len} (context {context}): bf16 {row['bf16_us']:.1f} us | "
@@ -316,7 +324,6 @@ def sweep_prefill(modes: tuple[int, ...]) -> list[dict]:
                 flush=True,
             )
         rows.append(row)
-    ta.FP8_PREFILL_WIDEN = saved
     return rows
 
 
