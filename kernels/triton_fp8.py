@@ -21,11 +21,10 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedActivation
-from pagedserve.kernels.triton_layers import rms_norm_row
+from pagedserve.kernels.triton_layers import _check_rows, _num_warps, rms_norm_row
 
 __all__ = ["quantize_per_token", "rms_norm_quant", "silu_and_mul_quant"]
 
-_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_ROW = 65536
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 MIN_SCALE_C = tl.constexpr(MIN_SCALE)
@@ -94,16 +93,6 @@ def _silu_and_mul_quant_kernel(
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
     y = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
     _store_quantized(q_ptr, scale_ptr, row, stride_q, cols, mask, y)
-
-
-def _num_warps(block: int) -> int:
-    return min(max(block // 512, 1), 16)
-
-
-def _check_rows(name: str, t: torch.Tensor) -> None:
-    assert t.dim() == 2, f"{name} must be [num_tokens, size]"
-    assert t.dtype in _SUPPORTED_DTYPES, f"{name}: unsupported dtype {t.dtype}"
-    assert t.stride(1) == 1 or t.shape[1] <= 1, f"{name} rows must be contiguous"
 
 
 def _outputs(num_tokens: int, width: int, device: torch.device) -> QuantizedActivation:
