@@ -116,8 +116,10 @@ if [ -n "${QUICK:-}" ]; then
 fi
 if wants w1-fp8; then
   for variant in "bf16:" "fp8:--quantization fp8" "fp8-kv8:--quantization fp8 --kv-cache-dtype fp8"; do
-    bench "w1-${variant%%:*}" 240 --workload W1 "${fp8_w1[@]}" \
-      --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS ${variant#*:}" --scheduler-args "$W1_SCHEDULER_FLAGS"
+    trace="$OUT/w1-${variant%%:*}-trace.jsonl"
+    bench "w1-${variant%%:*}" 240 --workload W1 "${fp8_w1[@]}" --scheduler-args "$W1_SCHEDULER_FLAGS" \
+      --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS ${variant#*:} --step-trace $trace"
+    run "w1-${variant%%:*}-steps" 60 python3 -m pagedserve.executor.step_trace "$trace"
   done
 fi
 if wants w5-fp8; then
