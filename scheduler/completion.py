@@ -3,6 +3,11 @@
 One `Completion` per request. It owns the request's stop conditions (EOS, stop token ids, stop
 strings, max_tokens, min_tokens) and its detokenizer, and it holds back just enough text that a
 stop string split across tokens is never streamed (the text the client gets never contains it).
+
+With `stream_interval` N > 1 (`--stream-interval`, as vLLM's) it also holds tokens back until N
+are waiting; the first token (time to first token) and the last are never held. A request without
+stop strings is then detokenized once per message, not once per token: only stop strings need the
+text of every token as it comes, and detokenizing is the largest per-token cost of the scheduler.
 """
 
 from __future__ import annotations
@@ -53,38 +58,70 @@ class Delta:
 class Completion:
     """Output state of one request: generated tokens, text streamed so far, and whether it ended."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: StopConditions) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: StopConditions,
+        stream_interval: int = 1,
+    ) -> None:
         self.stop = stop
+        self.stream_interval = stream_interval
         self.num_tokens = 0
         self.finish_reason: FinishReason | None = None
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._text = ""  # all text decoded so far, cut at a stop string once one is found
         self._emitted = 0  # characters of _text already sent
         self._holdback = max((len(s) for s in stop.stop_strings), default=1) - 1
+        self._held_ids: list[int] = []  # tokens not streamed yet
+        self._held_logprobs: list[float] = []
+        self._undecoded: list[int] = []  # held tokens not detokenized yet (no stop strings)
 
-    def add_token(self, token_id: int, logprob: float | None = None) -> Delta:
-        """Accounts for one sampled token and returns the delta to stream (possibly empty)."""
+    def add_token(self, token_id: int, logprob: float | None = None) -> Delta | None:
+        """Accounts for one sampled token; returns the delta to stream now, or None while the
+        token is held back (see the module doc)."""
         if self.finish_reason is not None:
             raise RuntimeError("token added to a finished completion")
         self.num_tokens += 1
+        self._held_ids.append(token_id)
+        if logprob is not None:
+            self._held_logprobs.append(logprob)
         stop = self.stop
         may_stop = self.num_tokens >= stop.min_tokens
         if may_stop and token_id in stop.stop_token_ids:
             self.finish_reason = FinishReason.STOP  # the stop token's own text is not streamed
-        else:
+        elif stop.stop_strings:
             self._text += self._detokenizer.add(token_id)
-            if may_stop and stop.stop_strings and self._cut_at_stop_string():
+            if may_stop and self._cut_at_stop_string():
                 self.finish_reason = FinishReason.STOP
+        else:
+            self._undecoded.append(token_id)
         if self.finish_reason is None and self.num_tokens >= stop.max_tokens:
             self.finish_reason = FinishReason.LENGTH
+        final = self.finish_reason is not None
+        if not final and len(self._held_ids) < self.stream_interval and self.num_tokens > 1:
+            return None
+        self._decode_held()
+        if self.finish_reason is FinishReason.LENGTH:
             self._text += self._detokenizer.flush()
-        text = self._take_text(final=self.finish_reason is not None)
-        return Delta([token_id], text, [] if logprob is None else [logprob], self.finish_reason)
+        delta = Delta(self._held_ids, self._take_text(final), self._held_logprobs, self.finish_reason)
+        self._held_ids, self._held_logprobs = [], []
+        return delta
 
     def abort(self) -> Delta:
-        """Ends the completion early (client gone, executor lost, shutdown)."""
+        """Ends the completion early (client gone, executor lost, shutdown); the delta carries what
+        was held back."""
         self.finish_reason = FinishReason.ABORT
-        return Delta(text=self._take_text(final=True), finish_reason=FinishReason.ABORT)
+        self._decode_held()
+        delta = Delta(self._held_ids, self._take_text(final=True), self._held_logprobs, FinishReason.ABORT)
+        self._held_ids, self._held_logprobs = [], []
+        return delta
+
+    def _decode_held(self) -> None:
+        """Detokenizes the held tokens not decoded yet, in one step."""
+        if self._undecoded:
+            self._text += self._detokenizer.add_many(self._undecoded)
+            self._undecoded = []
 
     def _cut_at_stop_string(self) -> bool:
         # A stop string can only end in text not yet streamed, and can start up to its length before.

@@ -383,7 +383,9 @@ class Scheduler:
         """Counts ``num_new`` tokens as computed and registers the blocks they fill in the prefix
         cache (requests admitted later in this step may share them); if that reaches the end, the
         step samples a token."""
-        request.num_computed_tokens += num_new
+        start = request.num_computed_tokens
+        self._prompt_tokens_computed += max(0, min(request.num_prompt_tokens - start, num_new))
+        request.num_computed_tokens = start + num_new
         step.budget -= num_new
         if self.kv_cache_manager.cache_full_blocks(request):
             step.shared.add(request.seq_id)
@@ -395,8 +397,11 @@ class Scheduler:
         """Takes a running request back out of this step's plan (it is about to be pre-empted)."""
         running_plan = step.running_plans.pop(request.seq_id)
         step.plan.running.remove(running_plan)
-        request.num_computed_tokens -= running_plan.num_new_tokens
-        step.budget += running_plan.num_new_tokens
+        num_new = running_plan.num_new_tokens
+        request.num_computed_tokens -= num_new
+        step.budget += num_new
+        start = request.num_computed_tokens
+        self._prompt_tokens_computed -= max(0, min(request.num_prompt_tokens - start, num_new))
         if request.seq_id in step.sampling:
             step.sampling.remove(request.seq_id)
             request.num_pending_outputs -= 1
@@ -434,12 +439,6 @@ class Scheduler:
         plan.sampling_seq_ids += [p.seq_id for p in plan.running if p.seq_id in step.sampling]
         if plan.sampling_seq_ids:
             self._in_flight[plan.step_id] = set(plan.sampling_seq_ids)
-        for scheduled in (*plan.new_requests, *plan.running):
-            request = self._requests[scheduled.seq_id]
-            start = request.num_computed_tokens - scheduled.num_new_tokens
-            self._prompt_tokens_computed += max(
-                0, min(request.num_prompt_tokens - start, scheduled.num_new_tokens)
-            )
         in_use = self.kv_cache_manager.block_pool.num_blocks_in_use
         if in_use > self._peak_blocks_in_use:
             self._peak_blocks_in_use = in_use

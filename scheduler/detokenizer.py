@@ -8,7 +8,7 @@ window only advances when the decoded text does not end in a replacement charact
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 # How many tokens before the first new one give SentencePiece its context (leading spaces).
@@ -55,7 +55,12 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the newly complete text (possibly empty)."""
-        self._ids.append(token_id)
+        return self.add_many((token_id,))
+
+    def add_many(self, token_ids: Iterable[int]) -> str:
+        """Appends tokens; returns the newly complete text of all of them (possibly empty): two
+        decodes for the lot, where `add` takes two per token."""
+        self._ids.extend(token_ids)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset)
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):

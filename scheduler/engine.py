@@ -77,27 +77,11 @@ class ActiveRequest:
     request: Request
     completion: Completion
     deltas: asyncio.Queue[Delta | Exception] = field(default_factory=asyncio.Queue)
-    held: Delta | None = None  # tokens not streamed yet (--stream-interval)
     replica: ExecutorReplica | None = None
 
     @property
     def done(self) -> bool:
         return self.completion.finish_reason is not None
-
-    def stream(self, delta: Delta, interval: int) -> None:
-        """Queues `delta` for the client, or holds it until `interval` tokens are waiting; the
-        first token (time to first token) and the last are never held."""
-        if self.held is not None:
-            delta = self.held.merged(delta)
-        if (
-            len(delta.token_ids) >= interval
-            or delta.finish_reason is not None
-            or self.completion.num_tokens == 1
-        ):
-            self.held = None
-            self.deltas.put_nowait(delta)
-        else:
-            self.held = delta
 
 
 def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executor_pb2.StepPlan:
@@ -289,7 +273,11 @@ class Engine:
             sampling=sampling,
             priority=priority,
         )
-        active = ActiveRequest(request_id, request, Completion(self.tokenizer, prompt_token_ids, stop))
+        active = ActiveRequest(
+            request_id,
+            request,
+            Completion(self.tokenizer, prompt_token_ids, stop, self.config.stream_interval),
+        )
         self._active[seq_id] = active
         self._place(active)
         return active
@@ -387,7 +375,6 @@ class Engine:
         core.process_output(output.step_id, seq_ids, token_ids)
         logprobs = output.logprobs
         get_active = self._active.get
-        interval = self.config.stream_interval
         for i, (seq_id, token_id) in enumerate(zip(seq_ids, token_ids, strict=True)):
             active = get_active(seq_id)
             if active is None or active.replica is not replica:
@@ -398,7 +385,9 @@ class Engine:
             self.tokens_generated += 1
             logprob = logprobs[i] if active.request.sampling.return_logprobs else None
             delta = completion.add_token(token_id, logprob)
-            active.stream(delta, interval)
+            if delta is None:
+                continue  # held back (--stream-interval)
+            active.deltas.put_nowait(delta)
             if delta.finish_reason is not None:
                 del self._active[seq_id]
                 replica.finish_request(seq_id)

@@ -142,12 +142,12 @@ class KVCacheManager:
         safety rule). Returns whether it registered any."""
         if not self.enable_prefix_caching:
             return False
-        table = self._tables.get(request.seq_id)
-        if not table:
-            return False
         num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_size
         start = self._num_cached_blocks.get(request.seq_id, 0)
         if num_full <= start:
+            return False  # the usual case: checked first, it is on every request's every step
+        table = self._tables.get(request.seq_id)
+        if not table:
             return False
         for index in range(start, num_full):
             self.block_pool.cache_block(table[index], self._block_hash(request, index))

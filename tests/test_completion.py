@@ -16,12 +16,25 @@ def tokenizer(tiny_model_dir):
 
 
 def run(completion: Completion, ids: list[int]) -> list:
+    """The deltas streamed for `ids` (held tokens return None: not listed)."""
     deltas = []
     for token in ids:
-        deltas.append(completion.add_token(token))
+        if (delta := completion.add_token(token)) is not None:
+            deltas.append(delta)
         if completion.finish_reason is not None:
             break
     return deltas
+
+
+class CountingTokenizer:
+    """The tokenizer, counting `decode` calls (the Python path of `decode_function`)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.calls += 1
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def test_detokenizer_never_emits_broken_utf8(tokenizer):
@@ -64,6 +77,42 @@ def test_stop_token_length_and_min_tokens(tokenizer):
     run(c, [word] * 5)
     assert c.finish_reason is FinishReason.LENGTH
     assert c.num_tokens == 2
+
+
+def test_stream_interval_holds_tokens_and_decodes_once_per_message(tokenizer):
+    """Interval 4: the first token alone, then messages of 4, then the rest with the finish reason;
+    the same tokens and text as interval 1, with two decodes per message instead of per token."""
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog again", add_special_tokens=False)
+    assert len(ids) > 9
+    one, four = CountingTokenizer(tokenizer), CountingTokenizer(tokenizer)
+    stop = StopConditions(max_tokens=len(ids))
+    per_token = run(Completion(one, [1], stop), ids)
+    held = run(Completion(four, [1], stop, stream_interval=4), ids)
+    sizes = [len(d.token_ids) for d in held]
+    assert sizes[0] == 1 and all(n == 4 for n in sizes[1:-1]) and 1 <= sizes[-1] <= 4
+    assert [t for d in held for t in d.token_ids] == ids
+    assert "".join(d.text for d in held) == "".join(d.text for d in per_token)
+    assert held[-1].finish_reason is FinishReason.LENGTH
+    assert all(d.finish_reason is None for d in held[:-1])
+    assert four.calls <= 2 * len(held) + 2 < one.calls  # + 2: the final flush
+
+
+def test_stream_interval_with_stop_strings_and_abort(tokenizer):
+    """Stop strings are still checked on every token (the text never contains one), and an abort
+    hands over the tokens held back."""
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    c = Completion(tokenizer, [1], StopConditions(max_tokens=100, stop_strings=("fox j",)), stream_interval=3)
+    deltas = run(c, ids)
+    assert c.finish_reason is FinishReason.STOP
+    assert "".join(d.text for d in deltas) == "The quick brown "
+
+    c = Completion(tokenizer, [1], StopConditions(max_tokens=100), stream_interval=8)
+    first = c.add_token(ids[0])
+    assert first is not None and first.token_ids == ids[:1]
+    assert all(c.add_token(t) is None for t in ids[1:4])
+    last = c.abort()
+    assert last.finish_reason is FinishReason.ABORT and last.token_ids == ids[1:4]
+    assert first.text + last.text == tokenizer.decode(ids[:4])
 
 
 @pytest.mark.parametrize("grpc_flag", [[], ["--grpc"]])

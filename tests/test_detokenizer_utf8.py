@@ -77,3 +77,15 @@ def test_completion_streams_whole_characters_and_drops_a_dangling_byte(splitting
     texts = [completion.add_token(i).text for i in [*splitting_tokenizer.encode("x"), rocket[0], eos]]
     assert "".join(texts) == "x"
     assert completion.finish_reason is not None
+
+
+def test_messages_of_several_tokens_carry_whole_characters(splitting_tokenizer):
+    """--stream-interval 3: the held tokens are detokenized together when their message goes, and a
+    message that ends inside a character leaves its bytes to the next one."""
+    ids = splitting_tokenizer.encode("a🙂b🚀c", add_special_tokens=False)
+    completion = Completion(splitting_tokenizer, [], StopConditions(max_tokens=len(ids)), stream_interval=3)
+    deltas = [d for i in ids if (d := completion.add_token(i)) is not None]
+    assert [len(d.token_ids) for d in deltas[:-1]] == [1] + [3] * (len(deltas) - 2)
+    assert all("\ufffd" not in d.text for d in deltas)
+    assert "".join(d.text for d in deltas) == "a🙂b🚀c"
+    assert [t for d in deltas for t in d.token_ids] == ids
