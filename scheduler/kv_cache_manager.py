@@ -172,11 +172,14 @@ class KVCacheManager:
             (counting evictable cached ones) are too few; then nothing changed.
         """
         table = self._tables.get(request.seq_id)
+        if table and not cached_blocks and num_tokens <= len(table) * self.block_size:
+            if request.seq_id not in self._cpu_tables:
+                return []  # the common decode step: the last block still has room
         if cached_blocks and table:
             raise ValueError(f"seq {request.seq_id}: cached blocks can only start an empty table")
         num_needed = self._num_new_blocks(request, num_tokens, cached_blocks)
         if num_needed == 0 and not cached_blocks:
-            return []  # the common decode step: the last block still has room
+            return []
         if num_needed > self._num_allocatable_blocks(cached_blocks):
             return None
         self.block_pool.touch(cached_blocks)

@@ -13,7 +13,8 @@
 #   fp8-kernels python -m pagedserve.bench.fp8 (FP8 linear vs bf16, fused quantizing kernels, K1
 #              decode with an FP8 KV cache)
 #   w1-fp8     W1 with the throughput flags: bf16, --quantization fp8, and both FP8 flags
-#   w5-fp8     W5 (128 x 12,000-token prompts, 512 outputs) with bf16 vs FP8 KV (weights FP8 in both)
+#   w5-fp8     W5 (128 x 12,000-token prompts, 512 outputs) with bf16 vs FP8 KV (weights FP8 in both,
+#              or bf16 in both with W5_WEIGHTS=bf16)
 #   scale-out  W1 and W4 through one scheduler with 2 executors sharing the GPU (half the memory
 #              each) vs 1: throughput and the scheduler's CPU per step
 #   w4-cpu     W4 on CPU executors (scripts/w4-cpu.sh): 1, 2, 3, 4 executors, prefix routing vs
@@ -130,9 +131,12 @@ if wants w5-fp8; then
     python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c['max_position_embeddings'] = 131072
 json.dump(c, open(sys.argv[2], 'w'))" "$MODEL/config.json" "$w5_model/config.json"
   fi
+  # The weights of both passes: FP8 (W5_WEIGHTS=fp8, the default) or the model's bf16 (W5_WEIGHTS=bf16)
+  w5_weights=${W5_WEIGHTS:-fp8} w5_quant="--quantization fp8" w5_name=w5
+  [ "$w5_weights" = bf16 ] && w5_quant="" w5_name=w5-bf16-weights
   for variant in "kv-auto:" "kv-fp8:--kv-cache-dtype fp8"; do
-    MODEL=$w5_model bench "w5-${variant%%:*}" 300 --workload W5 "${fp8_w5[@]}" --scheduler-args "--max-num-seqs 128" \
-      --executor-args "$fp8_executor --max-num-seqs 128 --max-model-len $w5_len --quantization fp8 ${variant#*:}"
+    MODEL=$w5_model bench "$w5_name-${variant%%:*}" 300 --workload W5 "${fp8_w5[@]}" --scheduler-args "--max-num-seqs 128" \
+      --executor-args "$fp8_executor --max-num-seqs 128 --max-model-len $w5_len $w5_quant ${variant#*:}"
   done
 fi
 if wants w4-cpu; then
