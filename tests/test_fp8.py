@@ -258,19 +258,36 @@ def test_triton_fp8_attention_odd_shapes(heads, head_dim, block_size):
         dict(decode_config="looping", num_splits=3),
         dict(decode_config="single", num_splits=5),
         dict(decode_config="looping", num_splits=1),
+        dict(decode_config="prefetch", num_splits=3),
+        dict(decode_config="prefetch", num_splits=1),
+        dict(decode_config="prefetch2", num_splits=2),
         dict(prefill_config="big"),
     ],
-    ids=["split-looping", "split-single-tile", "unsplit", "big-prefill-tiles"],
+    ids=[
+        "split-looping",
+        "split-single-tile",
+        "unsplit",
+        "split-prefetch",
+        "unsplit-prefetch",
+        "split-prefetch-two-ahead",
+        "big-prefill-tiles",
+    ],
 )
 def test_triton_fp8_attention_launch_variants(overrides):
     """Every launch shape applies the scales: splits (v_scale before the partials are merged), one
-    tile per program, no split, and the tall prefill tiles."""
+    tile per program, no split, the loop with the next tile prefetched in registers (whole tiles,
+    then a masked tail; splits of 2-3 tiles, so the last prefetch is masked), and the tall
+    prefill tiles."""
     from pagedserve.kernels import triton_attention as ta
 
     dtype = torch.bfloat16
     kw = dict(overrides)
     if kw.get("decode_config") == "looping":
         kw["decode_config"] = ta.DecodeConfig(block_n=64, num_warps=4, num_stages=2)
+    elif kw.get("decode_config") == "prefetch":
+        kw["decode_config"] = ta.DecodeConfig(block_n=32, num_warps=4, num_stages=1, prefetch=2)
+    elif kw.get("decode_config") == "prefetch2":
+        kw["decode_config"] = ta.DecodeConfig(block_n=32, num_warps=4, num_stages=1, prefetch=3)
     elif kw.get("decode_config") == "single":
         kw["decode_config"] = ta.DecodeConfig(block_n=128, num_warps=8, num_stages=2)
     if kw.get("prefill_config") == "big":
