@@ -255,6 +255,8 @@ LOOP_CANDIDATES = {
     "pf32d2_w4": ta.DecodeConfig(32, 4, 1, prefetch=3, programs_per_sm=4),
     "pf64_w4_bytes": ta.DecodeConfig(64, 4, 1, prefetch=1, maxnreg=128, programs_per_sm=4),
 }
+# The same loop over the bf16 cache, for reference (tiles carried as 16-bit values; 128 registers).
+BF16_LOOP_CANDIDATES = {"bf16_pf32_w4": ta.DecodeConfig(32, 4, 1, prefetch=1, maxnreg=128, programs_per_sm=4)}
 
 
 def _attention(q, k, v, args: tuple, **kw) -> torch.Tensor:
@@ -338,6 +340,11 @@ def _candidate_launch(batch: int, context: int, config: ta.DecodeConfig) -> tupl
     )
 
 
+def row_want_bf16(q, k, v, args) -> torch.Tensor:
+    """The shipped bf16 launch's output (float32), what the bf16 candidates are compared with."""
+    return _attention(q, k, v, args).float()
+
+
 def sweep_loop(labels: list[str] | None = None) -> list[dict]:
     """K1 decode shapes over an FP8 cache (shipped widening): the shipped launch and each config
     of LOOP_CANDIDATES (with its own split count), against bf16's shipped launch, in one process.
@@ -366,6 +373,25 @@ def sweep_loop(labels: list[str] | None = None) -> list[dict]:
                 f"{stats.last}",
                 flush=True,
             )
+            for label, c in BF16_LOOP_CANDIDATES.items():
+                config, splits = _candidate_launch(batch, context, c)
+                kw = dict(decode_config=config, num_splits=splits)
+                with contextlib.suppress(Exception):
+                    err = (
+                        (_attention(q, k, v, args, **kw).float() - row_want_bf16(q, k, v, args))
+                        .abs()
+                        .max()
+                        .item()
+                    )
+                    t = _ms(partial(_attention, q, k, v, args, **kw))
+                    row[label] = dict(
+                        us=t * 1e3, speedup=row["bf16_us"] / (t * 1e3), max_err=err, kernel=stats.last
+                    )
+                    print(
+                        f"decode ({batch}, {context}) {label}: {t * 1e3:.1f} us, max err {err:.3g}, "
+                        f"{stats.last}",
+                        flush=True,
+                    )
             variants = [("fp8_shipped", None, None)]
             variants += [(label, *_candidate_launch(batch, context, c)) for label, c in candidates.items()]
             for label, config, splits in variants:
