@@ -65,6 +65,10 @@ read byte by byte from shared memory in the dot-operand layout (`attention_jit._
 varlen kernel casts to q's dtype, which measured faster there (`FP8_DECODE_WIDEN`,
 `FP8_PREFILL_WIDEN`). Launch choices are the bf16 ones: in two H200 sweeps no other decode config
 was faster with FP8 caches at the large K1 shapes, and none consistently at the small ones.
+`FP8_LOOP_CONFIG` can give FP8 caches a looping config of their own, e.g. the prefetching loop
+(`DecodeConfig.prefetch`, `attention_jit._attend_full_tiles_prefetched`), which keeps the next
+tile's loads in flight during this tile's products (Triton's pipeliner does not: README, FP8);
+unset until an H200 sweep (`python -m pagedserve.bench.fp8 --parts sweep-loop`) shows it faster.
 
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
@@ -103,7 +107,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8_DECODE_WIDEN = WIDEN_TO_Q_DTYPE.value if _INTERPRETED else WIDEN_TO_F16.value
 FP8_PREFILL_WIDEN = WIDEN_TO_Q_DTYPE.value
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
-# sm_90). Decode programs of one launch are equally long, so the launch is as fast as its fullest
+# sm_90; `DecodeConfig.programs_per_sm` says it per config, this is its default). Decode programs
+# of one launch are equally long, so the launch is as fast as its fullest
 # wave: the split count is the smallest that fills the resident slots to _WAVE_EFFICIENCY (a
 # partial last wave measurably slows K1's (32, 16384): `--sweep`). Batches that already
 # fill two waves are not split.
