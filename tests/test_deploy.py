@@ -207,7 +207,9 @@ def executor_gpus(services: dict) -> dict[str, list[int]]:
             continue
         devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
         (device,) = devices or [{"device_ids": []}]
-        ids = [int(i) for i in device["device_ids"]] if "device_ids" in device else list(range(device["count"]))
+        ids = (
+            [int(i) for i in device["device_ids"]] if "device_ids" in device else list(range(device["count"]))
+        )
         replicas = service.get("deploy", {}).get("replicas") or 1
         for i in range(replicas):
             gpus[name if replicas == 1 else f"{name}#{i}"] = ids
@@ -312,7 +314,10 @@ def test_tp_override_is_the_base_executor_command_plus_the_flag():
     base = compose_commands(BASE)["executor"]
     assert compose_commands(TP)["executor"] == [*base, "--tensor-parallel-size=2"]
     env = {"TENSOR_PARALLEL_SIZE": "8", "MODEL_DIR": "/m", "GPU_MEMORY_UTILIZATION": "0.8"}
-    assert compose_commands(TP, env)["executor"] == [*compose_commands(BASE, env)["executor"], "--tensor-parallel-size=8"]
+    assert compose_commands(TP, env)["executor"] == [
+        *compose_commands(BASE, env)["executor"],
+        "--tensor-parallel-size=8",
+    ]
 
 
 def test_compose_flags_exist_in_the_cli():
@@ -451,7 +456,7 @@ def test_every_manifest_passes_strict_validation():
 
 def test_strict_validation_catches_a_misspelt_field(tmp_path):
     """The validator is not a no-op: an unknown field in a probe fails it."""
-    doc = next(d for d in load_all(K8S / "executor.yaml") if d["kind"] == "StatefulSet")
+    doc = next(d for d in load_all(K8S / "base" / "executor.yaml") if d["kind"] == "StatefulSet")
     doc["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcc"] = {"port": 1}
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(doc))
@@ -512,12 +517,45 @@ def selected(doc: dict, target: dict) -> bool:
     return True
 
 
-OVERLAYS = [".", "overlays/gateway", "overlays/model-pvc", "overlays/model-pvc-gateway"]
+OVERLAYS = [
+    ".",
+    "overlays/gateway",
+    "overlays/model-pvc",
+    "overlays/model-pvc-gateway",
+    "overlays/tensor-parallel",
+]
+# Your own overlays: the base with these components, in this order (components can be listed in
+# any order, but the gateway before model-pvc so that the claim is mounted into it).
+COMPONENT_SETS = [
+    ("tensor-parallel", "model-pvc"),
+    ("model-pvc", "tensor-parallel"),
+    ("gateway", "tensor-parallel", "model-pvc"),
+    ("tensor-parallel", "gateway", "model-pvc"),
+]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+def own_overlay(tmp_path: Path, components: tuple[str, ...]) -> Path:
+    """An overlay outside the repository, as a user writes one: the base and `components`, named by
+    relative paths (kustomize refuses absolute ones)."""
+    directory = tmp_path / "overlay"
+    directory.mkdir(exist_ok=True)
+    rel = os.path.relpath(K8S, directory)
+    spec = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [f"{rel}/base"],
+        "components": [f"{rel}/components/{c}" for c in components],
+    }
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    return directory
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS + ["+".join(c) for c in COMPONENT_SETS])
 def test_kustomizations_build_valid_manifests(tmp_path, overlay):
-    docs = kustomize_resources(K8S / overlay)
+    if "+" in overlay:
+        docs = kustomize_resources(own_overlay(tmp_path, tuple(overlay.split("+"))))
+    else:
+        docs = kustomize_resources(K8S / overlay)
     out = tmp_path / "built.yaml"
     out.write_text(yaml.safe_dump_all(docs))
     result = kubernetes_validate(out)
@@ -544,6 +582,114 @@ def test_kustomizations_build_valid_manifests(tmp_path, overlay):
     else:
         assert config["data"]["PAGEDSERVE_MODEL"] == ""  # the built-in model
         assert all("persistentVolumeClaim" not in v for pod in pods for v in pod.get("volumes", []))
+    executor = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    size = tensor_parallel_size(executor["containers"][0]["command"])
+    assert size == (2 if "tensor-parallel" in overlay else 1)
+    assert executor["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == size
+
+
+def kustomize_binary() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS + ["+".join(c) for c in COMPONENT_SETS])
+def test_kubectl_kustomize_agrees(tmp_path, overlay):
+    """kustomize itself (`kubectl kustomize`, what `kubectl apply -k` runs) builds every overlay and
+    your own overlays of the components, to the objects the small kustomize above builds (which the
+    other tests read). It refuses an overlay inside its base's directory: hence deploy/kubernetes/base."""
+    binary = kustomize_binary()
+    if binary is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    directory = own_overlay(tmp_path, tuple(overlay.split("+"))) if "+" in overlay else K8S / overlay
+    result = subprocess.run([*binary, str(directory)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    built = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout) if d}
+    ours = {(d["kind"], d["metadata"]["name"]): d for d in kustomize_resources(directory)}
+    assert built == ours
+
+
+def built_objects(directory: Path) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in kustomize_resources(directory)}
+
+
+def test_kubernetes_tensor_parallel_component():
+    """components/tensor-parallel: each executor pod is one group of 2 GPUs (the flag and the GPU
+    limit agree), NCCL_NVLS_ENABLE=0, a memory-backed /dev/shm, the base's per-GPU CPU and memory
+    times 2; nothing else changes, in the executor or elsewhere."""
+    base, tp = built_objects(K8S), built_objects(K8S / "overlays" / "tensor-parallel")
+    assert base.keys() == tp.keys()
+    assert {k for k in base if base[k] != tp[k]} == {("StatefulSet", "executor")}
+    before, after = base["StatefulSet", "executor"], copy.deepcopy(tp["StatefulSet", "executor"])
+    pod = after["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    size = tensor_parallel_size(container["command"])
+    assert size == 2
+    assert container["command"] == [
+        *before["spec"]["template"]["spec"]["containers"][0]["command"],
+        "--tensor-parallel-size=2",
+    ]
+    assert container["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi"},
+        "limits": {"nvidia.com/gpu": size, "memory": "128Gi"},
+    }
+    assert container["env"][-1] == {"name": "NCCL_NVLS_ENABLE", "value": "0"}
+    shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    # The rest is the base's executor.
+    container["command"] = container["command"][:-1]
+    container["env"] = container["env"][:-1]
+    container["resources"] = before["spec"]["template"]["spec"]["containers"][0]["resources"]
+    volume["emptyDir"]["sizeLimit"] = "8Gi"
+    assert after == before
+    # One pod is one group: a pod's GPUs come from one node, the replicas count groups.
+    assert after["spec"]["replicas"] == 2
+
+
+def test_kubernetes_tensor_parallel_patch_refuses_a_changed_base(tmp_path):
+    """The component's patch checks (JSON patch `test` ops) that the executor's first container and
+    first volume are the ones it edits, so a reordered base fails the build instead of patching the
+    wrong volume."""
+    shutil.copytree(K8S, tmp_path / "kubernetes")
+    executor = tmp_path / "kubernetes" / "base" / "executor.yaml"
+    docs = load_all(executor)
+    pod = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    pod["volumes"].insert(0, {"name": "scratch", "emptyDir": {}})
+    executor.write_text(yaml.safe_dump_all(docs))
+    with pytest.raises(AssertionError, match="test /spec/template/spec/volumes/0/name failed"):
+        kustomize_resources(tmp_path / "kubernetes" / "overlays" / "tensor-parallel")
+    if binary := kustomize_binary():
+        result = subprocess.run(
+            [*binary, str(tmp_path / "kubernetes" / "overlays" / "tensor-parallel")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode != 0
+        assert "test" in result.stderr
+
+
+def kubernetes_commands(directory: Path) -> dict[str, list[str]]:
+    """Each workload's container command in the overlay `directory` builds."""
+    return {
+        name: d["spec"]["template"]["spec"]["containers"][0]["command"]
+        for (kind, name), d in built_objects(directory).items()
+        if kind in ("StatefulSet", "Deployment")
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kubernetes_flags_exist_in_the_cli(overlay):
+    """Every flag the manifests pass (with every component) is one the services accept."""
+    for name, command in kubernetes_commands(K8S / overlay).items():
+        assert command[0] == "pagedserve"
+        known = cli_flags(command[1])
+        if not known:
+            pytest.skip(f"the `pagedserve {command[1]}` command is not in this branch")
+        unknown = sorted({a.partition("=")[0] for a in command[2:] if a.startswith("--")} - known)
+        assert not unknown, f"{overlay}: {name} passes flags the CLI lacks: {unknown}"
 
 
 def k8s_objects() -> dict[tuple[str, str], dict]:
@@ -596,17 +742,21 @@ def test_kubernetes_topology():
     assert schedulers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(grace.split("=")[1])
 
 
-def test_kubernetes_and_compose_pass_the_same_service_flags():
-    """The manifests run compose's commands: same flags (values aside from the endpoints)."""
-    objects = k8s_objects()
-    compose = compose_commands(BASE)
-    for kind, name in (("StatefulSet", "executor"), ("Deployment", "scheduler")):
-        container = objects[kind, name]["spec"]["template"]["spec"]["containers"][0]
-        k8s_flags = {a.partition("=")[0] for a in container["command"][2:]}
+@pytest.mark.parametrize(
+    "overlay, files", [(".", BASE), ("overlays/tensor-parallel", TP)], ids=["base", "tensor-parallel"]
+)
+def test_kubernetes_and_compose_pass_the_same_service_flags(overlay, files):
+    """The manifests run compose's commands: same flags (values aside from the endpoints); the
+    tensor-parallel overlay and docker-compose.tp.yml the same size by default."""
+    k8s = kubernetes_commands(K8S / overlay)
+    compose = compose_commands(files)
+    for name in ("executor", "scheduler"):
+        k8s_flags = {a.partition("=")[0] for a in k8s[name][2:]}
         compose_flags = {a.partition("=")[0] for a in compose[name][2:]}
         # The token: a file in compose (the one-shot service), PAGEDSERVE_INTERNAL_TOKEN in Kubernetes.
         # The device: compose picks it by override file, Kubernetes always has a GPU.
         assert compose_flags - {"--internal-token-file"} == k8s_flags - {"--device"}
+    assert tensor_parallel_size(k8s["executor"]) == tensor_parallel_size(compose["executor"])
 
 
 # ---------------------------------------------------------------------------------------------
