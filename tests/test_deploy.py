@@ -79,6 +79,9 @@ def compose_config(
 BASE = ("docker-compose.yml",)
 CPU = ("docker-compose.yml", "docker-compose.cpu.yml")
 GPUS = ("docker-compose.yml", "docker-compose.gpus.yml")
+TP = ("docker-compose.yml", "docker-compose.tp.yml")
+TP_GPUS = ("docker-compose.yml", "docker-compose.tp.yml", "docker-compose.tp-gpus.yml")
+EXECUTORS = {GPUS: 4, TP_GPUS: 2}  # executor services per file combination (default 1)
 
 
 def scale_override(tmp_path: Path, replicas: int) -> str:
@@ -88,7 +91,7 @@ def scale_override(tmp_path: Path, replicas: int) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("files", [BASE, CPU, GPUS], ids=["gpu", "cpu", "gpus"])
+@pytest.mark.parametrize("files", [BASE, CPU, GPUS, TP, TP_GPUS], ids=["gpu", "cpu", "gpus", "tp", "tp-gpus"])
 @pytest.mark.parametrize("model_dir", [False, True], ids=["builtin-model", "MODEL_DIR"])
 @pytest.mark.parametrize("profiles", [(), ("openai",)], ids=["", "openai"])
 def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles):
@@ -97,7 +100,7 @@ def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles
     services = config["services"]
     assert ("gateway" in services) == ("openai" in profiles)
     executors = [s for name, s in services.items() if name.startswith("executor")]
-    assert len(executors) == (4 if files == GPUS else 1)
+    assert len(executors) == EXECUTORS.get(files, 1)
     for service in (*executors, services["scheduler"]):
         model_flag = "--model=/model" if model_dir else "--model="  # empty: the built-in model
         assert model_flag in service["command"]
@@ -188,12 +191,141 @@ def test_cpu_override_is_the_base_executor_command_on_the_cpu():
     assert "--device=cpu" in cpu_only
 
 
+def tensor_parallel_size(command: list[str]) -> int:
+    flag = [a for a in command if a.startswith(("--tensor-parallel-size=", "-tp"))]
+    assert len(flag) <= 1, command
+    return int(flag[0].partition("=")[2]) if flag else 1
+
+
+def executor_gpus(services: dict) -> dict[str, list[int]]:
+    """The GPUs each executor container gets, as Docker assigns them: `count: N` is devices 0..N-1
+    (for every replica: docker/compose#11863), `device_ids` those devices. Replicas of a scaled
+    service are listed as NAME#i."""
+    gpus = {}
+    for name, service in services.items():
+        if not name.startswith("executor"):
+            continue
+        devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
+        (device,) = devices or [{"device_ids": []}]
+        ids = (
+            [int(i) for i in device["device_ids"]] if "device_ids" in device else list(range(device["count"]))
+        )
+        replicas = service.get("deploy", {}).get("replicas") or 1
+        for i in range(replicas):
+            gpus[name if replicas == 1 else f"{name}#{i}"] = ids
+    return gpus
+
+
+def tensor_parallel_problems(services: dict) -> list[str]:
+    """What is wrong with the executors' tensor-parallel groups: a group whose GPU count is not its
+    --tensor-parallel-size (rank 0 refuses to start), a GPU in two containers, a group without
+    NCCL_NVLS_ENABLE=0 or without the host's shared memory."""
+    problems = []
+    gpus = executor_gpus(services)
+    for name, ids in gpus.items():
+        service = services[name.partition("#")[0]]
+        size = tensor_parallel_size(service["command"])
+        on_cpu = "--device=cpu" in service["command"]
+        if not on_cpu and len(ids) != size:
+            problems.append(f"{name}: --tensor-parallel-size={size} on GPUs {ids}")
+        if size > 1 and service.get("environment", {}).get("NCCL_NVLS_ENABLE") != "0":
+            problems.append(f"{name}: NCCL_NVLS_ENABLE is not 0")
+        if size > 1 and service.get("ipc") != "host" and not service.get("shm_size"):
+            problems.append(f"{name}: no shared memory for NCCL (ipc: host or shm_size)")
+    owners: dict[int, list[str]] = {}
+    for name, ids in gpus.items():
+        for gpu in ids:
+            owners.setdefault(gpu, []).append(name)
+    problems += [f"GPU {gpu} in {names}" for gpu, names in owners.items() if len(names) > 1]
+    return problems
+
+
+@pytest.mark.parametrize(
+    "files, env, groups",
+    [
+        (TP, {}, {"executor": [0, 1]}),
+        (TP, {"TENSOR_PARALLEL_SIZE": "4"}, {"executor": [0, 1, 2, 3]}),
+        (TP_GPUS, {}, {"executor": [0, 1], "executor-tp1": [2, 3]}),
+        (BASE, {}, {"executor": [0]}),
+        (GPUS, {}, {f"executor{s}": [i] for i, s in enumerate(["", "-gpu1", "-gpu2", "-gpu3"])}),
+    ],
+    ids=["tp", "tp-4", "tp-gpus", "gpu", "gpus"],
+)
+def test_compose_tensor_parallel_groups(tmp_path, files, env, groups):
+    """docker-compose.tp.yml: the executor is one group of TENSOR_PARALLEL_SIZE (default 2) GPUs with
+    the matching flag, NCCL_NVLS_ENABLE=0 and the host's shared memory; docker-compose.tp-gpus.yml:
+    two such groups on disjoint GPUs, both found as `executor`. Apart from the command, the
+    environment and the GPUs, the executors are docker-compose.yml's executor."""
+    services = compose_config(tmp_path, files, env)["services"]
+    assert executor_gpus(services) == groups
+    assert tensor_parallel_problems(services) == []
+    base = compose_config(tmp_path, BASE, env)["services"]
+    for name in groups:
+        service = services[name]
+        assert tensor_parallel_size(service["command"]) == len(groups[name])
+        if files in (TP, TP_GPUS):
+            assert service["environment"] == {"NCCL_NVLS_ENABLE": "0"}
+            assert service["ipc"] == "host"
+        if name != "executor":
+            assert service["networks"]["default"]["aliases"] == ["executor"]
+        rest = {k: v for k, v in service.items() if k not in ("command", "environment", "deploy", "networks")}
+        expected = {k: v for k, v in base["executor"].items() if k not in ("command", "deploy", "networks")}
+        assert rest == expected
+    # The scheduler and the token service are docker-compose.yml's.
+    assert services["scheduler"] == base["scheduler"]
+    assert services["internal-token"] == base["internal-token"]
+
+
+@pytest.mark.parametrize(
+    "files, scale, problem",
+    [
+        ((*GPUS, "docker-compose.tp.yml"), 1, "GPU 1 in"),  # group 0,1 and executor-gpu1 on GPU 1
+        ((*TP, "docker-compose.gpus.yml"), 1, "executor: --tensor-parallel-size=2 on GPUs [0]"),
+        (TP, 2, "GPU 0 in"),  # --scale executor=2: both replicas on GPUs 0,1
+    ],
+    ids=["gpus+tp", "tp+gpus", "tp-scaled"],
+)
+def test_compose_tensor_parallel_invalid_combinations(tmp_path, files, scale, problem):
+    """Combinations docker-compose.tp.yml's header rules out, which Compose itself accepts: with
+    docker-compose.gpus.yml two executors share a GPU or a group lacks its GPUs; `--scale
+    executor=2` puts both replicas on the same GPUs."""
+    if scale > 1:
+        files = (*files, scale_override(tmp_path, scale))
+    problems = tensor_parallel_problems(compose_config(tmp_path, files)["services"])
+    assert any(p.startswith(problem) for p in problems), problems
+
+
+def test_compose_tensor_parallel_is_not_for_the_cpu_override(tmp_path):
+    """docker-compose.cpu.yml and docker-compose.tp.yml each replace the executor's command and
+    GPUs, so the later file wins whole: tp.yml after cpu.yml is back on GPUs, cpu.yml after tp.yml
+    has no tensor parallelism. (Tensor parallelism on the CPU is for tests:
+    tests/test_tensor_parallel*.py.)"""
+    cpu_then_tp = compose_config(tmp_path, (*CPU, "docker-compose.tp.yml"))["services"]["executor"]
+    assert "--device=cpu" not in cpu_then_tp["command"]
+    assert executor_gpus({"executor": cpu_then_tp}) == {"executor": [0, 1]}
+    tp_then_cpu = compose_config(tmp_path, (*TP, "docker-compose.cpu.yml"))["services"]["executor"]
+    assert tensor_parallel_size(tp_then_cpu["command"]) == 1
+    assert "--device=cpu" in tp_then_cpu["command"]
+
+
+def test_tp_override_is_the_base_executor_command_plus_the_flag():
+    """docker-compose.tp.yml must repeat the executor's command (Compose replaces a command as a
+    whole): docker-compose.yml's, plus --tensor-parallel-size from TENSOR_PARALLEL_SIZE."""
+    base = compose_commands(BASE)["executor"]
+    assert compose_commands(TP)["executor"] == [*base, "--tensor-parallel-size=2"]
+    env = {"TENSOR_PARALLEL_SIZE": "8", "MODEL_DIR": "/m", "GPU_MEMORY_UTILIZATION": "0.8"}
+    assert compose_commands(TP, env)["executor"] == [
+        *compose_commands(BASE, env)["executor"],
+        "--tensor-parallel-size=8",
+    ]
+
+
 def test_compose_flags_exist_in_the_cli():
     """Every flag compose passes is one the services accept (the gateway's once `pagedserve openai`
     exists). Flags that the scale-out and production branches add are a skip until they are
     merged; any other unknown flag fails."""
     pending, wrong = {}, {}
-    for files in (CPU, GPUS):
+    for files in (CPU, GPUS, TP, TP_GPUS):
         for name, command in compose_commands(files).items():
             if command[0] != "pagedserve":
                 continue
@@ -324,7 +456,7 @@ def test_every_manifest_passes_strict_validation():
 
 def test_strict_validation_catches_a_misspelt_field(tmp_path):
     """The validator is not a no-op: an unknown field in a probe fails it."""
-    doc = next(d for d in load_all(K8S / "executor.yaml") if d["kind"] == "StatefulSet")
+    doc = next(d for d in load_all(K8S / "base" / "executor.yaml") if d["kind"] == "StatefulSet")
     doc["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcc"] = {"port": 1}
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(doc))
@@ -338,8 +470,9 @@ def load_all(path: Path) -> list[dict]:
 def kustomize_resources(directory: Path, docs: list[dict] | None = None) -> list[dict]:
     """A small kustomize for these files: a kustomization's resources (files or kustomization
     directories), then its components in order (each adds resources and patches to what is there
-    so far), then its JSON patches (RFC 6902 add/replace) on the targets their selectors name
-    (kind, name, labelSelector with key=value)."""
+    so far), then its JSON patches (RFC 6902 add/replace/test, JSON-pointer escapes ~0 ~1) on the
+    targets their selectors name (kind, name, labelSelector with key=value).
+    test_kubectl_kustomize_agrees checks it against kustomize itself where kubectl is installed."""
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     docs = [] if docs is None else docs
     for entry in spec.get("resources", []):
@@ -356,15 +489,20 @@ def kustomize_resources(directory: Path, docs: list[dict] | None = None) -> list
         assert matched, f"patch {patch['path']} matches nothing"
         for doc in matched:
             for op in ops:
-                *parents, last = op["path"].strip("/").split("/")
+                keys = [k.replace("~1", "/").replace("~0", "~") for k in op["path"].strip("/").split("/")]
+                *parents, last = keys
                 node = doc
                 for key in parents:
                     node = node[int(key)] if isinstance(node, list) else node[key]
                 if op["op"] == "add" and last == "-":
                     node.append(copy.deepcopy(op["value"]))
+                    continue
+                index = int(last) if isinstance(node, list) else last
+                if op["op"] == "test":
+                    assert node[index] == op["value"], f"{patch['path']}: test {op['path']} failed"
                 else:
                     assert op["op"] in ("add", "replace")
-                    node[last] = copy.deepcopy(op["value"])
+                    node[index] = copy.deepcopy(op["value"])
     return docs
 
 
@@ -379,12 +517,45 @@ def selected(doc: dict, target: dict) -> bool:
     return True
 
 
-OVERLAYS = [".", "overlays/gateway", "overlays/model-pvc", "overlays/model-pvc-gateway"]
+OVERLAYS = [
+    ".",
+    "overlays/gateway",
+    "overlays/model-pvc",
+    "overlays/model-pvc-gateway",
+    "overlays/tensor-parallel",
+]
+# Your own overlays: the base with these components, in this order (components can be listed in
+# any order, but the gateway before model-pvc so that the claim is mounted into it).
+COMPONENT_SETS = [
+    ("tensor-parallel", "model-pvc"),
+    ("model-pvc", "tensor-parallel"),
+    ("gateway", "tensor-parallel", "model-pvc"),
+    ("tensor-parallel", "gateway", "model-pvc"),
+]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+def own_overlay(tmp_path: Path, components: tuple[str, ...]) -> Path:
+    """An overlay outside the repository, as a user writes one: the base and `components`, named by
+    relative paths (kustomize refuses absolute ones)."""
+    directory = tmp_path / "overlay"
+    directory.mkdir(exist_ok=True)
+    rel = os.path.relpath(K8S, directory)
+    spec = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [f"{rel}/base"],
+        "components": [f"{rel}/components/{c}" for c in components],
+    }
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    return directory
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS + ["+".join(c) for c in COMPONENT_SETS])
 def test_kustomizations_build_valid_manifests(tmp_path, overlay):
-    docs = kustomize_resources(K8S / overlay)
+    if "+" in overlay:
+        docs = kustomize_resources(own_overlay(tmp_path, tuple(overlay.split("+"))))
+    else:
+        docs = kustomize_resources(K8S / overlay)
     out = tmp_path / "built.yaml"
     out.write_text(yaml.safe_dump_all(docs))
     result = kubernetes_validate(out)
@@ -411,6 +582,114 @@ def test_kustomizations_build_valid_manifests(tmp_path, overlay):
     else:
         assert config["data"]["PAGEDSERVE_MODEL"] == ""  # the built-in model
         assert all("persistentVolumeClaim" not in v for pod in pods for v in pod.get("volumes", []))
+    executor = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    size = tensor_parallel_size(executor["containers"][0]["command"])
+    assert size == (2 if "tensor-parallel" in overlay else 1)
+    assert executor["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == size
+
+
+def kustomize_binary() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS + ["+".join(c) for c in COMPONENT_SETS])
+def test_kubectl_kustomize_agrees(tmp_path, overlay):
+    """kustomize itself (`kubectl kustomize`, what `kubectl apply -k` runs) builds every overlay and
+    your own overlays of the components, to the objects the small kustomize above builds (which the
+    other tests read). It refuses an overlay inside its base's directory: hence deploy/kubernetes/base."""
+    binary = kustomize_binary()
+    if binary is None:
+        pytest.skip("neither kustomize nor kubectl is installed")
+    directory = own_overlay(tmp_path, tuple(overlay.split("+"))) if "+" in overlay else K8S / overlay
+    result = subprocess.run([*binary, str(directory)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    built = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout) if d}
+    ours = {(d["kind"], d["metadata"]["name"]): d for d in kustomize_resources(directory)}
+    assert built == ours
+
+
+def built_objects(directory: Path) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in kustomize_resources(directory)}
+
+
+def test_kubernetes_tensor_parallel_component():
+    """components/tensor-parallel: each executor pod is one group of 2 GPUs (the flag and the GPU
+    limit agree), NCCL_NVLS_ENABLE=0, a memory-backed /dev/shm, the base's per-GPU CPU and memory
+    times 2; nothing else changes, in the executor or elsewhere."""
+    base, tp = built_objects(K8S), built_objects(K8S / "overlays" / "tensor-parallel")
+    assert base.keys() == tp.keys()
+    assert {k for k in base if base[k] != tp[k]} == {("StatefulSet", "executor")}
+    before, after = base["StatefulSet", "executor"], copy.deepcopy(tp["StatefulSet", "executor"])
+    pod = after["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    size = tensor_parallel_size(container["command"])
+    assert size == 2
+    assert container["command"] == [
+        *before["spec"]["template"]["spec"]["containers"][0]["command"],
+        "--tensor-parallel-size=2",
+    ]
+    assert container["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi"},
+        "limits": {"nvidia.com/gpu": size, "memory": "128Gi"},
+    }
+    assert container["env"][-1] == {"name": "NCCL_NVLS_ENABLE", "value": "0"}
+    shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    # The rest is the base's executor.
+    container["command"] = container["command"][:-1]
+    container["env"] = container["env"][:-1]
+    container["resources"] = before["spec"]["template"]["spec"]["containers"][0]["resources"]
+    volume["emptyDir"]["sizeLimit"] = "8Gi"
+    assert after == before
+    # One pod is one group: a pod's GPUs come from one node, the replicas count groups.
+    assert after["spec"]["replicas"] == 2
+
+
+def test_kubernetes_tensor_parallel_patch_refuses_a_changed_base(tmp_path):
+    """The component's patch checks (JSON patch `test` ops) that the executor's first container and
+    first volume are the ones it edits, so a reordered base fails the build instead of patching the
+    wrong volume."""
+    shutil.copytree(K8S, tmp_path / "kubernetes")
+    executor = tmp_path / "kubernetes" / "base" / "executor.yaml"
+    docs = load_all(executor)
+    pod = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    pod["volumes"].insert(0, {"name": "scratch", "emptyDir": {}})
+    executor.write_text(yaml.safe_dump_all(docs))
+    with pytest.raises(AssertionError, match="test /spec/template/spec/volumes/0/name failed"):
+        kustomize_resources(tmp_path / "kubernetes" / "overlays" / "tensor-parallel")
+    if binary := kustomize_binary():
+        result = subprocess.run(
+            [*binary, str(tmp_path / "kubernetes" / "overlays" / "tensor-parallel")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode != 0
+        assert "test" in result.stderr
+
+
+def kubernetes_commands(directory: Path) -> dict[str, list[str]]:
+    """Each workload's container command in the overlay `directory` builds."""
+    return {
+        name: d["spec"]["template"]["spec"]["containers"][0]["command"]
+        for (kind, name), d in built_objects(directory).items()
+        if kind in ("StatefulSet", "Deployment")
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kubernetes_flags_exist_in_the_cli(overlay):
+    """Every flag the manifests pass (with every component) is one the services accept."""
+    for name, command in kubernetes_commands(K8S / overlay).items():
+        assert command[0] == "pagedserve"
+        known = cli_flags(command[1])
+        if not known:
+            pytest.skip(f"the `pagedserve {command[1]}` command is not in this branch")
+        unknown = sorted({a.partition("=")[0] for a in command[2:] if a.startswith("--")} - known)
+        assert not unknown, f"{overlay}: {name} passes flags the CLI lacks: {unknown}"
 
 
 def k8s_objects() -> dict[tuple[str, str], dict]:
@@ -463,17 +742,21 @@ def test_kubernetes_topology():
     assert schedulers["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > int(grace.split("=")[1])
 
 
-def test_kubernetes_and_compose_pass_the_same_service_flags():
-    """The manifests run compose's commands: same flags (values aside from the endpoints)."""
-    objects = k8s_objects()
-    compose = compose_commands(BASE)
-    for kind, name in (("StatefulSet", "executor"), ("Deployment", "scheduler")):
-        container = objects[kind, name]["spec"]["template"]["spec"]["containers"][0]
-        k8s_flags = {a.partition("=")[0] for a in container["command"][2:]}
+@pytest.mark.parametrize(
+    "overlay, files", [(".", BASE), ("overlays/tensor-parallel", TP)], ids=["base", "tensor-parallel"]
+)
+def test_kubernetes_and_compose_pass_the_same_service_flags(overlay, files):
+    """The manifests run compose's commands: same flags (values aside from the endpoints); the
+    tensor-parallel overlay and docker-compose.tp.yml the same size by default."""
+    k8s = kubernetes_commands(K8S / overlay)
+    compose = compose_commands(files)
+    for name in ("executor", "scheduler"):
+        k8s_flags = {a.partition("=")[0] for a in k8s[name][2:]}
         compose_flags = {a.partition("=")[0] for a in compose[name][2:]}
         # The token: a file in compose (the one-shot service), PAGEDSERVE_INTERNAL_TOKEN in Kubernetes.
         # The device: compose picks it by override file, Kubernetes always has a GPU.
         assert compose_flags - {"--internal-token-file"} == k8s_flags - {"--device"}
+    assert tensor_parallel_size(k8s["executor"]) == tensor_parallel_size(compose["executor"])
 
 
 # ---------------------------------------------------------------------------------------------
