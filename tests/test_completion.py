@@ -115,16 +115,25 @@ def test_stream_interval_with_stop_strings_and_abort(tokenizer):
     assert first.text + last.text == tokenizer.decode(ids[:4])
 
 
-@pytest.mark.parametrize("grpc_flag", [[], ["--grpc"]])
-def test_hotpath_bench_runs(tiny_model_dir, grpc_flag):
-    """`python -m pagedserve.bench.hotpath` stays runnable (a benchmark: nothing about speed here)."""
+def _hotpath(tiny_model_dir, *flags: str) -> str:
     import subprocess
     import sys
 
     result = subprocess.run(
         [sys.executable, "-m", "pagedserve.bench.hotpath", f"--model={tiny_model_dir}", "--num-requests=8",
-         "--input-len=16:32", "--output-len=8", *grpc_flag],
+         "--input-len=16:32", "--output-len=9", *flags],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "tok/s" in result.stdout
+    return result.stdout.strip().splitlines()[-1].split()[-1]  # the digest of all tokens and text
+
+
+@pytest.mark.parametrize("grpc_flag", [[], ["--grpc"]])
+def test_hotpath_bench_runs(tiny_model_dir, grpc_flag):
+    """`python -m pagedserve.bench.hotpath` stays runnable (a benchmark: nothing about speed here),
+    and through the real gRPC service messages of 4 tokens carry the same tokens and text as
+    messages of one (its digest covers both)."""
+    digest = _hotpath(tiny_model_dir, *grpc_flag)
+    if grpc_flag:
+        assert _hotpath(tiny_model_dir, *grpc_flag, "--stream-interval=4") == digest
