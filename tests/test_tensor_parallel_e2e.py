@@ -369,3 +369,71 @@ def test_serve_restarts_a_group_whose_worker_died(tiny_model_dir, tmp_path):
     assert code == 0, log.read_text()[-4000:]
     assert not children_of(serve.pid)
     assert len(groups) == 4 and all(_wait_gone(pid, 15) for pid in groups)
+
+
+def test_serve_two_tensor_parallel_groups_match_hugging_face(tiny_model_dir, hf_model, tmp_path):
+    """`pagedserve serve --data-parallel-size 2 -tp 2 --device cpu`: two executors of two ranks each
+    (four model processes) behind one scheduler; concurrent greedy requests spread over both groups
+    and every completion equals Hugging Face `generate`."""
+    from pagedserve.protos import executor_pb2, executor_pb2_grpc
+    from tests.test_serve_data_parallel import (
+        children_of,
+        consecutive_free_ports,
+        executor_pid,
+        stop,
+        wait_for,
+    )
+
+    port, executor_port = free_port(), consecutive_free_ports(2)
+    ports = (executor_port, executor_port + 1)
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(tiny_model_dir),
+             f"--port={port}", f"--executor-port={executor_port}", "--data-parallel-size=2", "-tp", "2",
+             "--device=cpu", "--max-num-seqs=4", "--max-num-batched-tokens=256", "--max-model-len=256",
+             "--num-gpu-blocks-override=64", "--swap-space=0.01"],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: _num_attached(port) == 2, 240, "two executors not attached", serve, log)
+        groups = [executor_pid(serve, p) for p in ports]
+        assert all(len(_children(pid)) == 1 for pid in groups)  # each rank 0 with its one worker
+        rng = random.Random(11)
+        prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for _ in range(8)]
+        with grpc_channel(port) as channel, ThreadPoolExecutor(len(prompts)) as pool:
+            requests = [make_request(p, max_tokens=MAX_TOKENS, temperature=0) for p in prompts]
+            got = [list(r.token_ids) for r in pool.map(lambda r: generate(channel, r, timeout=300), requests)]
+        assert got == [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
+        for p in ports:  # both groups served some of them
+            with grpc_channel(p) as channel:
+                stats = executor_pb2_grpc.ExecutorStub(channel).GetStats(
+                    executor_pb2.GetStatsRequest(), timeout=10
+                )
+            assert stats.tokens_sampled > 0
+    finally:
+        code = stop(serve)
+    assert code == 0, log.read_text()[-4000:]
+    assert not children_of(serve.pid)
+
+
+def grpc_channel(port: int):
+    import grpc
+
+    return grpc.insecure_channel(f"127.0.0.1:{port}")
+
+
+def _num_attached(port: int) -> int:
+    """Executors the scheduler on `port` holds (`Admin.ListExecutors`); 0 while it does not answer."""
+    import grpc
+
+    from pagedserve.protos import admin_pb2, admin_pb2_grpc
+
+    with grpc_channel(port) as channel:
+        try:
+            listed = admin_pb2_grpc.AdminStub(channel).ListExecutors(
+                admin_pb2.ListExecutorsRequest(), timeout=2
+            )
+        except grpc.RpcError:
+            return 0
+    return sum(e.attached for e in listed.executors)
