@@ -268,6 +268,17 @@ def _fp8_copy(x: torch.Tensor) -> torch.Tensor:
     return (x / 0.02).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
+def _sweep_case(batch: int, context: int, gen: torch.Generator) -> tuple:
+    """A K1 decode case for the sweeps: q, the bf16 caches, their FP8 copies, the launch's other
+    arguments, the bf16 kernel's result over the dequantized FP8 caches (what FP8 variants are
+    compared with) and the bytes an FP8 decode reads."""
+    q, k, v, tables, seq_lens, cu = _decode_case(batch, context, torch.bfloat16, gen)
+    args = (tables, seq_lens, cu)
+    k8, v8 = _fp8_copy(k), _fp8_copy(v)
+    want = _attention(q, k8.to(torch.bfloat16) * 0.02, v8.to(torch.bfloat16) * 0.02, args)
+    return q, k, v, k8, v8, args, want, batch * context * 2 * NUM_KV_HEADS * HEAD_DIM
+
+
 def sweep_decode(modes: tuple[int, ...]) -> list[dict]:
     """K1 decode shapes over an FP8 cache: each widening mode (`attention_jit.WIDEN_*`) with the
     shape-based launch and with every config of SWEEP_*_CONFIGS, against bf16's shape-based launch.
@@ -277,11 +288,7 @@ def sweep_decode(modes: tuple[int, ...]) -> list[dict]:
     scale = torch.full((1,), 0.02, device="cuda")
     _spin_up()
     for batch, context in K1_SHAPES:
-        q, k, v, tables, seq_lens, cu = _decode_case(batch, context, torch.bfloat16, gen)
-        args = (tables, seq_lens, cu)
-        k8, v8 = _fp8_copy(k), _fp8_copy(v)
-        want = _attention(q, k8.to(torch.bfloat16) * 0.02, v8.to(torch.bfloat16) * 0.02, args)
-        fp8_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM
+        q, k, v, k8, v8, args, want, fp8_bytes = _sweep_case(batch, context, gen)
         t = _ms(partial(_attention, q, k, v, args))
         row = {"batch": batch, "context": context, "bf16_us": t * 1e3, "bf16_gbps": 2 * fp8_bytes / t / 1e6}
         variants = [("auto", None, None)]
@@ -359,11 +366,7 @@ def sweep_loop(labels: list[str] | None = None) -> list[dict]:
     try:
         _spin_up()
         for batch, context in K1_SHAPES:
-            q, k, v, tables, seq_lens, cu = _decode_case(batch, context, torch.bfloat16, gen)
-            args = (tables, seq_lens, cu)
-            k8, v8 = _fp8_copy(k), _fp8_copy(v)
-            want = _attention(q, k8.to(torch.bfloat16) * 0.02, v8.to(torch.bfloat16) * 0.02, args)
-            fp8_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM
+            q, k, v, k8, v8, args, want, fp8_bytes = _sweep_case(batch, context, gen)
             _attention(q, k, v, args)
             t = _ms(partial(_attention, q, k, v, args))
             row = {"batch": batch, "context": context, "bf16_us": t * 1e3}
@@ -404,7 +407,7 @@ def sweep_loop(labels: list[str] | None = None) -> list[dict]:
                     row[f"{label}_error"] = repr(exc)[:500]
                     continue
                 ratio = fp8_bytes / t / 1e6 / row["bf16_gbps"]
-                plan = ta.decode_plan(q, k8, tables, config, splits)
+                plan = ta.decode_plan(q, k8, args[0], config, splits)
                 row[label] = dict(
                     us=t * 1e3, ratio=ratio, max_err=err, splits=plan.num_splits,
                     block_n=plan.meta["BLOCK_N"], kernel=stats.last,
