@@ -187,6 +187,14 @@ def prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     ]
 
 
+def output_lengths(args: argparse.Namespace) -> list[int]:
+    """Each request's max_tokens: `--output-len N`, or LO:HI drawn per request (requests then
+    finish one after another over the run, as in W1, and their endings are part of the cost)."""
+    lo, _, hi = args.output_len.partition(":")
+    rng = random.Random(args.seed + 1)
+    return [rng.randint(int(lo), int(hi or lo)) for _ in range(args.num_requests)]
+
+
 def generate_request(i: int, prompt: list[int], output_len: int) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         request_id=f"bench-{i}",
@@ -295,7 +303,7 @@ async def bench(args, tokenizer, requests, text_ids) -> tuple[TimedEngine, FakeE
     )
     engine = TimedEngine(config, tokenizer, lambda _address: executor)
     engine.expected_requests = len(requests)
-    engine.expected_tokens = len(requests) * args.output_len
+    engine.expected_tokens = sum(r.stopping.max_tokens for r in requests)
     service = GenerationService(engine)
     engine_task = asyncio.create_task(engine.run())
     try:
@@ -317,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--input-len", default="128:1024", help="prompt lengths, LO:HI tokens")
-    parser.add_argument("--output-len", type=int, default=200)
+    parser.add_argument("--output-len", default="200", help="max_tokens: N, or LO:HI per request")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
@@ -338,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-hotpath-"))
             args.model = str(write_tiny_model(tmp))
         tokenizer = load_tokenizer(args.model)
+        lengths = output_lengths(args)
         requests = [
-            generate_request(i, p, args.output_len) for i, p in enumerate(prompts(args, len(tokenizer)))
+            generate_request(i, p, n)
+            for i, (p, n) in enumerate(zip(prompts(args, len(tokenizer)), lengths, strict=True))
         ]
         if args.client:
             asyncio.run(run_clients(args.client, args.client_out, requests))
