@@ -247,6 +247,9 @@ class _FakeRunner:
         self.calls.append(f"finish {pending.step_id}")
         return executor_pb2.StepOutput(step_id=pending.step_id)
 
+    def reset(self) -> None:
+        """A lease ended: the real runner forgets its requests; this one holds none."""
+
 
 class _Context:
     """A Step call's context carrying the lease epoch of `_service`'s Attach."""
@@ -261,10 +264,22 @@ class _Context:
         raise grpc.RpcError(code, details)
 
 
+_SERVICES: list[ExecutorService] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_services():
+    """Stops each test's services' lease-expiry threads (else one fires in a later test)."""
+    yield
+    while _SERVICES:
+        _SERVICES.pop().close()
+
+
 def _service(runner) -> ExecutorService:
     """The service with a live lease (a scheduler attached), as a Step stream needs."""
     service = ExecutorService(runner, "fake")
     service.lease.attach("test-scheduler", "ipv4:127.0.0.1:1")
+    _SERVICES.append(service)
     return service
 
 
