@@ -402,7 +402,8 @@ class Scheduler:
         request.num_computed_tokens -= num_new
         step.budget += num_new
         start = request.num_computed_tokens
-        self._prompt_tokens_computed -= max(0, min(request.num_prompt_tokens - start, num_new))
+        if start < len(request.prompt_token_ids):  # as counted in `_schedule_tokens`
+            self._prompt_tokens_computed -= min(len(request.prompt_token_ids) - start, num_new)
         if request.seq_id in step.sampling:
             step.sampling.remove(request.seq_id)
             request.num_pending_outputs -= 1
