@@ -61,6 +61,7 @@ class FakeExecutor:
         self.truth = truth  # seq id -> prompt + every token sampled for it so far
         self.prompt_lens = prompt_lens
         self.max_tokens: dict[int, int] = {}
+        self.prompt_tokens_computed = 0  # prompt tokens of every plan executed (recomputes count again)
 
     def slot(self, seq: _Seq, position: int) -> int | None:
         return self.gpu[seq.blocks[position // self.block_size]][position % self.block_size]
@@ -119,7 +120,8 @@ class FakeExecutor:
                         f"seq {seq_id} writes into block {block} a token another sequence does not have"
                     )
                 self.gpu[block][p % self.block_size] = seq.tokens[p]
-        for _, seq, num_new in scheduled:
+        for seq_id, seq, num_new in scheduled:
+            self.prompt_tokens_computed += max(0, min(self.prompt_lens[seq_id] - seq.computed, num_new))
             seq.computed += num_new
         for seq_id, seq in self.seqs.items():  # attention: every computed position, shared ones too
             for p in range(seq.computed):
@@ -316,6 +318,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert 0.0 <= stats.slot_utilization <= 1.0
         assert 0.0 <= stats.peak_slot_utilization <= 1.0
         assert stats.prefix_cache_hit_tokens <= stats.prefix_cache_query_tokens
+
+    @invariant()
+    def prompt_tokens_counted_as_executed(self) -> None:
+        """The scheduler counts a step's prompt tokens while it schedules them (and takes a
+        pre-empted request's back); the total is what the executor computed."""
+        assert self.scheduler.stats.prompt_tokens_computed == self.executor.prompt_tokens_computed
 
     @invariant()
     def request_counters(self) -> None:
