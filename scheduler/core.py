@@ -384,8 +384,8 @@ class Scheduler:
         cache (requests admitted later in this step may share them); if that reaches the end, the
         step samples a token."""
         start = request.num_computed_tokens
-        if start < len(request.prompt_token_ids):  # (a decode step's token is past the prompt)
-            self._prompt_tokens_computed += min(len(request.prompt_token_ids) - start, num_new)
+        if start < request.num_prompt_tokens:  # (a decode step's token is past the prompt)
+            self._prompt_tokens_computed += min(request.num_prompt_tokens - start, num_new)
         request.num_computed_tokens = start + num_new
         step.budget -= num_new
         if self.kv_cache_manager.cache_full_blocks(request):
@@ -402,8 +402,8 @@ class Scheduler:
         request.num_computed_tokens -= num_new
         step.budget += num_new
         start = request.num_computed_tokens
-        if start < len(request.prompt_token_ids):  # as counted in `_schedule_tokens`
-            self._prompt_tokens_computed -= min(len(request.prompt_token_ids) - start, num_new)
+        if start < request.num_prompt_tokens:  # as counted in `_schedule_tokens`
+            self._prompt_tokens_computed -= min(request.num_prompt_tokens - start, num_new)
         if request.seq_id in step.sampling:
             step.sampling.remove(request.seq_id)
             request.num_pending_outputs -= 1
