@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -137,6 +138,18 @@ def test_worker_killed_takes_the_executor_down(tiny_model_dir, tmp_path):
         assert services.scheduler.poll() is None
 
 
+def _cpu_runner(model_dir: Path, num_blocks: int, quantization: str | None = None):
+    """A single-device float32 ModelRunner on the CPU: the reference a TP=2 executor is held to."""
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner
+
+    config = ExecutorConfig(
+        model=str(model_dir), device="cpu", dtype="float32", max_model_len=128,
+        num_gpu_blocks_override=num_blocks, swap_space=0.01, quantization=quantization,
+    )  # fmt: skip
+    return ModelRunner.create(config)
+
+
 def _start_executor(model_dir: Path, log_path: Path, *args: str, port: int = 0) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "pagedserve.executor", f"--model={model_dir}", "--device=cpu",
@@ -183,24 +196,14 @@ def test_executor_protocol_matches_the_single_device_runner(tiny_model_dir, tmp_
     lease (every rank forgets its requests)."""
     import grpc
 
-    from pagedserve.executor.config import ExecutorConfig
-    from pagedserve.executor.runner import ModelRunner, PlanError
+    from pagedserve.executor.runner import PlanError
     from pagedserve.protos import executor_pb2, executor_pb2_grpc
     from tests.test_executor_service import StepStream
     from tests.toy_scheduler import ToyScheduler
 
     port, log_path = free_port(), tmp_path / "executor.log"
     proc = _start_executor(tiny_model_dir, log_path, *TP2, "--num-gpu-blocks-override=48", port=port)
-    reference = ModelRunner.create(
-        ExecutorConfig(
-            model=str(tiny_model_dir),
-            device="cpu",
-            dtype="float32",
-            max_model_len=128,
-            num_gpu_blocks_override=48,
-            swap_space=0.01,
-        )  # fmt: skip
-    )
+    reference = _cpu_runner(tiny_model_dir, num_blocks=48)
     try:
         _wait_serving(proc, log_path)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -263,8 +266,6 @@ def test_fp8_tp2_prompt_logprobs_close_to_fp8_tp1(tiny_model_dir, tmp_path, monk
     decode steps after."""
     import grpc
 
-    from pagedserve.executor.config import ExecutorConfig
-    from pagedserve.executor.runner import ModelRunner
     from pagedserve.protos import executor_pb2, executor_pb2_grpc
     from tests.test_executor_service import StepStream
     from tests.toy_scheduler import ToyScheduler
@@ -273,20 +274,7 @@ def test_fp8_tp2_prompt_logprobs_close_to_fp8_tp1(tiny_model_dir, tmp_path, monk
     port, log_path = free_port(), tmp_path / "executor.log"
     fp8 = ("--quantization=fp8", "--num-gpu-blocks-override=16")
     proc = _start_executor(tiny_model_dir, log_path, *TP2, *fp8, port=port)
-    references = {
-        quantization: ModelRunner.create(
-            ExecutorConfig(
-                model=str(tiny_model_dir),
-                device="cpu",
-                dtype="float32",
-                max_model_len=128,
-                num_gpu_blocks_override=16,
-                swap_space=0.01,
-                quantization=quantization,
-            )  # fmt: skip
-        )
-        for quantization in ("fp8", None)
-    }
+    references = {q: _cpu_runner(tiny_model_dir, num_blocks=16, quantization=q) for q in ("fp8", None)}
     prompt = list(range(3, 40))
     try:
         _wait_serving(proc, log_path)
@@ -401,12 +389,12 @@ def test_serve_two_tensor_parallel_groups_match_hugging_face(tiny_model_dir, hf_
         assert all(len(_children(pid)) == 1 for pid in groups)  # each rank 0 with its one worker
         rng = random.Random(11)
         prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 40))] for _ in range(8)]
-        with grpc_channel(port) as channel, ThreadPoolExecutor(len(prompts)) as pool:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, ThreadPoolExecutor(len(prompts)) as pool:
             requests = [make_request(p, max_tokens=MAX_TOKENS, temperature=0) for p in prompts]
             got = [list(r.token_ids) for r in pool.map(lambda r: generate(channel, r, timeout=300), requests)]
         assert got == [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
         for p in ports:  # both groups served some of them
-            with grpc_channel(p) as channel:
+            with grpc.insecure_channel(f"127.0.0.1:{p}") as channel:
                 stats = executor_pb2_grpc.ExecutorStub(channel).GetStats(
                     executor_pb2.GetStatsRequest(), timeout=10
                 )
@@ -417,19 +405,11 @@ def test_serve_two_tensor_parallel_groups_match_hugging_face(tiny_model_dir, hf_
     assert not children_of(serve.pid)
 
 
-def grpc_channel(port: int):
-    import grpc
-
-    return grpc.insecure_channel(f"127.0.0.1:{port}")
-
-
 def _num_attached(port: int) -> int:
     """Executors the scheduler on `port` holds (`Admin.ListExecutors`); 0 while it does not answer."""
-    import grpc
-
     from pagedserve.protos import admin_pb2, admin_pb2_grpc
 
-    with grpc_channel(port) as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:
             listed = admin_pb2_grpc.AdminStub(channel).ListExecutors(
                 admin_pb2.ListExecutorsRequest(), timeout=2
