@@ -116,98 +116,6 @@ def _load_block_ids(
 
 
 @triton.jit
-def _load_kv_tile(
-    k_ptr,
-    v_ptr,
-    block_ids,
-    k0,
-    limit,
-    k_head_off,
-    v_head_off,
-    stride_kb,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vd,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BOUNDS: tl.constexpr,
-):
-    """The raw K and V tiles of keys k0 .. k0 + BLOCK_N - 1 (block ids from `_load_block_ids`),
-    both requested before either is used. BOUNDS: keys at or past `limit` read as zeros (no
-    memory traffic); interior tiles pass no mask."""
-    kpos = k0 + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, D_PAD)
-    in_page = (kpos % PAGE_SIZE).to(tl.int64)
-    k_rows = block_ids * stride_kb + in_page * stride_kt + k_head_off
-    v_rows = block_ids * stride_vb + in_page * stride_vt + v_head_off
-    k_ptrs = k_ptr + k_rows[:, None] + d[None, :] * stride_kd
-    v_ptrs = v_ptr + v_rows[:, None] + d[None, :] * stride_vd
-    if BOUNDS:
-        kmask = kpos < limit
-        if HEAD_DIM == D_PAD:
-            load_mask = kmask[:, None]
-        else:
-            load_mask = kmask[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptrs, mask=load_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=load_mask, other=0.0)
-    elif HEAD_DIM == D_PAD:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
-        v = tl.load(v_ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k,
-    v,
-    k0,
-    kv_end,
-    q_pos,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    BOUNDS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    KV_FP8: tl.constexpr,
-):
-    """The online-softmax step of `_attend_block` over K and V tiles already loaded (raw; or
-    widened already, with KV_FP8=0)."""
-    kpos = k0 + tl.arange(0, BLOCK_N)
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    elif KV_FP8 == WIDEN_TO_F16:
-        k = k.to(tl.float16)
-        v = _widen_v_e4m3(v)
-    elif KV_FP8:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    if BOUNDS:
-        scores = tl.where((kpos < kv_end)[None, :], scores, float("-inf"))
-    if CAUSAL:
-        scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _attend_block(
     acc,
     m_i,
@@ -249,193 +157,48 @@ def _attend_block(
     float16, see WIDEN_*) and their scales are applied outside the products (k_scale inside
     qk_scale, v_scale to the result).
     """
-    k, v = _load_kv_tile(
-        k_ptr, v_ptr, block_ids, k0, kv_end, k_head_off, v_head_off,
-        stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, BOUNDS,
-    )  # fmt: skip
-    return _attend_tile(
-        acc, m_i, l_i, q, k, v, k0, kv_end, q_pos, qk_scale,
-        BLOCK_N, BOUNDS, CAUSAL, DOT_PREC, DOT_FP32, KV_FP8,
-    )  # fmt: skip
-
-
-@triton.jit
-def _load_kv_tile_packed(
-    k_ptr,
-    v_ptr,
-    block_ids,
-    k0,
-    limit,
-    k_head_off,
-    v_head_off,
-    stride_kb,
-    stride_kt,
-    stride_vb,
-    stride_vt,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    """`_load_kv_tile` of e4m3 caches (head_dim contiguous, a multiple of 4) as int32 words, 4
-    values each: [BLOCK_N, D_PAD // 4]. A tile carried from one loop iteration to the next as
-    bytes takes one register per byte (ptxas for sm_90: 216 registers); as words, one per 4."""
     kpos = k0 + tl.arange(0, BLOCK_N)
-    w = tl.arange(0, D_PAD // 4)
+    d = tl.arange(0, D_PAD)
     in_page = (kpos % PAGE_SIZE).to(tl.int64)
-    k_rows = (block_ids * stride_kb + in_page * stride_kt + k_head_off) // 4
-    v_rows = (block_ids * stride_vb + in_page * stride_vt + v_head_off) // 4
-    k_words = k_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    v_words = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    mask = (kpos < limit)[:, None] & (w[None, :] < HEAD_DIM // 4)
-    k = tl.load(k_words + k_rows[:, None] + w[None, :], mask=mask, other=0)
-    v = tl.load(v_words + v_rows[:, None] + w[None, :], mask=mask, other=0)
-    return k, v
-
-
-@triton.jit
-def _widen_words_e4m3(x, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
-    """[BLOCK_N, D_PAD // 4] int32 words of 4 e4m3 values -> [BLOCK_N, D_PAD] float16 (exact),
-    two `cvt.rn.f16x2.e4m3x2` per word (opaque to the layout passes, as `_widen_v_e4m3`)."""
-    v0, v1, v2, v3 = tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
-        "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-        "=h,=h,=h,=h,r",
-        [x],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=False,
-        pack=1,
-    )
-    # [n, j, b, a] = value 4j + 2b + a
-    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BLOCK_N, D_PAD))
-
-
-@triton.jit
-def _attend_full_tiles_prefetched(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k_ptr,
-    v_ptr,
-    block_table_ptr,
-    kv_start,
-    full_end,
-    q_pos,
-    k_head_off,
-    v_head_off,
-    stride_kb,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vd,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    K_OPAQUE: tl.constexpr,
-    DEPTH: tl.constexpr,
-):
-    """The whole tiles kv_start .. full_end - 1, software-pipelined by hand in registers (launch
-    with num_stages=1 so Triton's pipeliner leaves the loop alone).
-
-    Triton's pipeliner (num_stages=2) keeps one shared-memory buffer per tile and issues the next
-    tile's copy after this tile's products, so a program waits a whole memory round trip (block ids,
-    then K/V) per tile with nothing to overlap it (TTGIR, sm_90). Here iteration i requests the K/V
-    of tile i+1 (ids loaded one iteration before) and the block ids of tile i+2 before it
-    computes tile i: the products overlap the next tile's loads. DEPTH 2 keeps tiles i+1 and i+2
-    in flight instead (block ids three ahead). The prefetched tiles sit in registers (FP8, 64x128
-    keys: 32 registers a thread at 4 warps, as int32 words when K_OPAQUE; K_OPAQUE also widens
-    both K and V through `_widen_words_e4m3`). Loads past full_end are masked (no traffic).
-    """
-    ids = _load_block_ids(block_table_ptr, kv_start, full_end, BLOCK_N, PAGE_SIZE, True)
-    ids_next = _load_block_ids(block_table_ptr, kv_start + BLOCK_N, full_end, BLOCK_N, PAGE_SIZE, True)
-    if DEPTH == 2:
-        ids_next2 = _load_block_ids(
-            block_table_ptr, kv_start + 2 * BLOCK_N, full_end, BLOCK_N, PAGE_SIZE, True
-        )
-    k, v = _prefetch_load(
-        k_ptr, v_ptr, ids, kv_start, full_end, k_head_off, v_head_off,
-        stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-        BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, K_OPAQUE,
-    )  # fmt: skip
-    if DEPTH == 2:
-        k1, v1 = _prefetch_load(
-            k_ptr, v_ptr, ids_next, kv_start + BLOCK_N, full_end, k_head_off, v_head_off,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, K_OPAQUE,
-        )  # fmt: skip
-        ids_next = ids_next2
-    for k0 in range(kv_start, full_end, BLOCK_N):
-        ahead = k0 + DEPTH * BLOCK_N
-        ids_after = _load_block_ids(block_table_ptr, ahead + BLOCK_N, full_end, BLOCK_N, PAGE_SIZE, True)
-        k_next, v_next = _prefetch_load(
-            k_ptr, v_ptr, ids_next, ahead, full_end, k_head_off, v_head_off,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, K_OPAQUE,
-        )  # fmt: skip
-        if K_OPAQUE:
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, _widen_words_e4m3(k, BLOCK_N, D_PAD), _widen_words_e4m3(v, BLOCK_N, D_PAD),
-                k0, full_end, q_pos, qk_scale, BLOCK_N, False, False, DOT_PREC, DOT_FP32, 0,
-            )  # fmt: skip
+    k_rows = block_ids * stride_kb + in_page * stride_kt + k_head_off
+    v_rows = block_ids * stride_vb + in_page * stride_vt + v_head_off
+    k_ptrs = k_ptr + k_rows[:, None] + d[None, :] * stride_kd
+    v_ptrs = v_ptr + v_rows[:, None] + d[None, :] * stride_vd
+    if BOUNDS:
+        kmask = kpos < kv_end
+        if HEAD_DIM == D_PAD:
+            load_mask = kmask[:, None]
         else:
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k, v, k0, full_end, q_pos, qk_scale,
-                BLOCK_N, False, False, DOT_PREC, DOT_FP32, KV_FP8,
-            )  # fmt: skip
-        if DEPTH == 2:
-            k = k1
-            v = v1
-            k1 = k_next
-            v1 = v_next
-        else:
-            k = k_next
-            v = v_next
-        ids_next = ids_after
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _prefetch_load(
-    k_ptr,
-    v_ptr,
-    block_ids,
-    k0,
-    limit,
-    k_head_off,
-    v_head_off,
-    stride_kb,
-    stride_kt,
-    stride_kd,
-    stride_vb,
-    stride_vt,
-    stride_vd,
-    BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    PACKED: tl.constexpr,
-):
-    """A tile for the prefetching loop: raw (`_load_kv_tile`), or as int32 words when PACKED."""
-    if PACKED:
-        k, v = _load_kv_tile_packed(
-            k_ptr, v_ptr, block_ids, k0, limit, k_head_off, v_head_off,
-            stride_kb, stride_kt, stride_vb, stride_vt, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD,
-        )  # fmt: skip
+            load_mask = kmask[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=load_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=load_mask, other=0.0)
+    elif HEAD_DIM == D_PAD:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
     else:
-        k, v = _load_kv_tile(
-            k_ptr, v_ptr, block_ids, k0, limit, k_head_off, v_head_off,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True,
-        )  # fmt: skip
-    return k, v
+        k = tl.load(k_ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=d[None, :] < HEAD_DIM, other=0.0)
+
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    elif KV_FP8 == WIDEN_TO_F16:
+        k = k.to(tl.float16)
+        v = _widen_v_e4m3(v)
+    elif KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if BOUNDS:
+        scores = tl.where((kpos < kv_end)[None, :], scores, float("-inf"))
+    if CAUSAL:
+        scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -468,28 +231,17 @@ def _attend_range(
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """The keys kv_start .. kv_end - 1: whole tiles up to full_end without any mask, the rest with the
-    length mask (and the causal one if CAUSAL). Each tile loads its block ids in the loop.
-    PREFETCH: the whole tiles through `_attend_full_tiles_prefetched` (next tile's loads in flight
-    during this tile's products)."""
-    if PREFETCH:
-        if kv_start < full_end:
-            acc, m_i, l_i = _attend_full_tiles_prefetched(
-                acc, m_i, l_i, q, k_ptr, v_ptr, block_table_ptr, kv_start, full_end, q_pos,
-                k_head_off, v_head_off, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                qk_scale, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, DOT_PREC, DOT_FP32, KV_FP8,
-                (PREFETCH >= 2) and (KV_FP8 == WIDEN_TO_F16), 2 if PREFETCH == 3 else 1,
-            )  # fmt: skip
-    else:
-        for k0 in range(kv_start, full_end, BLOCK_N):
-            block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
-                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, DOT_PREC, DOT_FP32, KV_FP8,
-            )  # fmt: skip
+    length mask (and the causal one if CAUSAL). Each tile loads its block ids in the loop, which
+    Triton's software pipeliner prefetches a stage ahead of the K/V loads they address."""
+    for k0 in range(kv_start, full_end, BLOCK_N):
+        block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, DOT_PREC, DOT_FP32, KV_FP8,
+        )  # fmt: skip
     for k0 in range(full_end, kv_end, BLOCK_N):
         block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
         acc, m_i, l_i = _attend_block(
@@ -606,7 +358,6 @@ def decode_kernel(
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """One decode token x one KV head group x one context partition (split).
 
@@ -694,7 +445,7 @@ def decode_kernel(
                 acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
                 kv_start, full_end, kv_end, rows, k_head_off, v_head_off,
                 stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, DOT_FP32, KV_FP8, PREFETCH,
+                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, DOT_FP32, KV_FP8,
             )  # fmt: skip
         if KV_FP8:
             acc = acc * tl.load(v_scale_ptr)

@@ -65,10 +65,6 @@ read byte by byte from shared memory in the dot-operand layout (`attention_jit._
 varlen kernel casts to q's dtype, which measured faster there (`FP8_DECODE_WIDEN`,
 `FP8_PREFILL_WIDEN`). Launch choices are the bf16 ones: in two H200 sweeps no other decode config
 was faster with FP8 caches at the large K1 shapes, and none consistently at the small ones.
-`FP8_LOOP_CONFIG` can give FP8 caches a looping config of their own, e.g. the prefetching loop
-(`DecodeConfig.prefetch`, `attention_jit._attend_full_tiles_prefetched`), which keeps the next
-tile's loads in flight during this tile's products (Triton's pipeliner does not: README, FP8);
-unset until an H200 sweep (`python -m pagedserve.bench.fp8 --parts sweep-loop`) shows it faster.
 
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
@@ -107,8 +103,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 FP8_DECODE_WIDEN = WIDEN_TO_Q_DTYPE.value if _INTERPRETED else WIDEN_TO_F16.value
 FP8_PREFILL_WIDEN = WIDEN_TO_Q_DTYPE.value
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
-# sm_90; `DecodeConfig.programs_per_sm` says it per config, this is its default). Decode programs
-# of one launch are equally long, so the launch is as fast as its fullest
+# sm_90). Decode programs of one launch are equally long, so the launch is as fast as its fullest
 # wave: the split count is the smallest that fills the resident slots to _WAVE_EFFICIENCY (a
 # partial last wave measurably slows K1's (32, 16384): `--sweep`). Batches that already
 # fill two waves are not split.
@@ -140,21 +135,11 @@ _BIG_PREFILL_MIN_WAVES = 4
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile and launch parameters of the decode kernel (keys per step, warps, pipeline depth).
-
-    prefetch: the whole tiles run through `attention_jit._attend_full_tiles_prefetched` (the next
-    tile's loads in flight in registers during this tile's products; use with num_stages=1).
-    maxnreg: a register cap per thread for ptxas (None: ptxas's choice).
-    programs_per_sm: how many programs of this config an SM holds at once (by ptxas for sm_90:
-    registers and shared memory); the split policy fills that many slots per SM.
-    """
+    """Tile and launch parameters of the decode kernel (keys per step, warps, pipeline depth)."""
 
     block_n: int
     num_warps: int
     num_stages: int
-    prefetch: int = 0
-    maxnreg: int | None = None
-    programs_per_sm: int = _RESIDENT_PROGRAMS_PER_SM
 
 
 @dataclass(frozen=True)
@@ -167,15 +152,8 @@ class PrefillConfig:
     num_stages: int
 
 
-# The decode kernel's looping config over FP8 caches (bf16/fp16 queries, head_dim <= 128); None:
-# the bf16 one (`default_decode_config`).
-FP8_LOOP_CONFIG: DecodeConfig | None = None
-
-
-def default_decode_config(head_dim_pad: int, dtype: torch.dtype, kv_fp8: bool = False) -> DecodeConfig:
+def default_decode_config(head_dim_pad: int, dtype: torch.dtype) -> DecodeConfig:
     """Decode reads keys and values once: enough loads in flight matters more than tile size.
-
-    kv_fp8 (caches of e4m3, bf16/fp16 queries, head_dim <= 128): `FP8_LOOP_CONFIG` where set.
 
     fp32 and head_dim 256 take smaller tiles so registers and shared memory suffice (checked with
     ptxas for sm_90: no spills). For bf16/fp16 `python -m pagedserve.bench.kernels --sweep` picked
@@ -186,8 +164,6 @@ def default_decode_config(head_dim_pad: int, dtype: torch.dtype, kv_fp8: bool = 
         return DecodeConfig(block_n=32, num_warps=8, num_stages=2)
     if head_dim_pad >= 256:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
-    if kv_fp8 and FP8_LOOP_CONFIG is not None:
-        return FP8_LOOP_CONFIG
     return DecodeConfig(block_n=64, num_warps=4, num_stages=2)
 
 
@@ -264,13 +240,7 @@ def _sm_count(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def choose_decode_launch(
-    num_tokens: int,
-    num_kv_heads: int,
-    max_context: int,
-    head_dim_pad: int,
-    dtype: torch.dtype,
-    sm_count: int,
-    kv_fp8: bool = False,
+    num_tokens: int, num_kv_heads: int, max_context: int, head_dim_pad: int, dtype: torch.dtype, sm_count: int
 ) -> tuple[DecodeConfig, int]:
     """Decode config and split count, from shapes only.
 
@@ -285,20 +255,13 @@ def choose_decode_launch(
         and num_tokens * num_kv_heads * tiles <= _SINGLE_TILE_PROGRAMS_PER_SM * sm_count
     ):
         return single, tiles
-    config = default_decode_config(head_dim_pad, dtype, kv_fp8)
-    return config, choose_num_splits(
-        num_tokens, num_kv_heads, max_context, config.block_n, sm_count, config.programs_per_sm
-    )
+    config = default_decode_config(head_dim_pad, dtype)
+    return config, choose_num_splits(num_tokens, num_kv_heads, max_context, config.block_n, sm_count)
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_num_splits(
-    num_tokens: int,
-    num_kv_heads: int,
-    max_context: int,
-    block_n: int,
-    sm_count: int,
-    programs_per_sm: int = _RESIDENT_PROGRAMS_PER_SM,
+    num_tokens: int, num_kv_heads: int, max_context: int, block_n: int, sm_count: int
 ) -> int:
     """Split-KV partitions for the decode kernel with a looping config, from shapes only.
 
@@ -308,7 +271,7 @@ def choose_num_splits(
     fill two waves on their own are not split.
     """
     base = num_tokens * num_kv_heads
-    slots = programs_per_sm * sm_count
+    slots = _RESIDENT_PROGRAMS_PER_SM * sm_count
     if base >= 2 * slots:
         return 1
     max_splits = max(1, min(_cdiv(max_context, max(_MIN_TOKENS_PER_SPLIT, block_n)), _MAX_SPLITS))
@@ -360,7 +323,6 @@ def _decode_plan(
     config: DecodeConfig | None,
     num_splits: int | None,
     by_seq: bool,
-    kv_fp8: bool = False,
 ) -> _DecodePlan:
     """Grid, split geometry and meta-parameters of the decode kernel (and the merge) for one shape.
 
@@ -374,13 +336,11 @@ def _decode_plan(
     table_tokens = table_width * page_size
     if config is None and num_splits is None:
         config, num_splits = choose_decode_launch(
-            num_rows, num_kv_heads, table_tokens, d_pad, dtype, sm_count, kv_fp8
+            num_rows, num_kv_heads, table_tokens, d_pad, dtype, sm_count
         )
-    config = config or default_decode_config(d_pad, dtype, kv_fp8)
+    config = config or default_decode_config(d_pad, dtype)
     if num_splits is None:
-        num_splits = choose_num_splits(
-            num_rows, num_kv_heads, table_tokens, config.block_n, sm_count, config.programs_per_sm
-        )
+        num_splits = choose_num_splits(num_rows, num_kv_heads, table_tokens, config.block_n, sm_count)
     tokens_per_split = max(1, _cdiv(_cdiv(table_tokens, num_splits), config.block_n)) * config.block_n
     num_splits = max(1, _cdiv(table_tokens, tokens_per_split))
     split = num_splits > 1
@@ -397,12 +357,9 @@ def _decode_plan(
         BY_SEQ=by_seq,
         DOT_PREC=_dot_precision(dtype),
         DOT_FP32=_dot_in_fp32(dtype),
-        PREFETCH=config.prefetch,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if config.maxnreg is not None and not _INTERPRETED:
-        meta["maxnreg"] = config.maxnreg
     merge_meta = {}
     if split:
         s_pad = _pow2_at_least(num_splits)
@@ -625,15 +582,6 @@ def decode_plan(
         config,
         num_splits,
         by_seq,
-        k_cache.dtype == _FP8,
-    )
-
-
-def _packed_fp8_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the prefetching loop may read these FP8 caches as int32 words (`prefetch=2`):
-    head_dim contiguous, a multiple of 4, every other stride a multiple of 4."""
-    return k_cache.shape[3] % 4 == 0 and all(
-        c.stride(3) == 1 and all(st % 4 == 0 for st in c.stride()[:3]) for c in (k_cache, v_cache)
     )
 
 
@@ -654,9 +602,6 @@ def _launch_decode(
     scales = scales or _kv_scales(k_cache, None, None, q.device)
     plan = decode_plan(q, k_cache, block_tables, config, num_splits, by_seq)
     part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out  # unread unsplit
-    meta = plan.meta
-    if meta["PREFETCH"] >= 2 and not _packed_fp8_ok(k_cache, v_cache):
-        meta = meta | {"PREFETCH": 1}
     decode_kernel[plan.grid](
         q,
         k_cache,
@@ -678,7 +623,7 @@ def _launch_decode(
         *v_cache.stride(),
         *out.stride(),
         block_tables.stride(0),
-        **meta,
+        **plan.meta,
         KV_FP8=_fp8_mode(k_cache, q.dtype, FP8_DECODE_WIDEN),
     )
     if plan.part_rows:

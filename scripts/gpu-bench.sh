@@ -12,7 +12,6 @@
 #   pressure   W1 in a KV pool of 4,096 and 8,192 blocks (W1 peaks near 20,400): recompute vs swap
 #   fp8-kernels python -m pagedserve.bench.fp8 (FP8 linear vs bf16, fused quantizing kernels, K1
 #              decode with an FP8 KV cache)
-#   fp8-loop   the prefetching FP8 decode loop's candidates (bench.fp8 --parts sweep-loop) and its CUDA tests
 #   w1-fp8     W1 with the throughput flags: bf16, --quantization fp8, and both FP8 flags
 #   w5-fp8     W5 (128 x 12,000-token prompts, 512 outputs) with bf16 vs FP8 KV (weights FP8 in both,
 #              or bf16 in both with W5_WEIGHTS=bf16)
@@ -61,11 +60,6 @@ if wants step; then
     --mixed-prompt 512 --service
 fi
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m pagedserve.bench.fp8 --result-file "$OUT/fp8-kernels.json"; fi
-if wants fp8-loop; then  # the prefetching FP8 decode loop's candidates against bf16 and the shipped launch
-  run fp8-sweep-loop 300 python3 -m pagedserve.bench.fp8 --parts sweep-loop --result-file "$OUT/fp8-sweep-loop.json"
-  run fp8-loop-tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py \
-    -k "launch_variants or odd_shapes or loop_config or packed"
-fi
 if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi

@@ -258,36 +258,19 @@ def test_triton_fp8_attention_odd_shapes(heads, head_dim, block_size):
         dict(decode_config="looping", num_splits=3),
         dict(decode_config="single", num_splits=5),
         dict(decode_config="looping", num_splits=1),
-        dict(decode_config="prefetch", num_splits=3),
-        dict(decode_config="prefetch", num_splits=1),
-        dict(decode_config="prefetch2", num_splits=2),
         dict(prefill_config="big"),
     ],
-    ids=[
-        "split-looping",
-        "split-single-tile",
-        "unsplit",
-        "split-prefetch",
-        "unsplit-prefetch",
-        "split-prefetch-two-ahead",
-        "big-prefill-tiles",
-    ],
+    ids=["split-looping", "split-single-tile", "unsplit", "big-prefill-tiles"],
 )
 def test_triton_fp8_attention_launch_variants(overrides):
     """Every launch shape applies the scales: splits (v_scale before the partials are merged), one
-    tile per program, no split, the loop with the next tile prefetched in registers (whole tiles,
-    then a masked tail; splits of 2-3 tiles, so the last prefetch is masked), and the tall
-    prefill tiles."""
+    tile per program, no split, and the tall prefill tiles."""
     from pagedserve.kernels import triton_attention as ta
 
     dtype = torch.bfloat16
     kw = dict(overrides)
     if kw.get("decode_config") == "looping":
         kw["decode_config"] = ta.DecodeConfig(block_n=64, num_warps=4, num_stages=2)
-    elif kw.get("decode_config") == "prefetch":
-        kw["decode_config"] = ta.DecodeConfig(block_n=32, num_warps=4, num_stages=1, prefetch=2)
-    elif kw.get("decode_config") == "prefetch2":
-        kw["decode_config"] = ta.DecodeConfig(block_n=32, num_warps=4, num_stages=1, prefetch=3)
     elif kw.get("decode_config") == "single":
         kw["decode_config"] = ta.DecodeConfig(block_n=128, num_warps=8, num_stages=2)
     if kw.get("prefill_config") == "big":
@@ -298,57 +281,6 @@ def test_triton_fp8_attention_launch_variants(overrides):
     want = reference.paged_attention(*args, None, ks, vs)
     got = ta.paged_attention(*args, k_scale=ks, v_scale=vs, **kw)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-
-
-@needs_triton
-def test_fp8_loop_config_choice(monkeypatch):
-    """`FP8_LOOP_CONFIG` replaces the looping decode config over FP8 caches only (not over bf16
-    caches, nor the one-tile launch of small batches), and its resident programs per SM drive the
-    split count; the prefetching loop it names matches the reference (decodes in a mixed batch,
-    looping even at this size, so the unsplit and split whole-tile loops and the masked tail run)."""
-    from pagedserve.kernels import triton_attention as ta
-
-    config = ta.DecodeConfig(block_n=32, num_warps=4, num_stages=1, prefetch=2, programs_per_sm=5)
-    for fn in (ta.choose_decode_launch, ta._decode_plan):
-        fn.cache_clear()
-    monkeypatch.setattr(ta, "FP8_LOOP_CONFIG", config)
-    bf16 = torch.bfloat16
-    try:
-        assert ta.choose_decode_launch(64, 8, 4096, 128, bf16, 132, kv_fp8=True) == (
-            config,
-            ta.choose_num_splits(64, 8, 4096, 32, 132, 5),
-        )
-        assert ta.choose_decode_launch(64, 8, 4096, 128, bf16, 132)[0] == ta.default_decode_config(128, bf16)
-        assert ta.choose_decode_launch(1, 8, 4096, 128, bf16, 132, kv_fp8=True)[0] == (
-            ta.single_tile_decode_config(128, bf16)
-        )
-        assert ta.choose_num_splits(64, 8, 4096, 64, 132, 5) != ta.choose_num_splits(64, 8, 4096, 64, 132, 4)
-        monkeypatch.setattr(ta, "_SINGLE_TILE_PROGRAMS_PER_SM", 0)  # small batches loop too
-        ta.choose_decode_launch.cache_clear()
-        batch = _batch([1, 5, 1, 1], [300, 40, 97, 33], bf16, seed=11)
-        args, ks, vs = _fp8_attention_args(batch)
-        assert ta.decode_plan(args[0], args[1], args[3], by_seq=True).meta["PREFETCH"] == 2
-        want = reference.paged_attention(*args, None, ks, vs)
-        for kw in ({}, dict(num_splits=2)):
-            got = ta.paged_attention(*args, k_scale=ks, v_scale=vs, **kw)
-            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-    finally:
-        for fn in (ta.choose_decode_launch, ta._decode_plan):
-            fn.cache_clear()
-
-
-def test_packed_fp8_reads_need_aligned_contiguous_caches():
-    """The int32-word reads of the prefetching loop only where every value of a word belongs to one
-    row: head_dim contiguous and a multiple of 4, other strides multiples of 4."""
-    from pagedserve.kernels import triton_attention as ta
-
-    cache = torch.zeros(4, 16, 2, 64, dtype=FP8_KV_DTYPE)
-    assert ta._packed_fp8_ok(cache, cache)
-    odd = torch.zeros(4, 16, 2, 66, dtype=FP8_KV_DTYPE)
-    assert not ta._packed_fp8_ok(odd, odd)
-    assert not ta._packed_fp8_ok(odd[..., :64], odd[..., :64])  # strides of 66
-    transposed = torch.zeros(4, 16, 64, 2, dtype=FP8_KV_DTYPE).transpose(2, 3)
-    assert not ta._packed_fp8_ok(cache, transposed)
 
 
 @needs_triton

@@ -14,11 +14,9 @@
    and KV bytes read per second (bf16 reads 2 bytes per element, FP8 one), with the shipped
    widening of the FP8 tiles and with the previous one (plain casts to bf16).
 
-Tuning parts, not in the default run (`--parts sweep,sweep-prefill,sweep-loop`): the decode kernel
-over an FP8 cache per widening mode (`attention_jit.WIDEN_*`) and launch config, the varlen kernel
-per widening mode, and the decode kernel over an FP8 cache per looping config of LOOP_CANDIDATES
-(register prefetching, register caps, each with its own split count), each against bf16 in the
-same run.
+Tuning parts, not in the default run (`--parts sweep,sweep-prefill`): the decode kernel over an FP8
+cache per widening mode (`attention_jit.WIDEN_*`) and launch config, and the varlen kernel per
+widening mode, each against bf16 in the same run.
 
 Times are medians of `triton.testing.do_bench` (L2 flushed before each repetition), eager calls.
 """
@@ -239,24 +237,6 @@ def bench_decode() -> list[dict]:
 SWEEP_LOOP_CONFIGS = [(64, 4, 2), (128, 4, 2), (128, 8, 2), (64, 2, 2), (32, 4, 2)]
 SWEEP_SINGLE_CONFIGS = [(128, 8, 2)]
 PREFILL_SHAPES = [(4, 2048, 2048), (8, 512, 8192)]  # (sequences, new tokens each, context)
-# Looping decode configs for FP8 caches (`--parts sweep-loop`): label -> config. prefetch=2 is the
-# register-prefetching loop with the tiles carried as int32 words (`attention_jit`), num_stages=1;
-# 3 the same two tiles ahead; 1 carries the tiles as bytes. programs_per_sm from ptxas for sm_90
-# (triton 3.7: registers and shared memory), for the split policy.
-LOOP_CANDIDATES = {
-    "shipped_maxnreg96": ta.DecodeConfig(64, 4, 2, maxnreg=96, programs_per_sm=5),
-    "pf64_w4": ta.DecodeConfig(64, 4, 1, prefetch=2, programs_per_sm=4),
-    "pf64_w4_maxnreg96": ta.DecodeConfig(64, 4, 1, prefetch=2, maxnreg=96, programs_per_sm=5),
-    "pf32_w4": ta.DecodeConfig(32, 4, 1, prefetch=2, programs_per_sm=5),
-    "pf32_w4_maxnreg80": ta.DecodeConfig(32, 4, 1, prefetch=2, maxnreg=80, programs_per_sm=6),
-    "pf64_w8": ta.DecodeConfig(64, 8, 1, prefetch=2, programs_per_sm=2),
-    "pf128_w8": ta.DecodeConfig(128, 8, 1, prefetch=2, programs_per_sm=2),
-    "pf64d2_w4": ta.DecodeConfig(64, 4, 1, prefetch=3, programs_per_sm=3),
-    "pf32d2_w4": ta.DecodeConfig(32, 4, 1, prefetch=3, programs_per_sm=4),
-    "pf64_w4_bytes": ta.DecodeConfig(64, 4, 1, prefetch=1, maxnreg=128, programs_per_sm=4),
-}
-# The same loop over the bf16 cache, for reference (tiles carried as 16-bit values; 128 registers).
-BF16_LOOP_CANDIDATES = {"bf16_pf32_w4": ta.DecodeConfig(32, 4, 1, prefetch=1, maxnreg=128, programs_per_sm=4)}
 
 
 def _attention(q, k, v, args: tuple, **kw) -> torch.Tensor:
@@ -316,108 +296,6 @@ def sweep_decode(modes: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-class _KernelStats:
-    """Wraps `triton_attention.decode_kernel` to note the registers, spills and shared memory of
-    the last compiled variant it launched (what ptxas for the device made of it)."""
-
-    def __init__(self) -> None:
-        self.jit = ta.decode_kernel
-        self.last: dict = {}
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            kernel = self.jit[grid](*args, **kwargs)
-            with contextlib.suppress(Exception):
-                self.last = dict(regs=kernel.n_regs, spills=kernel.n_spills, smem=kernel.metadata.shared)
-            return kernel
-
-        return launch
-
-
-def _candidate_launch(batch: int, context: int, config: ta.DecodeConfig) -> tuple[ta.DecodeConfig, int]:
-    """The launch the shape-based policy would make if `config` were the default looping config:
-    the single-tile launch where that is chosen, else `config` with the split count for its
-    resident programs per SM."""
-    d_pad, sm = HEAD_DIM, ta._sm_count(torch.device("cuda"))
-    auto, splits = ta.choose_decode_launch(batch, NUM_KV_HEADS, context, d_pad, torch.bfloat16, sm)
-    if auto == ta.single_tile_decode_config(d_pad, torch.bfloat16):
-        return auto, splits
-    return config, ta.choose_num_splits(
-        batch, NUM_KV_HEADS, context, config.block_n, sm, config.programs_per_sm
-    )
-
-
-def sweep_loop(labels: list[str] | None = None) -> list[dict]:
-    """K1 decode shapes over an FP8 cache (shipped widening): the shipped launch and each config
-    of LOOP_CANDIDATES (with its own split count), against bf16's shipped launch, in one process.
-    Per variant: time, bytes/s ratio to bf16, splits, ptxas registers/spills/shared memory, and
-    `max_err` against the bf16 kernel over the dequantized caches."""
-    rows = []
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    scale = torch.full((1,), 0.02, device="cuda")
-    stats = _KernelStats()
-    ta.decode_kernel = stats
-    candidates = {k: v for k, v in LOOP_CANDIDATES.items() if labels is None or k in labels}
-    try:
-        _spin_up()
-        for batch, context in K1_SHAPES:
-            q, k, v, k8, v8, args, want, fp8_bytes = _sweep_case(batch, context, gen)
-            want_bf16 = _attention(q, k, v, args).float()  # what the bf16 candidates are compared with
-            t = _ms(partial(_attention, q, k, v, args))
-            row = {"batch": batch, "context": context, "bf16_us": t * 1e3}
-            row |= {"bf16_gbps": 2 * fp8_bytes / t / 1e6, "bf16_kernel": stats.last}
-            print(
-                f"decode ({batch}, {context}) bf16 {row['bf16_us']:.1f} us {row['bf16_gbps']:.0f} GB/s "
-                f"{stats.last}",
-                flush=True,
-            )
-            for label, c in BF16_LOOP_CANDIDATES.items():
-                config, splits = _candidate_launch(batch, context, c)
-                kw = dict(decode_config=config, num_splits=splits)
-                try:
-                    err = (_attention(q, k, v, args, **kw).float() - want_bf16).abs().max().item()
-                    t = _ms(partial(_attention, q, k, v, args, **kw))
-                except Exception as exc:  # as the FP8 candidates below: reported, the sweep goes on
-                    print(f"decode ({batch}, {context}) {label}: FAILED {exc!r}", flush=True)
-                    row[f"{label}_error"] = repr(exc)[:500]
-                    continue
-                row[label] = dict(
-                    us=t * 1e3, speedup=row["bf16_us"] / (t * 1e3), max_err=err, kernel=stats.last
-                )
-                print(
-                    f"decode ({batch}, {context}) {label}: {t * 1e3:.1f} us, max err {err:.3g}, {stats.last}",
-                    flush=True,
-                )
-            variants = [("fp8_shipped", None, None)]
-            variants += [(label, *_candidate_launch(batch, context, c)) for label, c in candidates.items()]
-            for label, config, splits in variants:
-                kw = dict(k_scale=scale, v_scale=scale, decode_config=config, num_splits=splits)
-                try:
-                    err = (_attention(q, k8, v8, args, **kw).float() - want.float()).abs().max().item()
-                    t = _ms(partial(_attention, q, k8, v8, args, **kw))
-                except Exception as exc:  # a candidate that does not compile must not end the sweep
-                    print(f"decode ({batch}, {context}) {label}: FAILED {exc!r}", flush=True)
-                    row[f"{label}_error"] = repr(exc)[:500]
-                    continue
-                ratio = fp8_bytes / t / 1e6 / row["bf16_gbps"]
-                plan = ta.decode_plan(q, k8, args[0], config, splits)
-                row[label] = dict(
-                    us=t * 1e3, ratio=ratio, max_err=err, splits=plan.num_splits,
-                    block_n=plan.meta["BLOCK_N"], kernel=stats.last,
-                )  # fmt: skip
-                print(
-                    f"decode ({batch}, {context}) bf16 {row['bf16_us']:.1f} us | {label}: {t * 1e3:.1f} us, "
-                    f"bw ratio {ratio:.2f}, max err {err:.3g}, splits {plan.num_splits}, "
-                    f"tile {plan.meta['BLOCK_N']}, {stats.last}",
-                    flush=True,
-                )
-            rows.append(row)
-            del q, k, v, k8, v8
-    finally:
-        ta.decode_kernel = stats.jit
-    return rows
-
-
 def sweep_prefill(modes: tuple[int, ...]) -> list[dict]:
     """The varlen kernel over an FP8 cache against bf16, per widening mode: fresh prompts, and
     chunks after a long context (PREFILL_SHAPES)."""
@@ -462,12 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--result-file", default=None)
     parser.add_argument(
-        "--parts",
-        default="linear,fused,decode",
-        help="any of linear,fused,decode,errors,sweep,sweep-prefill,sweep-loop",
-    )
-    parser.add_argument(
-        "--loop-candidates", default=None, help="sweep-loop: LOOP_CANDIDATES labels, comma-separated"
+        "--parts", default="linear,fused,decode", help="any of linear,fused,decode,errors,sweep,sweep-prefill"
     )
     parser.add_argument("--error-rows", default="64,256,2048,8192", help="M values of the errors part")
     parser.add_argument(
@@ -493,9 +366,6 @@ def main(argv: list[str] | None = None) -> None:
         result["sweep_decode"] = sweep_decode(modes)
     if "sweep-prefill" in parts:
         result["sweep_prefill"] = sweep_prefill(modes)
-    if "sweep-loop" in parts:
-        labels = args.loop_candidates.split(",") if args.loop_candidates else None
-        result["sweep_loop"] = sweep_loop(labels)
     if args.result_file:
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_file).write_text(json.dumps(result, indent=1))
