@@ -14,7 +14,7 @@
 #              decode with an FP8 KV cache)
 #   w1-fp8     W1 with the throughput flags: bf16, --quantization fp8, and both FP8 flags
 #   w5-fp8     W5 (128 x 12,000-token prompts, 512 outputs) with bf16 vs FP8 KV (weights FP8 in both,
-#              or bf16 in both with W5_WEIGHTS=bf16)
+#              or bf16 in both with W5_WEIGHTS=bf16; W5_MEMORY=F: --gpu-memory-utilization F in both)
 #   scale-out  W1 and W4 through one scheduler with 2 executors sharing the GPU (half the memory
 #              each) vs 1: throughput and the scheduler's CPU per step
 #   w4-cpu     W4 on CPU executors (scripts/w4-cpu.sh): 1, 2, 3, 4 executors, prefix routing vs
@@ -134,9 +134,11 @@ json.dump(c, open(sys.argv[2], 'w'))" "$MODEL/config.json" "$w5_model/config.jso
   # The weights of both passes: FP8 (W5_WEIGHTS=fp8, the default) or the model's bf16 (W5_WEIGHTS=bf16)
   w5_weights=${W5_WEIGHTS:-fp8} w5_quant="--quantization fp8" w5_name=w5
   [ "$w5_weights" = bf16 ] && w5_quant="" w5_name=w5-bf16-weights
+  # W5_MEMORY=0.6: both passes with --gpu-memory-utilization 0.6, so that neither pool holds all 128
+  w5_memory="" && [ -n "${W5_MEMORY:-}" ] && w5_memory="--gpu-memory-utilization $W5_MEMORY" w5_name=$w5_name-mem$W5_MEMORY
   for variant in "kv-auto:" "kv-fp8:--kv-cache-dtype fp8"; do
     MODEL=$w5_model bench "$w5_name-${variant%%:*}" 300 --workload W5 "${fp8_w5[@]}" --scheduler-args "--max-num-seqs 128" \
-      --executor-args "$fp8_executor --max-num-seqs 128 --max-model-len $w5_len $w5_quant ${variant#*:}"
+      --executor-args "$fp8_executor --max-num-seqs 128 --max-model-len $w5_len $w5_quant $w5_memory ${variant#*:}"
   done
 fi
 if wants w4-cpu; then

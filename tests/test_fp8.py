@@ -590,3 +590,60 @@ def test_bench_widening_puts_the_shipped_mode_back_even_on_an_error():
     with pytest.raises(RuntimeError), widening("FP8_DECODE_WIDEN", shipped + 7):
         raise RuntimeError("a kernel failed")
     assert ta.FP8_DECODE_WIDEN == shipped
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("widen", [False, True])
+def test_bench_gather_floor_reads_exactly_the_tables_keys(layout, widen):
+    """`bench.fp8`'s floor kernel reads each program's keys through its block table, in either
+    layout: its xor (or, widened, its sum) equals the same reduction over the gathered words."""
+    from pagedserve.bench.fp8 import gather_words_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    kv_heads, page, words, num_blocks = 2, 4, 8, 12
+    dims = (page, kv_heads) if layout == "NHD" else (kv_heads, page)
+    k, v = (
+        torch.randint(0, 2**30, (num_blocks, *dims, words), generator=gen, dtype=torch.int32) & 0x3C3C3C3C
+        for _ in "kv"
+    )
+    stride_kt, stride_kh = (k.stride(1), k.stride(2)) if layout == "NHD" else (k.stride(2), k.stride(1))
+    tables = torch.randperm(num_blocks, generator=gen)[:8].view(2, 4).to(torch.int32)  # 16 keys a sequence
+    splits = 2
+    out = torch.empty(2 * kv_heads * splits, dtype=torch.int32)
+    gather_words_kernel[(2, kv_heads, splits)](
+        k, v, tables, out, 8, k.stride(0), stride_kt, stride_kh, tables.stride(0),
+        BLOCK_N=8, PAGE_SIZE=page, WORDS=words, WIDEN=widen,
+    )  # fmt: skip
+    k_nhd, v_nhd = (k, v) if layout == "NHD" else (k.transpose(1, 2), v.transpose(1, 2))
+    for seq in range(2):
+        for head in range(kv_heads):
+            for split in range(splits):
+                blocks = tables[seq, 2 * split : 2 * split + 2].long()
+                keys = torch.cat([k_nhd[blocks, :, head], v_nhd[blocks, :, head]]).reshape(-1)
+                if widen:
+                    want = int(keys.view(torch.float8_e4m3fn).float().sum())
+                else:
+                    want = 0
+                    for word in keys.tolist():
+                        want ^= word
+                got = int(out[(seq * kv_heads + head) * splits + split])
+                assert abs(got - want) <= (1 if widen else 0)
+
+
+def test_bench_model_on_device_quantizes_projections_as_the_loader_does(tmp_path):
+    """`bench.step.model_on_device(..., "fp8")` (the breakdown's FP8 steps): every projection holds
+    e4m3 weights with a per-row scale that dequantize to make-model's N(0, 0.02) weights."""
+    from pagedserve.bench.step import model_on_device
+
+    model_dir = write_tiny_model(tmp_path / "m", TinyModelSpec())
+    model = model_on_device(model_dir, 64, torch.device("cpu"), "fp8")
+    params = dict(model.named_parameters())
+    fp8_weights = [name for name, p in params.items() if p.dtype == fp8.FP8_DTYPE]
+    assert len(fp8_weights) == 4 * TinyModelSpec().num_hidden_layers
+    for name in fp8_weights:
+        scale = params[name + "_scale"]
+        assert bool((scale > 0).all())
+        weight = fp8.dequantize(params[name], scale[:, None])
+        assert abs(weight.std().item() - 0.02) < 0.004
+    assert all(p.dtype != fp8.FP8_DTYPE for name, p in params.items() if "embed" in name or "norm" in name)

@@ -48,6 +48,7 @@ KINDS = (
     ("rms_norm", ("rms",)),
     ("rotary", ("rotary",)),
     ("silu_mul", ("silu",)),
+    ("quantize", ("_quant_kernel",)),  # FP8: the per-token pass before o_proj (the fused ones are above)
 )
 
 
@@ -106,13 +107,16 @@ def profile_steps(runner: ModelRunner, plans: list) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def step_breakdown(device: torch.device, model_dir: Path) -> list[dict]:
+def step_breakdown(
+    device: torch.device, model_dir: Path, quantization: str | None = None, kv_cache_dtype: str = "auto"
+) -> list[dict]:
     directory = write_model(model_dir / f"{LAYERS}l", LAYERS, False, device)
     config = ExecutorConfig(
         model=str(directory), max_model_len=2048, max_num_seqs=512, max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.85, swap_space=0, enforce_eager=True,
+        gpu_memory_utilization=0.85, swap_space=0, enforce_eager=True, quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
-    runner = ModelRunner.from_model(config, model_on_device(directory, 2048, device))
+    runner = ModelRunner.from_model(config, model_on_device(directory, 2048, device, quantization))
     rows = []
     for batch, context in ((256, 512), (512, 800)):
         sched = prefill(runner, batch, context, 8192)
@@ -297,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("parts", nargs="*", help=f"any of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/llama-8b-shape-breakdown"))
     parser.add_argument("--result-file", type=Path, default=None)
+    parser.add_argument("--quantization", choices=["fp8"], default=None, help="steps part: FP8 weights")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="steps part")
     args = parser.parse_args(argv)
     args.parts = args.parts or PARTS
     if unknown := set(args.parts) - set(PARTS):
@@ -318,8 +324,10 @@ def main(argv: list[str] | None = None) -> None:
         results["green_contexts"] = green_context_table(device)
         print_table(f"{OVERLAP_LAYERS} layers, SMs partitioned (green contexts)", results["green_contexts"])
     if "steps" in args.parts:
-        results["steps"] = step_breakdown(device, args.model_dir)
-        print_table("eager steps of the 32-layer model: kernel ms per step, by kind", results["steps"])
+        results["steps"] = step_breakdown(device, args.model_dir, args.quantization, args.kv_cache_dtype)
+        flags = f" (--quantization {args.quantization or 'none'} --kv-cache-dtype {args.kv_cache_dtype})"
+        title = f"eager steps of the 32-layer model{flags}: kernel ms per step, by kind"
+        print_table(title, results["steps"])
     if args.result_file:
         args.result_file.write_text(json.dumps(results, indent=2))
 

@@ -14,9 +14,11 @@
    and KV bytes read per second (bf16 reads 2 bytes per element, FP8 one), with the shipped
    widening of the FP8 tiles and with the previous one (plain casts to bf16).
 
-Tuning parts, not in the default run (`--parts sweep,sweep-prefill`): the decode kernel over an FP8
-cache per widening mode (`attention_jit.WIDEN_*`) and launch config, and the varlen kernel per
-widening mode, each against bf16 in the same run.
+Tuning parts, not in the default run (`--parts sweep,sweep-prefill,floor`): the decode kernel over
+an FP8 cache per widening mode (`attention_jit.WIDEN_*`) and launch config, and the varlen kernel per
+widening mode, each against bf16 in the same run; `floor`: what reading the paged K/V alone costs
+(`gather_words_kernel`) for bf16 and FP8 bytes, in the cache's layout and a head-major one, and with
+the FP8 bytes widened as the decode kernel widens them, next to both decode kernels.
 
 Times are medians of `triton.testing.do_bench` (L2 flushed before each repetition), eager calls.
 """
@@ -27,12 +29,15 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 import triton.testing
 
 from pagedserve.kernels import fp8, layers, triton_fp8
@@ -334,13 +339,113 @@ def sweep_prefill(modes: tuple[int, ...]) -> list[dict]:
     return rows
 
 
+@triton.jit
+def gather_words_kernel(
+    k_ptr, v_ptr, block_tables_ptr, out_ptr, keys_per_program, stride_kb, stride_kt, stride_kh, stride_bt,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, WORDS: tl.constexpr, WIDEN: tl.constexpr,
+):  # fmt: skip
+    """Reads one (sequence, KV head, split)'s keys and values through its block table, as int32
+    words (WORDS per key and head), and stores their xor: the memory traffic of a decode call with
+    no arithmetic at all, whatever the element type (`bench.kernels.gather_only_kernel` converts
+    each element to float32, which for FP8 is the cost being measured). WIDEN: the words hold e4m3
+    bytes, and each is widened to float16 (`cvt.rn.f16x2.e4m3x2`, as the decode kernel does) and
+    summed instead. Strides are in words."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    words = tl.arange(0, WORDS)
+    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.int32)
+    total = tl.zeros([BLOCK_N, WORDS * 4], dtype=tl.float32)
+    first = split * keys_per_program
+    for k0 in range(first, first + keys_per_program, BLOCK_N):
+        kpos = k0 + tl.arange(0, BLOCK_N)
+        block_ids = tl.load(block_tables_ptr + seq * stride_bt + kpos // PAGE_SIZE).to(tl.int64)
+        rows = block_ids * stride_kb + (kpos % PAGE_SIZE) * stride_kt + kv_head * stride_kh
+        if WIDEN:
+            byte = tl.arange(0, WORDS * 4)
+            k = tl.load(k_ptr.to(tl.pointer_type(tl.float8e4nv)) + rows[:, None] * 4 + byte[None, :])
+            v = tl.load(v_ptr.to(tl.pointer_type(tl.float8e4nv)) + rows[:, None] * 4 + byte[None, :])
+            total += k.to(tl.float16).to(tl.float32) + v.to(tl.float16).to(tl.float32)
+        else:
+            acc ^= tl.load(k_ptr + rows[:, None] + words[None, :])
+            acc ^= tl.load(v_ptr + rows[:, None] + words[None, :])
+    program = (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
+    tl.store(out_ptr + program, tl.xor_sum(tl.xor_sum(acc, 1), 0) + tl.sum(tl.sum(total, 1), 0).to(tl.int32))
+
+
+# label -> (bytes per element, layout, keys per tile, programs per SM, widen). NHD is the pool's
+# [blocks, block_size, kv_heads, head_dim]; HND [blocks, kv_heads, block_size, head_dim] keeps each
+# head's block contiguous (2 KB in FP8 instead of 16 rows of 128 bytes).
+FLOOR_VARIANTS = {
+    "bf16": (2, "NHD", 64, 4, False),
+    "fp8": (1, "NHD", 64, 4, False),
+    "fp8 8 programs/SM": (1, "NHD", 64, 8, False),
+    "fp8 128-key tiles": (1, "NHD", 128, 4, False),
+    "fp8 widened": (1, "NHD", 64, 4, True),
+    "bf16 HND": (2, "HND", 64, 4, False),
+    "fp8 HND": (1, "HND", 64, 4, False),
+    "fp8 HND 128-key tiles": (1, "HND", 128, 4, False),
+}
+
+
+def _gather_floor_us(batch: int, context: int, variant: tuple) -> float:
+    element_bytes, layout, block_n, programs_per_sm, widen = variant
+    num_blocks = batch * context // BLOCK_SIZE + 64
+    words = HEAD_DIM * element_bytes // 4
+    nhd = layout == "NHD"
+    shape = (num_blocks, *((BLOCK_SIZE, NUM_KV_HEADS) if nhd else (NUM_KV_HEADS, BLOCK_SIZE)), words)
+    # random words whose bytes are finite e4m3 values (0x3c masks off NaN patterns), for WIDEN
+    k = torch.randint(0, 2**30, shape, dtype=torch.int32, device="cuda") & 0x3C3C3C3C
+    v = torch.randint(0, 2**30, shape, dtype=torch.int32, device="cuda") & 0x3C3C3C3C
+    stride_kt, stride_kh = (k.stride(1), k.stride(2)) if nhd else (k.stride(2), k.stride(1))
+    tables = torch.randperm(num_blocks, device="cuda")[: batch * context // BLOCK_SIZE]
+    tables = tables.view(batch, -1).to(torch.int32)
+    tiles = context // block_n
+    # enough programs for `programs_per_sm` on every SM, whole tiles each (as bench.kernels' floors)
+    programs_per_head = math.ceil(programs_per_sm * ta._sm_count(k.device) / (batch * NUM_KV_HEADS))
+    splits = max(1, min(tiles, programs_per_head))
+    while tiles % splits:
+        splits -= 1
+    grid = (batch, NUM_KV_HEADS, splits)
+    out = torch.empty(batch * NUM_KV_HEADS * splits, dtype=torch.int32, device="cuda")
+    return 1e3 * _ms(lambda: gather_words_kernel[grid](
+        k, v, tables, out, context // splits, k.stride(0), stride_kt, stride_kh, tables.stride(0),
+        BLOCK_N=block_n, PAGE_SIZE=BLOCK_SIZE, WORDS=words, WIDEN=widen, num_warps=4,
+    ))  # fmt: skip
+
+
+def bench_floor() -> list[dict]:
+    """K1 decode shapes (one tile or more per program): both decode kernels (shape-based launch)
+    and the gather floors of FLOOR_VARIANTS, each with GB/s of the K/V bytes it reads."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    scale = torch.full((1,), 0.02, device="cuda")
+    _spin_up()
+    for batch, context in K1_SHAPES[1:]:
+        elements = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM
+        row: dict = {"batch": batch, "context": context}
+        for label, dtype in (("kernel bf16", torch.bfloat16), ("kernel fp8", torch.float8_e4m3fn)):
+            q, k, v, tables, seq_lens, cu = _decode_case(batch, context, dtype, gen)
+            kw = {} if dtype == torch.bfloat16 else dict(k_scale=scale, v_scale=scale)
+            row[label] = 1e3 * _ms(partial(_attention, q, k, v, (tables, seq_lens, cu), **kw))
+            row[f"{label} GB/s"] = elements * k.element_size() / row[label] / 1e3
+            del q, k, v
+        for label, variant in FLOOR_VARIANTS.items():
+            row[label] = _gather_floor_us(batch, context, variant)
+            row[f"{label} GB/s"] = elements * variant[0] / row[label] / 1e3
+        rows.append(row)
+        print(" | ".join(f"{key} {value:.0f}" if isinstance(value, float) else f"{key} {value}"
+                         for key, value in row.items()), flush=True)  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--result-file", default=None)
     parser.add_argument(
-        "--parts", default="linear,fused,decode", help="any of linear,fused,decode,errors,sweep,sweep-prefill"
+        "--parts",
+        default="linear,fused,decode",
+        help="any of linear,fused,decode,errors,sweep,sweep-prefill,floor",
     )
     parser.add_argument("--error-rows", default="64,256,2048,8192", help="M values of the errors part")
     parser.add_argument(
@@ -366,6 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         result["sweep_decode"] = sweep_decode(modes)
     if "sweep-prefill" in parts:
         result["sweep_prefill"] = sweep_prefill(modes)
+    if "floor" in parts:
+        result["floor"] = bench_floor()
     if args.result_file:
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_file).write_text(json.dumps(result, indent=1))
