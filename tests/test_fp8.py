@@ -517,13 +517,14 @@ def test_fp8_runs_follow_full_precision(tmp_path_factory, monkeypatch, quantizat
 
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 64, 257])
-def test_scaled_mm_matches_reference(m):
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_scaled_mm_matches_reference(m, fast_accum):
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, 4096, generator=gen).to("cuda", torch.bfloat16)
     w = (torch.randn(1024, 4096, generator=gen) * 0.02).to("cuda", torch.bfloat16)
     wq, ws = fp8.quantize_weight(w)
     xq = fp8.quantize_per_token(x)
-    got = fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16)
+    got = fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16, fast_accum)
     want = fp8.fp8_linear_reference(xq, wq, ws, None, torch.float32)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
     exact = x.float() @ w.float().t()

@@ -5,8 +5,9 @@
 1. Linear layers of Llama-3.1-8B (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
    4096x14336) at M = 64, 256, 2048, 8192 rows: bf16 `F.linear` against `torch._scaled_mm` with
    row-wise scales, alone and with the activation quantization (separate torch ops, or the
-   single-pass Triton kernel). TFLOP/s count 2*M*N*K; the error is the relative Frobenius norm
-   of the FP8 output minus the bf16 output (random normal activations, weights ~ N(0, 0.02)).
+   single-pass Triton kernel), and `_scaled_mm` with fast accumulation (`use_fast_accum`). TFLOP/s
+   count 2*M*N*K; the error is the relative Frobenius norm of the FP8 output minus the bf16 output
+   (random normal activations, weights ~ N(0, 0.02)).
 2. The fused quantizing kernels against what they replace: RMSNorm (with residual) + quantize
    vs the bf16 RMSNorm kernel followed by torch-op quantization or the Triton quantize, at
    hidden 4096; SiLU-and-mul + quantize at intermediate 14336.
@@ -85,11 +86,14 @@ def bench_linear() -> list[dict]:
             x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
             xq = triton_fp8.quantize_per_token(x)
             ref = F.linear(x, w)
-            out = fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16)
+            out = fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16, False)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             flop = 2 * m * n * k
             t_bf16 = _ms(lambda x=x, w=w: F.linear(x, w))
-            t_mm = _ms(lambda xq=xq, wq=wq, ws=ws: fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16))
+            t_mm = _ms(lambda xq=xq, wq=wq, ws=ws: fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16, False))
+            fast = fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16, True)
+            fast_err = ((fast.float() - ref.float()).norm() / ref.float().norm()).item()
+            t_fast = _ms(lambda xq=xq, wq=wq, ws=ws: fp8.fp8_linear(xq, wq, ws, None, torch.bfloat16, True))
             t_triton_q = _ms(
                 lambda x=x, wq=wq, ws=ws: fp8.fp8_linear(
                     triton_fp8.quantize_per_token(x), wq, ws, None, torch.bfloat16
@@ -104,13 +108,16 @@ def bench_linear() -> list[dict]:
                 bf16_tflops=flop / t_bf16 / 1e9, fp8_tflops=flop / t_mm / 1e9,
                 speedup_mm=t_bf16 / t_mm, speedup_with_quant=t_bf16 / t_triton_q,
                 speedup_torch_quant=t_bf16 / t_torch_q, rel_fro_error=err,
+                fp8_fast_accum_us=t_fast * 1e3, speedup_fast_accum=t_bf16 / t_fast,
+                fast_accum_rel_fro_error=fast_err,
             )  # fmt: skip
             rows.append(row)
             print(
                 f"linear {name:8s} M={m:5d}: bf16 {row['bf16_tflops']:6.0f} TFLOP/s, fp8 mm "
                 f"{row['fp8_tflops']:6.0f} ({row['speedup_mm']:.2f}x), "
                 f"+triton quant {row['speedup_with_quant']:.2f}x, "
-                f"+torch quant {row['speedup_torch_quant']:.2f}x; rel err {err:.4f}",
+                f"+torch quant {row['speedup_torch_quant']:.2f}x; rel err {err:.4f}; "
+                f"fast accum {row['speedup_fast_accum']:.2f}x, rel err {fast_err:.4f}",
                 flush=True,
             )
     return rows
