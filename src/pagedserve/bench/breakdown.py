@@ -31,7 +31,7 @@ from pagedserve import kernels
 from pagedserve.bench.ahead_plans import AheadScheduler
 from pagedserve.bench.step import mixed_plans, model_on_device, prefill, prompts, write_model
 from pagedserve.common.tables import markdown_table
-from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.config import KV_CACHE_DTYPES, QUANTIZATIONS, ExecutorConfig
 from pagedserve.executor.runner import ModelRunner
 from pagedserve.model_shapes import SHAPES
 
@@ -301,8 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("parts", nargs="*", help=f"any of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/llama-8b-shape-breakdown"))
     parser.add_argument("--result-file", type=Path, default=None)
-    parser.add_argument("--quantization", choices=["fp8"], default=None, help="steps part: FP8 weights")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="steps part")
+    quantizations = [q for q in QUANTIZATIONS if q]
+    parser.add_argument("--quantization", choices=quantizations, default=None, help="steps part: FP8 weights")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="steps part")
     args = parser.parse_args(argv)
     args.parts = args.parts or PARTS
     if unknown := set(args.parts) - set(PARTS):
