@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import itertools
 import json
-import math
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -41,6 +40,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
+from pagedserve.bench.kernels import whole_tile_splits
 from pagedserve.kernels import fp8, layers, triton_fp8
 from pagedserve.kernels import triton_attention as ta
 from pagedserve.kernels.attention_jit import WIDEN_TO_Q_DTYPE
@@ -405,12 +405,7 @@ def _gather_floor_us(batch: int, context: int, variant: tuple) -> float:
     stride_kt, stride_kh = (k.stride(1), k.stride(2)) if nhd else (k.stride(2), k.stride(1))
     tables = torch.randperm(num_blocks, device="cuda")[: batch * context // BLOCK_SIZE]
     tables = tables.view(batch, -1).to(torch.int32)
-    tiles = context // block_n
-    # enough programs for `programs_per_sm` on every SM, whole tiles each (as bench.kernels' floors)
-    programs_per_head = math.ceil(programs_per_sm * ta._sm_count(k.device) / (batch * NUM_KV_HEADS))
-    splits = max(1, min(tiles, programs_per_head))
-    while tiles % splits:
-        splits -= 1
+    splits = whole_tile_splits(batch, context, block_n, programs_per_sm, ta._sm_count(k.device))
     grid = (batch, NUM_KV_HEADS, splits)
     out = torch.empty(batch * NUM_KV_HEADS * splits, dtype=torch.int32, device="cuda")
     return 1e3 * _ms(lambda: gather_words_kernel[grid](

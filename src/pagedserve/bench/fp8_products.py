@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from functools import partial
 from pathlib import Path
 
@@ -34,15 +33,14 @@ import triton.language as tl
 
 from pagedserve.bench.fp8 import (
     K1_SHAPES,
-    NUM_KV_HEADS,
     _attention,
     _ms,
     _spin_up,
     _sweep_case,
 )
+from pagedserve.bench.kernels import whole_tile_splits
 from pagedserve.kernels import triton_attention as ta
 
-LOG2E = 1.4426950408889634
 ROWS = 64  # wgmma's rows per warpgroup: the GROUP query heads of a program, padded
 BLOCK_N = 64
 PROGRAMS_PER_SM = 3  # 166 registers a thread (ptxas, sm_90): three 4-warp programs per SM
@@ -107,15 +105,6 @@ def key_major(v: torch.Tensor) -> torch.Tensor:
     return v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
 
 
-def num_splits(batch: int, context: int, sm_count: int) -> int:
-    """Enough programs for PROGRAMS_PER_SM on every SM, whole tiles each."""
-    tiles = context // BLOCK_N
-    splits = max(1, min(tiles, math.ceil(PROGRAMS_PER_SM * sm_count / (batch * NUM_KV_HEADS))))
-    while tiles % splits:
-        splits -= 1
-    return splits
-
-
 def fp8_products_attention(
     q: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, tables: torch.Tensor, context: int,
     k_scale: float, v_scale: float, splits: int, v_key_major: bool,
@@ -128,7 +117,7 @@ def fp8_products_attention(
     acc = torch.empty(parts, head_dim, dtype=torch.float32, device=q.device)
     maxima, denominators = (torch.empty(parts, dtype=torch.float32, device=q.device) for _ in "ml")
     fp8_products_decode_kernel[(batch, k8.shape[2], splits)](
-        q, k8, v8, tables, acc, maxima, denominators, head_dim**-0.5 * LOG2E * k_scale, context // splits,
+        q, k8, v8, tables, acc, maxima, denominators, head_dim**-0.5 * ta._LOG2E * k_scale, context // splits,
         k8.stride(0), k8.stride(1), k8.stride(2), v8.stride(0), v8.stride(1), v8.stride(2), v8.stride(3),
         tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=k8.shape[1], ROWS=ROWS, P_SCALE=P_SCALE,
@@ -150,7 +139,7 @@ def bench(shapes: list[tuple[int, int]]) -> list[dict]:
     for batch, context in shapes:
         q, k, v, k8, v8, args, want, fp8_bytes = _sweep_case(batch, context, gen)
         v8_key_major = key_major(v8)
-        splits = num_splits(batch, context, sm_count)
+        splits = whole_tile_splits(batch, context, BLOCK_N, PROGRAMS_PER_SM, sm_count)
         row: dict = {"batch": batch, "context": context, "splits": splits}
         bf16_us = 1e3 * _ms(partial(_attention, q, k, v, args))
         row["bf16_us"] = bf16_us

@@ -117,6 +117,16 @@ FLOOR_BLOCK_N, FLOOR_WARPS, FLOOR_PROGRAMS_PER_SM = 64, 4, 4
 CONTIGUOUS_FLOOR_WARPS = 8
 
 
+def whole_tile_splits(batch: int, context: int, block_n: int, programs_per_sm: int, sm_count: int) -> int:
+    """Splits of each (sequence, KV head) for the floor and experiment kernels: enough programs for
+    `programs_per_sm` on every SM, whole tiles of `block_n` keys each."""
+    tiles = context // block_n
+    splits = max(1, min(tiles, math.ceil(programs_per_sm * sm_count / (batch * NUM_KV_HEADS))))
+    while tiles % splits:
+        splits -= 1
+    return splits
+
+
 @triton.jit
 def gather_only_kernel(
     k_ptr,
@@ -334,13 +344,8 @@ class DecodeCase:
         ]
 
     def floor_splits(self, sm_count: int) -> int:
-        """Splits of each (sequence, KV head) for the floor kernels: FLOOR_PROGRAMS_PER_SM programs
-        per SM, whole tiles each."""
-        tiles = self.length // FLOOR_BLOCK_N
-        splits = max(1, min(tiles, math.ceil(FLOOR_PROGRAMS_PER_SM * sm_count / (self.batch * NUM_KV_HEADS))))
-        while tiles % splits:
-            splits -= 1
-        return splits
+        """Splits of each (sequence, KV head) for the floor kernels."""
+        return whole_tile_splits(self.batch, self.length, FLOOR_BLOCK_N, FLOOR_PROGRAMS_PER_SM, sm_count)
 
     def gather_floor(self, sm_count: int) -> list[Callable[[], object]]:
         """`gather_only_kernel` over the same block tables (needs K1's whole-tile lengths)."""
