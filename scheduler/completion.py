@@ -101,27 +101,25 @@ class Completion:
         final = self.finish_reason is not None
         if not final and len(self._held_ids) < self.stream_interval and self.num_tokens > 1:
             return None
-        self._decode_held()
-        if self.finish_reason is FinishReason.LENGTH:
-            self._text += self._detokenizer.flush()
-        delta = Delta(self._held_ids, self._take_text(final), self._held_logprobs, self.finish_reason)
-        self._held_ids, self._held_logprobs = [], []
-        return delta
+        return self._release_held(final)
 
     def abort(self) -> Delta:
         """Ends the completion early (client gone, executor lost, shutdown); the delta carries what
         was held back."""
         self.finish_reason = FinishReason.ABORT
-        self._decode_held()
-        delta = Delta(self._held_ids, self._take_text(final=True), self._held_logprobs, FinishReason.ABORT)
-        self._held_ids, self._held_logprobs = [], []
-        return delta
+        return self._release_held(final=True)
 
-    def _decode_held(self) -> None:
-        """Detokenizes the held tokens not decoded yet, in one step."""
+    def _release_held(self, final: bool) -> Delta:
+        """The held tokens as one delta: detokenized in one step (those not decoded yet), the
+        detokenizer flushed at max_tokens, the text that may be streamed now."""
         if self._undecoded:
             self._text += self._detokenizer.add_many(self._undecoded)
             self._undecoded = []
+        if self.finish_reason is FinishReason.LENGTH:
+            self._text += self._detokenizer.flush()
+        delta = Delta(self._held_ids, self._take_text(final), self._held_logprobs, self.finish_reason)
+        self._held_ids, self._held_logprobs = [], []
+        return delta
 
     def _cut_at_stop_string(self) -> bool:
         # A stop string can only end in text not yet streamed, and can start up to its length before.
