@@ -12,8 +12,6 @@
 #   pressure   W1 in a KV pool of 4,096 and 8,192 blocks (W1 peaks near 20,400): recompute vs swap
 #   fp8-kernels python -m pagedserve.bench.fp8 (FP8 linear vs bf16, fused quantizing kernels, K1
 #              decode with an FP8 KV cache)
-#   fp8-products python -m pagedserve.bench.fp8_products (the experiment: FP8-KV decode on FP8
-#              tensor-core products, against the shipped bf16 and FP8 decode kernels)
 #   fp8-quality python -m pagedserve.bench.fp8_quality (bits per byte and greedy agreement of the
 #              built-in model: bf16, each FP8 flag, both)
 #   w1-fp8     W1 with the throughput flags: bf16, --quantization fp8, and both FP8 flags
@@ -64,7 +62,6 @@ if wants step; then
     --mixed-prompt 512 --service
 fi
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m pagedserve.bench.fp8 --result-file "$OUT/fp8-kernels.json"; fi
-if wants fp8-products; then run fp8-products 200 python3 -m pagedserve.bench.fp8_products --result-file "$OUT/fp8-products.json"; fi
 if wants fp8-quality; then run fp8-quality 300 python3 -m pagedserve.bench.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
 if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"

@@ -611,11 +611,12 @@ def test_bench_gather_floor_reads_exactly_the_tables_keys(layout, widen):
     stride_kt, stride_kh = (k.stride(1), k.stride(2)) if layout == "NHD" else (k.stride(2), k.stride(1))
     tables = torch.randperm(num_blocks, generator=gen)[:8].view(2, 4).to(torch.int32)  # 16 keys a sequence
     splits = 2
-    out = torch.empty(2 * kv_heads * splits, dtype=torch.int32)
+    out = torch.empty(2 * kv_heads * splits, dtype=torch.int32, device=DEVICE)
     gather_words_kernel[(2, kv_heads, splits)](
-        k, v, tables, out, 8, k.stride(0), stride_kt, stride_kh, tables.stride(0),
-        BLOCK_N=8, PAGE_SIZE=page, WORDS=words, WIDEN=widen,
+        k.to(DEVICE), v.to(DEVICE), tables.to(DEVICE), out, 8, k.stride(0), stride_kt, stride_kh,
+        tables.stride(0), BLOCK_N=8, PAGE_SIZE=page, WORDS=words, WIDEN=widen,
     )  # fmt: skip
+    out = out.cpu()
     k_nhd, v_nhd = (k, v) if layout == "NHD" else (k.transpose(1, 2), v.transpose(1, 2))
     for seq in range(2):
         for head in range(kv_heads):
@@ -648,33 +649,3 @@ def test_bench_model_on_device_quantizes_projections_as_the_loader_does(tmp_path
         weight = fp8.dequantize(params[name], scale[:, None])
         assert abs(weight.std().item() - 0.02) < 0.004
     assert all(p.dtype != fp8.FP8_DTYPE for name, p in params.items() if "embed" in name or "norm" in name)
-
-
-@needs_triton
-def test_bench_fp8_products_decode_matches_the_reference_within_q_and_p_rounding():
-    """`bench.fp8_products` (FP8 tensor-core products: q and p rounded to e4m3 too) against the
-    reference over the same FP8 caches, over 2 splits, V in the pool's layout and key-major.
-
-    The bound is loose: q and p rounding alone cost ~4% of the output's mean magnitude here, and
-    triton 3.7.1's interpreter rounds float32 -> e4m3 wrongly where the rounding carries into the
-    exponent (7.87 -> 4.0, not 8.0), which about doubles that on the CPU. A wrong index or scale
-    errs by the output's own size. The GPU figures: `python -m pagedserve.bench.fp8_products`."""
-    from pagedserve.bench.fp8_products import fp8_products_attention, key_major
-
-    gen = torch.Generator().manual_seed(11)
-    batch, kv_heads, group, head_dim, page, context = 2, 2, 4, 32, 16, 128
-    blocks = batch * context // page + 3
-    shape = (blocks, page, kv_heads, head_dim)
-    k8, v8 = ((torch.randn(shape, generator=gen) / 0.02).clamp(-448, 448).to(fp8.FP8_DTYPE) for _ in "kv")
-    tables = torch.randperm(blocks, generator=gen)[: batch * context // page].view(batch, -1).to(torch.int32)
-    q = torch.randn(batch, kv_heads * group, head_dim, generator=gen).to(torch.bfloat16)
-    scale = torch.full((1,), 0.02)
-    want = reference.paged_attention(
-        q, k8, v8, tables, torch.full((batch,), context, dtype=torch.int32),
-        torch.arange(batch + 1, dtype=torch.int32), head_dim**-0.5, k_scale=scale, v_scale=scale,
-    ).float()  # fmt: skip
-    got = fp8_products_attention(q, k8, v8, tables, context, 0.02, 0.02, 2, False).float()
-    got_key_major = fp8_products_attention(q, k8, key_major(v8), tables, context, 0.02, 0.02, 2, True)
-    assert (got - want).abs().mean() < 0.12 * want.abs().mean()  # 0.07 measured; a wrong scale: 1.0
-    assert (got - want).abs().max() < 0.15 * want.abs().max()
-    torch.testing.assert_close(got_key_major.float(), got, rtol=0, atol=1e-6)
