@@ -158,7 +158,9 @@ def default_decode_config(head_dim_pad: int, dtype: torch.dtype) -> DecodeConfig
     fp32 and head_dim 256 take smaller tiles so registers and shared memory suffice (checked with
     ptxas for sm_90: no spills). For bf16/fp16 `python -m pagedserve.bench.kernels --sweep` picked
     (64 keys, 4 warps, 2 stages) at every K1 shape from (8, 4096) to (32, 16384); 3 stages ran
-    slower at all of them (the figures: README, Kernels).
+    slower at all of them (the figures: README, Kernels). More stages add no K/V buffer in this
+    loop (its addresses come from block ids loaded in the same iteration); loading the ids a tile
+    ahead so that they do measured no faster, in bf16 or FP8 (README, FP8).
     """
     if dtype == torch.float32:
         return DecodeConfig(block_n=32, num_warps=8, num_stages=2)
