@@ -66,6 +66,12 @@ varlen kernel casts to q's dtype, which measured faster there (`FP8_DECODE_WIDEN
 `FP8_PREFILL_WIDEN`). Launch choices are the bf16 ones: in two H200 sweeps no other decode config
 was faster with FP8 caches at the large K1 shapes, and none consistently at the small ones.
 
+Decodes over FP8 caches run the CUDA kernel of `kernels.cuda_decode` instead of the Triton decode
+kernel wherever its shapes apply (`FP8_DECODE_CUDA`): the same arguments, the same split partials
+and merge, its own split count (each of its warps keeps its own loads in flight, so fewer programs
+per SM suffice). Every Triton decode loop tried read FP8 bytes at <= 0.74x of the bf16 kernel's
+rate; the CUDA kernel reads them at 0.84-0.91x at the large K1 shapes (README, FP8).
+
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
 """
@@ -79,6 +85,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.kernels import cuda_decode
 from pagedserve.kernels.attention_jit import (
     WIDEN_TO_F16,
     WIDEN_TO_Q_DTYPE,
@@ -102,6 +109,15 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # 0.82x with the casts); the interpreter has no inline asm.
 FP8_DECODE_WIDEN = WIDEN_TO_Q_DTYPE.value if _INTERPRETED else WIDEN_TO_F16.value
 FP8_PREFILL_WIDEN = WIDEN_TO_Q_DTYPE.value
+# FP8 decodes run the CUDA kernel (`kernels.cuda_decode`) with this config where it applies, the
+# Triton decode kernel where not (or with None: `PAGEDSERVE_FP8_DECODE=triton`, for comparisons).
+FP8_DECODE_CUDA: cuda_decode.CudaDecodeConfig | None = (
+    None if os.environ.get("PAGEDSERVE_FP8_DECODE") == "triton" else cuda_decode.default_config()
+)
+# Each CUDA program keeps its own loads in flight, so 8 warps per SM already read at full speed
+# and more splits only add merge work (H200: unsplit (32, 16384) 0.94x of bf16's bytes/s, 2 splits
+# 0.905x).
+_CUDA_WARPS_PER_SM = 8
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
 # sm_90). Decode programs of one launch are equally long, so the launch is as fast as its fullest
 # wave: the split count is the smallest that fills the resident slots to _WAVE_EFFICIENCY (a
@@ -263,8 +279,9 @@ def choose_decode_launch(
 
 @functools.lru_cache(maxsize=1024)
 def choose_num_splits(
-    num_tokens: int, num_kv_heads: int, max_context: int, block_n: int, sm_count: int
-) -> int:
+    num_tokens: int, num_kv_heads: int, max_context: int, block_n: int, sm_count: int,
+    programs_per_sm: int = _RESIDENT_PROGRAMS_PER_SM,
+) -> int:  # fmt: skip
     """Split-KV partitions for the decode kernel with a looping config, from shapes only.
 
     The smallest count whose programs (tokens x KV heads x splits) fill the GPU's resident slots
@@ -273,7 +290,7 @@ def choose_num_splits(
     fill two waves on their own are not split.
     """
     base = num_tokens * num_kv_heads
-    slots = _RESIDENT_PROGRAMS_PER_SM * sm_count
+    slots = programs_per_sm * sm_count
     if base >= 2 * slots:
         return 1
     max_splits = max(1, min(_cdiv(max_context, max(_MIN_TOKENS_PER_SPLIT, block_n)), _MAX_SPLITS))
@@ -602,6 +619,20 @@ def _launch_decode(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     scales = scales or _kv_scales(k_cache, None, None, q.device)
+    cuda_config = FP8_DECODE_CUDA if config is None else None
+    if (
+        cuda_config is not None
+        and cuda_decode.applies(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
+        and cuda_decode.compiled(q, k_cache, cuda_config)
+    ):
+        plan = _cuda_decode_plan(q, k_cache, block_tables, cuda_config, num_splits, by_seq)
+        part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out
+        cuda_decode.launch(
+            q, k_cache, v_cache, out, part, block_tables, seq_lens, cu_seqlens_q, *scales, scale * _LOG2E,
+            plan.grid, plan.num_splits, plan.tokens_per_split, plan.part_rows, by_seq, cuda_config,
+        )  # fmt: skip
+        _launch_merge(plan, out, part, cu_seqlens_q)
+        return
     plan = decode_plan(q, k_cache, block_tables, config, num_splits, by_seq)
     part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out  # unread unsplit
     decode_kernel[plan.grid](
@@ -628,10 +659,36 @@ def _launch_decode(
         **plan.meta,
         KV_FP8=_fp8_mode(k_cache, q.dtype, FP8_DECODE_WIDEN),
     )
+    _launch_merge(plan, out, part, cu_seqlens_q)
+
+
+def _launch_merge(
+    plan: _DecodePlan, out: torch.Tensor, part: torch.Tensor, cu_seqlens_q: torch.Tensor
+) -> None:
+    """Merges a split decode launch's partials into `out` (nothing to do unsplit)."""
     if plan.part_rows:
-        merge_kernel[plan.grid[0], q.shape[1]](
+        merge_kernel[plan.grid[0], out.shape[1]](
             out, part, cu_seqlens_q, plan.num_splits, plan.part_rows, *out.stride(), **plan.merge_meta
         )
+
+
+def _cuda_decode_plan(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    config: cuda_decode.CudaDecodeConfig,
+    num_splits: int | None,
+    by_seq: bool,
+) -> _DecodePlan:
+    """The split geometry of a CUDA FP8 decode launch: the Triton plan's, with splits of whole
+    64-key tiles, as few as give every SM `_CUDA_WARPS_PER_SM` warps."""
+    tile = DecodeConfig(block_n=64, num_warps=config.warps, num_stages=config.stages)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            block_tables.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], tile.block_n,
+            _sm_count(q.device), max(1, _CUDA_WARPS_PER_SM // config.warps),
+        )  # fmt: skip
+    return decode_plan(q, k_cache, block_tables, tile, num_splits, by_seq)
 
 
 def _launch_varlen(

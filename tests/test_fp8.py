@@ -580,15 +580,15 @@ def test_executor_process_exits_with_one_line_on_the_cpu(tmp_path, monkeypatch):
     assert "Traceback" not in done.stderr
 
 
-def test_bench_widening_puts_the_shipped_mode_back_even_on_an_error():
-    from pagedserve.bench.fp8 import widening
+def test_bench_launch_setting_puts_the_shipped_value_back_even_on_an_error():
+    from pagedserve.bench.fp8 import launch_setting
     from pagedserve.kernels import triton_attention as ta
 
     shipped = ta.FP8_DECODE_WIDEN
-    with widening("FP8_DECODE_WIDEN", shipped + 7):
+    with launch_setting("FP8_DECODE_WIDEN", shipped + 7):
         assert ta.FP8_DECODE_WIDEN == shipped + 7
     assert ta.FP8_DECODE_WIDEN == shipped
-    with pytest.raises(RuntimeError), widening("FP8_DECODE_WIDEN", shipped + 7):
+    with pytest.raises(RuntimeError), launch_setting("FP8_DECODE_WIDEN", shipped + 7):
         raise RuntimeError("a kernel failed")
     assert ta.FP8_DECODE_WIDEN == shipped
 

@@ -61,6 +61,7 @@ def test_wheel_holds_only_the_pagedserve_namespace(wheel):
     protos = {n for n in names if n.endswith(".proto")}
     expected = {f"pagedserve/protos/pagedserve/v1/{n}.proto" for n in ("generation", "executor", "admin")}
     assert protos == expected
+    assert "pagedserve/kernels/fp8_decode.cu" in names  # compiled at run time (kernels.cuda_decode)
     assert not [n for n in names if "/tests/" in n or n.startswith("tests/")]
 
 
