@@ -70,7 +70,7 @@ Decodes over FP8 caches run the CUDA kernel of `kernels.cuda_decode` instead of 
 kernel wherever its shapes apply (`FP8_DECODE_CUDA`): the same arguments, the same split partials
 and merge, its own split count (each of its warps keeps its own loads in flight, so fewer programs
 per SM suffice). Every Triton decode loop tried read FP8 bytes at <= 0.74x of the bf16 kernel's
-rate; the CUDA kernel reads them at 0.84-0.91x at the large K1 shapes (README, FP8).
+rate; the CUDA kernel reads them at 0.84-0.95x at the large K1 shapes (README, FP8).
 
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
