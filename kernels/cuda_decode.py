@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
-__all__ = ["CudaDecodeConfig", "applies", "default_config", "launch"]
+__all__ = ["CudaDecodeConfig", "applies", "compiled", "default_config", "launch"]
 
 log = structlog.get_logger(__name__)
 
@@ -48,9 +48,9 @@ class CudaDecodeConfig:
 def default_config() -> CudaDecodeConfig:
     """4 warps, 3 stages (48 KB; 116-118 registers by ptxas for sm_90, so 4 programs per SM).
 
-    On the H200 (`benchmarks/h200-2026-12-02-s2/`) 2 warps x 4 stages, 4 x 2, 4 x 4, 8 x 2 and 8 x 3
-    came within 2-3% of it at the large K1 shapes, each ahead somewhere, none everywhere; 4 x 4 and
-    8 warps lost up to 10% at (64, 1024).
+    On the H200 (`benchmarks/h200-2026-12-02-s2/call3-cuda-decode-configs.json`) 2 warps x 4 or 6
+    stages, 4 x 2 and 8 x 3 came within 2-3% of it at the large K1 shapes, each ahead somewhere,
+    none everywhere; 4 x 4 (3 programs per SM) and 8 x 2 lost 7-10% at some of them.
     """
     return CudaDecodeConfig(warps=4, stages=3)
 
