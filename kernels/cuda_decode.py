@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 import torch
 
-__all__ = ["CudaDecodeConfig", "applies", "compiled", "default_config", "launch"]
+__all__ = ["CudaDecodeConfig", "applies", "compiled_kernel", "default_config", "launch"]
 
 log = structlog.get_logger(__name__)
 
@@ -87,14 +87,11 @@ def applies(
     )  # fmt: skip
 
 
-def compiled(q: torch.Tensor, k_cache: torch.Tensor, config: CudaDecodeConfig) -> bool:
-    """Whether the kernel for these shapes compiles here (NVRTC at first use; a failure is logged
-    once and leaves the launch to the Triton kernel)."""
-    return _kernel(*_kernel_key(q, k_cache, config)) is not None
-
-
-def _kernel_key(q: torch.Tensor, k_cache: torch.Tensor, config: CudaDecodeConfig) -> tuple:
-    return q.shape[1] // k_cache.shape[2], k_cache.shape[1], q.dtype == torch.bfloat16, config, q.device.index
+def compiled_kernel(q: torch.Tensor, k_cache: torch.Tensor, config: CudaDecodeConfig) -> int | None:
+    """The kernel for these shapes (NVRTC at first use, then cached), or None where it does not
+    compile here: the failure is logged once and the launch is left to the Triton kernel."""
+    group = q.shape[1] // k_cache.shape[2]
+    return _kernel(group, k_cache.shape[1], q.dtype == torch.bfloat16, config, q.device.index)
 
 
 @functools.lru_cache(maxsize=32)
@@ -134,6 +131,7 @@ _BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0
 
 
 def launch(
+    kernel: int,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -152,9 +150,8 @@ def launch(
     by_seq: bool,
     config: CudaDecodeConfig,
 ) -> None:
-    """One launch of `fp8_paged_decode` on the current stream (so CUDA graphs capture it); qk_scale
-    includes log2(e), as the Triton kernel's."""
-    func = _kernel(*_kernel_key(q, k_cache, config))
+    """One launch of `kernel` (from `compiled_kernel`) on the current stream, so CUDA graphs capture
+    it; qk_scale includes log2(e), as the Triton kernel's."""
     params = ctypes.create_string_buffer(
         _PARAMS.pack(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), part.data_ptr(),
@@ -171,7 +168,7 @@ def launch(
     )
     stream = torch.cuda.current_stream(q.device).cuda_stream
     result = _libcuda().cuLaunchKernel(
-        func, *grid, 32 * config.warps, 1, 1, config.shared_bytes, stream, None, extra
+        kernel, *grid, 32 * config.warps, 1, 1, config.shared_bytes, stream, None, extra
     )
     if result != 0:
         raise RuntimeError(f"fp8_paged_decode launch failed: CUresult {result}")

@@ -620,16 +620,18 @@ def _launch_decode(
 ) -> None:
     scales = scales or _kv_scales(k_cache, None, None, q.device)
     cuda_config = FP8_DECODE_CUDA if config is None else None
-    if (
-        cuda_config is not None
-        and cuda_decode.applies(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
-        and cuda_decode.compiled(q, k_cache, cuda_config)
+    cuda_kernel = None
+    if cuda_config is not None and cuda_decode.applies(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out
     ):
+        cuda_kernel = cuda_decode.compiled_kernel(q, k_cache, cuda_config)
+    if cuda_kernel is not None:
         plan = _cuda_decode_plan(q, k_cache, block_tables, cuda_config, num_splits, by_seq)
         part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out
         cuda_decode.launch(
-            q, k_cache, v_cache, out, part, block_tables, seq_lens, cu_seqlens_q, *scales, scale * _LOG2E,
-            plan.grid, plan.num_splits, plan.tokens_per_split, plan.part_rows, by_seq, cuda_config,
+            cuda_kernel, q, k_cache, v_cache, out, part, block_tables, seq_lens, cu_seqlens_q, *scales,
+            scale * _LOG2E, plan.grid, plan.num_splits, plan.tokens_per_split, plan.part_rows, by_seq,
+            cuda_config,
         )  # fmt: skip
         _launch_merge(plan, out, part, cu_seqlens_q)
         return

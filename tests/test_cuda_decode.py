@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import cuda_decode, reference
-from tests.test_kernels import make_batch
+from tests.test_fp8 import _batch, _fp8_attention_args
 from tests.triton_marks import HAS_CUDA, needs_cuda
 
 HEAD_DIM = 128
@@ -35,14 +35,10 @@ CASES = {
 
 
 def _fp8_args(case: str, seed: int):
+    """`paged_attention`'s arguments over FP8 caches for one of CASES, and the k/v scales."""
     q_lens, contexts, heads, page, dtype = CASES[case]
-    batch = make_batch(q_lens, contexts, *heads, HEAD_DIM, page, dtype, seed=seed)
-    device = batch["q"].device
-    ks, vs = torch.tensor([0.02], device=device), torch.tensor([0.005], device=device)
-    k8 = (batch["k_cache"].float() / ks).clamp(-448, 448).to(torch.float8_e4m3fn)
-    v8 = (batch["v_cache"].float() / vs).clamp(-448, 448).to(torch.float8_e4m3fn)
-    rest = (batch["block_tables"], batch["seq_lens"], batch["cu_seqlens_q"], batch["scale"])
-    return (batch["q"], k8, v8, *rest), ks, vs
+    batch = _batch(q_lens, contexts, dtype, seed=seed, heads=heads, head_dim=HEAD_DIM, block_size=page)
+    return _fp8_attention_args(batch)
 
 
 @needs_cuda
@@ -113,7 +109,7 @@ def test_a_kernel_that_does_not_compile_leaves_the_launch_to_triton(monkeypatch)
     monkeypatch.setattr(torch.cuda, "_compile_kernel", refuse)
     config = cuda_decode.CudaDecodeConfig(warps=4, stages=5)  # a config no other test compiled
     args, ks, vs = _fp8_args("decode", seed=2)
-    assert not cuda_decode.compiled(args[0], args[1], config)
+    assert cuda_decode.compiled_kernel(args[0], args[1], config) is None
     if HAS_CUDA:
         monkeypatch.setattr(ta, "FP8_DECODE_CUDA", config)
         want = reference.paged_attention(*args, None, ks, vs).float()

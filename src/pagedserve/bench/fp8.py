@@ -210,14 +210,19 @@ def launch_setting(name: str, value: Any) -> Iterator[None]:
         setattr(ta, name, shipped)
 
 
-def _graph_ms(fn) -> float:
-    """`_ms` of `fn` replayed from a CUDA graph, as the executor runs decode steps: without the
-    host's launch cost, which on some hosts exceeds a small decode's GPU time."""
+def _graph_of(fn) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph (after one eager call, which compiles and sizes scratch)."""
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _ms(graph.replay)
+    return graph
+
+
+def _graph_ms(fn) -> float:
+    """`_ms` of `fn` replayed from a CUDA graph, as the executor runs decode steps: without the
+    host's launch cost, which on some hosts exceeds a small decode's GPU time."""
+    return _ms(_graph_of(fn).replay)
 
 
 _EVICT_BYTES = 256 << 20  # as do_bench's flush buffer: five times the H200's 50 MB of L2
@@ -229,10 +234,7 @@ def _graph_ms_clean_l2(fn, reps: int = 100) -> float:
     do_bench empties it by zeroing such a buffer, which leaves L2 full of dirty lines that the
     kernel under test must then write back to HBM: a fixed cost per launch, which weighs twice as
     much on an FP8 decode as on the bf16 decode it is compared with (half the time)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = _graph_of(fn)
     evict = torch.ones(_EVICT_BYTES // 4, device="cuda")
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
