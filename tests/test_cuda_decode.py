@@ -54,7 +54,7 @@ def test_cuda_fp8_decode_matches_reference(monkeypatch, case, config, num_splits
     larger pages, fp16 queries and the decodes of a mixed batch (beside the varlen kernel)."""
     from pagedserve.kernels import triton_attention as ta
 
-    if torch.cuda.get_device_capability() < (8, 9):
+    if not _sm89():
         pytest.skip("FP8 conversions need sm_89+")
     monkeypatch.setattr(ta, "FP8_DECODE_CUDA", config)
     args, ks, vs = _fp8_args(case, seed=len(case))
@@ -70,7 +70,7 @@ def test_cuda_fp8_decode_under_a_cuda_graph():
     """The launch goes to the current stream, so a captured graph replays it with new inputs."""
     from pagedserve.kernels import triton_attention as ta
 
-    if torch.cuda.get_device_capability() < (8, 9):
+    if not _sm89():
         pytest.skip("FP8 conversions need sm_89+")
     args, ks, vs = _fp8_args("decode", seed=1)
     q = args[0].clone()
