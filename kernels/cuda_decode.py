@@ -4,7 +4,8 @@ launched by `triton_attention` in place of the Triton decode kernel where it app
 Why a CUDA kernel: every Triton decode loop tried over an e4m3 cache moved its bytes at 0.47-0.74x
 of the bf16 kernel's rate (README, FP8). The CUDA kernel gives each warp a private cp.async
 pipeline of `stages` units of 16 keys, so that loads stay in flight while the warp computes, and
-widens the bytes straight into mma.sync operands (the .cu file explains the operand maps).
+widens the bytes straight into mma.sync operands (the .cu file explains the operand maps). Each
+warp takes one KV head of one split alone, with no merge between warps.
 
 It covers the common shapes (head_dim 128, up to 8 query heads per KV head, pages of a multiple of
 16 keys, bf16 or fp16 queries, int32 index tensors, sm_89+); `applies` says when, and the Triton
@@ -16,14 +17,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
 import torch
 
-__all__ = ["CudaDecodeConfig", "applies", "compiled_kernel", "default_config", "launch"]
+__all__ = ["CudaDecodeConfig", "applies", "compiled_kernel", "default_config", "fitted", "launch"]
 
 log = structlog.get_logger(__name__)
 
@@ -35,7 +37,8 @@ _MAX_GROUP = 8
 
 @dataclass(frozen=True)
 class CudaDecodeConfig:
-    """Warps per program and pipeline depth (units of 16 keys of K and V, 4 KB, per warp)."""
+    """Warps per program, one KV head each, and pipeline depth (units of 16 keys of K and V, 4 KB,
+    per warp)."""
 
     warps: int
     stages: int
@@ -46,13 +49,20 @@ class CudaDecodeConfig:
 
 
 def default_config() -> CudaDecodeConfig:
-    """4 warps, 3 stages (48 KB; 116-118 registers by ptxas for sm_90, so 4 programs per SM).
+    """4 warps, 3 stages (48 KB; 116-124 registers by ptxas for sm_90, so 4 programs per SM).
 
-    On the H200 (`benchmarks/h200-2026-12-02-s2/call3-cuda-decode-configs.json`) 2 warps x 4 or 6
-    stages, 4 x 2 and 8 x 3 came within 2-3% of it at the large K1 shapes, each ahead somewhere,
-    none everywhere; 4 x 4 (3 programs per SM) and 8 x 2 lost 7-10% at some of them.
+    On the H200 (`benchmarks/h200-2026-12-02-s3/call1-warp-per-head.json`) 8 x 3, 2 x 4, 4 x 4 and
+    4 x 5 came within 1-2% of it at the large K1 shapes, 4 x 2 within 2% (ahead at (256, 1024) and
+    (512, 1024), behind elsewhere); none was ahead everywhere.
     """
     return CudaDecodeConfig(warps=4, stages=3)
+
+
+@functools.lru_cache(maxsize=64)
+def fitted(config: CudaDecodeConfig, num_kv_heads: int) -> CudaDecodeConfig:
+    """`config` with as many warps as divide `num_kv_heads` (2 for a model with 2 or 6 KV heads),
+    so that no warp of a program is left without a head while holding its shared memory."""
+    return replace(config, warps=math.gcd(config.warps, num_kv_heads))
 
 
 @functools.lru_cache(maxsize=8)
@@ -123,10 +133,10 @@ def _libcuda() -> ctypes.CDLL:
 
 
 # The kernel's parameters packed as the C ABI lays them out (`struct` native alignment): ten
-# pointers, the softmax scale (double), seventeen ints. Passed as one buffer
+# pointers, the softmax scale (double), eighteen ints. Passed as one buffer
 # (CU_LAUNCH_PARAM_BUFFER_POINTER), which costs a few microseconds per launch where a ctypes
 # array of per-argument pointers costs tens.
-_PARAMS = struct.Struct("@10Pd17i")
+_PARAMS = struct.Struct("@10Pd18i")
 _BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0
 
 
@@ -159,6 +169,7 @@ def launch(
             v_scale.data_ptr(), qk_scale, seq_lens.shape[0], num_splits, tokens_per_split, part_rows,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             out.stride(0), out.stride(1), block_tables.stride(0), block_tables.shape[1], int(by_seq),
+            k_cache.shape[2],
         ),
         _PARAMS.size,
     )  # fmt: skip

@@ -3,15 +3,20 @@
 // Q_BF16 before this text).
 //
 // The same contract and split-partial layout as `attention_jit.decode_kernel` with KV_FP8 (its
-// merge kernel combines the splits): one program per (grid row, KV head, split); grid row r is
-// token r of a decode batch (or, with by_seq, sequence r of a mixed batch, skipped unless it has
-// exactly one new token).
+// merge kernel combines the splits): one program per (grid row, WARPS KV heads, split), one warp
+// per KV head; grid row r is token r of a decode batch (or, with by_seq, sequence r of a mixed
+// batch, skipped unless it has exactly one new token).
 //
 // Why CUDA: every Triton loop tried moved FP8 bytes at <= 0.74x of the bf16 kernel's rate
 // (README, FP8). Here each warp owns a private cp.async pipeline of STAGES units (16 keys of K and
-// V: 4 KB), so loads stay in flight while the warp computes, and no barrier spans warps until the
-// end. The products run on mma.sync m16n8k16 transposed (keys and head_dim are the 16-row side,
-// the query heads of the group the 8-column side), so the FP8 bytes become operands with one
+// V: 4 KB), so loads stay in flight while the warp computes, and no barrier spans warps. A warp
+// takes all of its head's keys in the split and writes the result from its registers: on the H200
+// that moved 3-8% more bytes per second at the large K1 shapes than 4 warps per head merging
+// through shared memory (up to 3% more than 2), whose programs ended sooner, so each paid its
+// pipeline's ramp-up and the merge more often.
+//
+// The products run on mma.sync m16n8k16 transposed (keys and head_dim are the 16-row side, the
+// query heads of the group the 8-column side), so the FP8 bytes become operands with one
 // cvt.rn.f16x2.e4m3x2 per two values straight from the words each thread reads, with no
 // shared-memory round trip: the head_dim order of the first product and the output rows of the
 // second are permuted so that each thread's operand bytes are contiguous in the cache.
@@ -40,7 +45,7 @@ typedef long long i64;
 static_assert(HEAD_DIM == 128, "the operand maps assume head_dim 128");
 static_assert(GROUP >= 1 && GROUP <= 8, "query heads per KV head: 1..8 (the 8-column side)");
 static_assert(PAGE_SIZE % UNIT == 0, "pages must hold whole units of 16 keys");
-static_assert(STAGES >= 2, "the warps' final merge reuses the stages: 4 KB + 64 B per warp");
+static_assert(STAGES >= 2, "a stage in flight while the warp computes on another");
 
 __device__ __forceinline__ u32 shared_addr(const void* p) {
     u32 a;
@@ -140,22 +145,25 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_paged_decode(
     const int* __restrict__ seq_lens, const int* __restrict__ cu_seqlens_q, const float* __restrict__ k_scale,
     const float* __restrict__ v_scale, double qk_scale_arg, int num_seqs, int num_splits, int tokens_per_split,
     int part_rows, int stride_qt, int stride_qh, int stride_kb, int stride_kt, int stride_kh, int stride_vb,
-    int stride_vt, int stride_vh, int stride_ot, int stride_oh, int stride_bt, int table_width, int by_seq) {
+    int stride_vt, int stride_vh, int stride_ot, int stride_oh, int stride_bt, int table_width, int by_seq,
+    int num_kv_heads) {
     extern __shared__ __align__(128) u8 smem[];
-    const int row = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+    const int row = blockIdx.x, split = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int kv_head = blockIdx.y * WARPS + warp;
     const int kv_start = split * tokens_per_split;
+    if (kv_head >= num_kv_heads) return;  // no barrier follows
 
     // Loads that do not wait for each other: the row's sequence data and, assuming that the row's
     // token and sequence are the row's own (always in a decode batch; with by_seq the sequence is),
-    // the warp's first block ids and q. The assumption is checked below and the loads redone in the
-    // rare case it was wrong, so a program waits one memory round trip, not three, before its first
-    // K/V copies. Block ids: 32 units at a time (lane l holds the warp's unit 32 J + l), the next
-    // batch in flight; units past the table are never copied.
+    // the first block ids and q. The assumption is checked below and the loads redone in the rare
+    // case it was wrong, so a warp waits one memory round trip, not three, before its first K/V
+    // copies. Block ids: 32 units at a time (lane l holds unit 32 J + l), the next batch in flight;
+    // units past the table are never copied.
     int q_start = cu_seqlens_q[row], q_end = cu_seqlens_q[row + 1], seq_len = seq_lens[row];
     const int* table = block_tables + (i64)row * stride_bt;
     auto load_ids = [&](int batch) -> int {
-        const int page = (kv_start + (warp + WARPS * (32 * batch + lane)) * UNIT) / PAGE_SIZE;
+        const int page = (kv_start + (32 * batch + lane) * UNIT) / PAGE_SIZE;
         return page < table_width ? table[page] : 0;
     };
     int ids_now = load_ids(0), ids_next = load_ids(1);
@@ -189,19 +197,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_paged_decode(
     const int context_end = seq_len - (q_end - token) + 1;
     const int kv_end = min(kv_start + tokens_per_split, context_end);
     const int num_units = kv_end > kv_start ? (kv_end - kv_start + UNIT - 1) / UNIT : 0;
-    const int my_units = num_units > warp ? (num_units - warp + WARPS - 1) / WARPS : 0;
 
-    // The warp's pipeline: its units are warp, warp + WARPS, ...; unit j of the warp in stage j % STAGES.
+    // The warp's pipeline: unit j in stage j % STAGES.
     const u32 stage_base = shared_addr(smem + warp * STAGES * STAGE_BYTES);
     const i64 k_head_off = (i64)kv_head * stride_kh, v_head_off = (i64)kv_head * stride_vh;
     auto issue = [&](int j) {
-        if (j < my_units) {
+        if (j < num_units) {
             if ((j & 31) == 0 && j > 0) {
                 ids_now = ids_next;
                 ids_next = load_ids(j / 32 + 1);
             }
             const i64 block = __shfl_sync(0xffffffffu, ids_now, j & 31);
-            const int key0 = kv_start + (warp + WARPS * j) * UNIT;
+            const int key0 = kv_start + j * UNIT;
             const int in_page = key0 % PAGE_SIZE;
             const u32 dst = stage_base + (j % STAGES) * STAGE_BYTES;
 #pragma unroll
@@ -241,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_paged_decode(
     for (int i = 0; i < MTILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;  // heads 2t, 2t + 1
 
-    for (int j = 0; j < my_units; ++j) {
+    for (int j = 0; j < num_units; ++j) {
         __syncwarp();  // every lane is done with the stage the next issue overwrites
         issue(j + STAGES - 1);
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
@@ -264,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_paged_decode(
             widen4(kw[1][s], a1, a3);
             mma16816(sc, a0, a1, a2, a3, qf[s][0], qf[s][1]);
         }
-        const int key0 = kv_start + (warp + WARPS * j) * UNIT;
+        const int key0 = kv_start + j * UNIT;
         float x0 = sc[0] * qk_scale, x1 = sc[1] * qk_scale, x2 = sc[2] * qk_scale, x3 = sc[3] * qk_scale;
         if (key0 + UNIT > kv_end) {
             if (key0 + g >= kv_end) x0 = x1 = NEG_INF;
@@ -310,64 +317,43 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_paged_decode(
     }
     asm volatile("cp.async.wait_group 0;");
 
-    // Denominators over the warp's keys (lanes of one t share heads), then the warps merge.
+    // Denominators over the warp's keys (lanes of one t share heads).
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
         l0 += __shfl_xor_sync(0xffffffffu, l0, o);
         l1 += __shfl_xor_sync(0xffffffffu, l1, o);
     }
-    __syncthreads();  // every warp is done with its stages: reuse them for the merge
-    float* red_acc = reinterpret_cast<float*>(smem);          // [WARPS][8][HEAD_DIM]
-    float* red_m = red_acc + WARPS * 8 * HEAD_DIM;            // [WARPS][8]
-    float* red_l = red_m + WARPS * 8;                         // [WARPS][8]
-    {
-        float* mine = red_acc + warp * 8 * HEAD_DIM;
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int i = 2 * w + half;
-                const int d = 16 * g + 4 * w + 2 * half;  // rows g (h = 0) and g + 8 (h = 1): d, d + 1
-                mine[(2 * t) * HEAD_DIM + d] = acc[i][0];
-                mine[(2 * t + 1) * HEAD_DIM + d] = acc[i][1];
-                mine[(2 * t) * HEAD_DIM + d + 1] = acc[i][2];
-                mine[(2 * t + 1) * HEAD_DIM + d + 1] = acc[i][3];
-            }
-        }
-        if (g == 0) {
-            red_m[warp * 8 + 2 * t] = m0;
-            red_m[warp * 8 + 2 * t + 1] = m1;
-            red_l[warp * 8 + 2 * t] = l0;
-            red_l[warp * 8 + 2 * t + 1] = l1;
-        }
-    }
-    __syncthreads();
+    // The warp holds its query heads' whole result: head 2t + h has rows d = 16 g + 2 i and d + 1
+    // in acc[i][h] and acc[i][2 + h]. Split: the partial, its max and denominator (the merge kernel
+    // divides); unsplit: the output.
     const float vs = v_scale[0];
-    const int num_q_heads = gridDim.y * GROUP;
-    for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32) {
-        const int h = idx / HEAD_DIM, d = idx % HEAD_DIM;
-        float m = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red_m[w * 8 + h]);
-        float a = 0.0f, l = 0.0f;
-        if (m != NEG_INF) {
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) {
-                const float wt = exp2f_approx(red_m[w * 8 + h] - m);
-                a += red_acc[(w * 8 + h) * HEAD_DIM + d] * wt;
-                l += red_l[w * 8 + h] * wt;
-            }
-        }
-        const int q_head = kv_head * GROUP + h;
+    for (int h = 0; h < 2; ++h) {
+        if (2 * t + h >= GROUP) continue;
+        const int q_head = kv_head * GROUP + 2 * t + h;
+        const float m = h ? m1 : m0, l = h ? l1 : l0;
         if (num_splits > 1) {
-            const i64 prow = ((i64)row * num_q_heads + q_head) * num_splits + split;
-            part[prow * HEAD_DIM + d] = a * vs;
-            if (d == 0) {
+            const i64 prow = ((i64)row * num_kv_heads * GROUP + q_head) * num_splits + split;
+            float* dst = part + prow * HEAD_DIM;
+#pragma unroll
+            for (int i = 0; i < MTILES; ++i) {
+                const int d = 16 * g + 2 * i;
+                dst[d] = acc[i][h] * vs;
+                dst[d + 1] = acc[i][2 + h] * vs;
+            }
+            if (g == 0) {
                 part[(i64)part_rows * HEAD_DIM + prow] = m;
                 part[(i64)part_rows * (HEAD_DIM + 1) + prow] = l;
             }
         } else {
-            out[(i64)token * stride_ot + (i64)q_head * stride_oh + d] = float_to_out(a * vs / l);
+            u16* dst = out + (i64)token * stride_ot + (i64)q_head * stride_oh;
+            const float s = vs / l;
+#pragma unroll
+            for (int i = 0; i < MTILES; ++i) {
+                const int d = 16 * g + 2 * i;
+                dst[d] = float_to_out(acc[i][h] * s);
+                dst[d + 1] = float_to_out(acc[i][2 + h] * s);
+            }
         }
     }
 }

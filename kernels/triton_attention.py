@@ -68,9 +68,9 @@ was faster with FP8 caches at the large K1 shapes, and none consistently at the 
 
 Decodes over FP8 caches run the CUDA kernel of `kernels.cuda_decode` instead of the Triton decode
 kernel wherever its shapes apply (`FP8_DECODE_CUDA`): the same arguments, the same split partials
-and merge, its own split count (each of its warps keeps its own loads in flight, so fewer programs
-per SM suffice). Every Triton decode loop tried read FP8 bytes at <= 0.74x of the bf16 kernel's
-rate; the CUDA kernel reads them at 0.84-0.95x at the large K1 shapes (README, FP8).
+and merge, its own split count (each of its warps reads one KV head with its own loads in flight,
+so 8 of them per SM suffice). Every Triton decode loop tried read FP8 bytes at <= 0.74x of the bf16
+kernel's rate; the CUDA kernel reads them at 0.92-0.97x at the large K1 shapes (README, FP8).
 
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -114,10 +114,11 @@ FP8_PREFILL_WIDEN = WIDEN_TO_Q_DTYPE.value
 FP8_DECODE_CUDA: cuda_decode.CudaDecodeConfig | None = (
     None if os.environ.get("PAGEDSERVE_FP8_DECODE") == "triton" else cuda_decode.default_config()
 )
-# Each CUDA program keeps its own loads in flight, so 8 warps per SM already read at full speed
-# and more splits only add merge work (H200: unsplit (32, 16384) 0.94x of bf16's bytes/s, 2 splits
-# 0.905x).
-_CUDA_WARPS_PER_SM = 8
+# Each warp of the CUDA kernel keeps its own loads in flight over one KV head of one split, so 8
+# such warps per SM already read at full speed and more splits only add merge work (H200, (64, 4096)
+# and (32, 16384): 2 and 4 splits, 0.96-0.97x of bf16's bytes/s; 4 and 8 splits, 0.93; 1 and 2,
+# 0.87).
+_CUDA_HEADS_PER_SM = 8
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
 # sm_90). Decode programs of one launch are equally long, so the launch is as fast as its fullest
 # wave: the split count is the smallest that fills the resident slots to _WAVE_EFFICIENCY (a
@@ -624,9 +625,13 @@ def _launch_decode(
     if cuda_config is not None and cuda_decode.applies(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out
     ):
+        cuda_config = cuda_decode.fitted(cuda_config, k_cache.shape[2])
         cuda_kernel = cuda_decode.compiled_kernel(q, k_cache, cuda_config)
     if cuda_kernel is not None:
-        plan = _cuda_decode_plan(q, k_cache, block_tables, cuda_config, num_splits, by_seq)
+        plan = _cuda_decode_plan(
+            block_tables.shape[0], *q.shape[1:], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1],
+            q.dtype, _sm_count(q.device), cuda_config, num_splits, by_seq,
+        )  # fmt: skip
         part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out
         cuda_decode.launch(
             cuda_kernel, q, k_cache, v_cache, out, part, block_tables, seq_lens, cu_seqlens_q, *scales,
@@ -674,23 +679,32 @@ def _launch_merge(
         )
 
 
+@functools.lru_cache(maxsize=1024)
 def _cuda_decode_plan(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    num_rows: int,
+    num_q_heads: int,
+    head_dim: int,
+    num_kv_heads: int,
+    page_size: int,
+    table_width: int,
+    dtype: torch.dtype,
+    sm_count: int,
     config: cuda_decode.CudaDecodeConfig,
     num_splits: int | None,
     by_seq: bool,
 ) -> _DecodePlan:
-    """The split geometry of a CUDA FP8 decode launch: the Triton plan's, with splits of whole
-    64-key tiles, as few as give every SM `_CUDA_WARPS_PER_SM` warps."""
+    """The geometry of a CUDA FP8 decode launch: the Triton plan's splits (whole 64-key tiles, as
+    few as give every SM `_CUDA_HEADS_PER_SM` warps) with `config.warps` KV heads per program."""
     tile = DecodeConfig(block_n=64, num_warps=config.warps, num_stages=config.stages)
     if num_splits is None:
         num_splits = choose_num_splits(
-            block_tables.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], tile.block_n,
-            _sm_count(q.device), max(1, _CUDA_WARPS_PER_SM // config.warps),
-        )  # fmt: skip
-    return decode_plan(q, k_cache, block_tables, tile, num_splits, by_seq)
+            num_rows, num_kv_heads, table_width * page_size, tile.block_n, sm_count, _CUDA_HEADS_PER_SM
+        )
+    plan = _decode_plan(
+        num_rows, num_q_heads, head_dim, num_kv_heads, page_size, table_width, dtype, sm_count, tile,
+        num_splits, by_seq,
+    )  # fmt: skip
+    return replace(plan, grid=(num_rows, _cdiv(num_kv_heads, config.warps), plan.num_splits))
 
 
 def _launch_varlen(

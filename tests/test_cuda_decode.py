@@ -28,6 +28,8 @@ CASES = {
     "group-1": ([1, 1, 1], [40, 600, 70], (8, 8), 16, torch.bfloat16),
     "group-3": ([1, 1, 1], [40, 600, 70], (6, 2), 16, torch.bfloat16),
     "group-8": ([1, 1, 1], [40, 600, 70], (16, 2), 16, torch.bfloat16),
+    "one-kv-head": ([1, 1, 1], [40, 600, 70], (8, 1), 16, torch.bfloat16),
+    "six-kv-heads": ([1, 1, 1], [40, 600, 70], (12, 6), 16, torch.bfloat16),
     "pages-of-32": ([1, 1, 1, 1], [40, 600, 70, 33], (32, 8), 32, torch.bfloat16),
     "fp16": ([1, 1, 1], [40, 600, 70], (32, 8), 16, torch.float16),
     "long": ([1, 1], [5000, 9001], (32, 8), 16, torch.bfloat16),
@@ -46,8 +48,9 @@ def _fp8_args(case: str, seed: int):
 @pytest.mark.parametrize(
     "config, num_splits",
     [(cuda_decode.default_config(), None), (cuda_decode.CudaDecodeConfig(4, 3), 1),
-     (cuda_decode.CudaDecodeConfig(2, 4), 3), (cuda_decode.CudaDecodeConfig(8, 2), 5)],
-    ids=["default", "unsplit", "2-warps-3-splits", "8-warps-5-splits"],
+     (cuda_decode.CudaDecodeConfig(2, 4), 3), (cuda_decode.CudaDecodeConfig(8, 2), 5),
+     (cuda_decode.CudaDecodeConfig(1, 2), 2)],
+    ids=["default", "unsplit", "2-warps-3-splits", "8-warps-5-splits", "1-warp-2-splits"],
 )  # fmt: skip
 def test_cuda_fp8_decode_matches_reference(monkeypatch, case, config, num_splits):
     """Decodes of any length (partial last pages, splits past the context), query groups of 1-8,
@@ -95,6 +98,14 @@ def test_applies_only_to_fp8_caches_of_the_shapes_it_was_written_for():
     assert not cuda_decode.applies(q, k8, v8, tables.long(), lens, cu, q)
     cpu = [t.cpu() for t in (q, k8, v8, tables, lens, cu)]
     assert not cuda_decode.applies(*cpu, cpu[0])
+
+
+def test_programs_hold_as_many_kv_heads_as_divide_the_models():
+    """One warp per KV head: a program of 4 warps takes 4 of 8 heads, 2 of 6, 1 of 1, never a
+    warp without a head."""
+    config = cuda_decode.CudaDecodeConfig(warps=4, stages=3)
+    assert [cuda_decode.fitted(config, n).warps for n in (8, 32, 6, 2, 1, 5)] == [4, 4, 2, 2, 1, 1]
+    assert cuda_decode.fitted(config, 6).stages == 3
 
 
 @pytest.mark.skipif(HAS_CUDA and not _sm89(), reason="FP8 conversions need sm_89+")
