@@ -115,9 +115,9 @@ FP8_DECODE_CUDA: cuda_decode.CudaDecodeConfig | None = (
     None if os.environ.get("PAGEDSERVE_FP8_DECODE") == "triton" else cuda_decode.default_config()
 )
 # Each warp of the CUDA kernel keeps its own loads in flight over one KV head of one split, so 8
-# such warps per SM already read at full speed and more splits only add merge work (H200, (64, 4096)
-# and (32, 16384): 2 and 4 splits, 0.96-0.97x of bf16's bytes/s; 4 and 8 splits, 0.93; 1 and 2,
-# 0.87).
+# such warps per SM already read at full speed, and more splits only add merge work (H200, bytes/s
+# over bf16's: (64, 4096) 0.88 / 0.96 / 0.92 with 1 / 2 (chosen) / 4 splits; (32, 16384) 0.87 /
+# 0.97 with 2 / 4 (chosen); at small batches 0.5-4x the chosen count is nowhere 1% faster).
 _CUDA_HEADS_PER_SM = 8
 # Split-KV policy. With the default decode config 4 programs fit on an SM at once (by ptxas for
 # sm_90). Decode programs of one launch are equally long, so the launch is as fast as its fullest
