@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -343,6 +343,7 @@ def _decode_plan(
     config: DecodeConfig | None,
     num_splits: int | None,
     by_seq: bool,
+    heads_per_program: int = 1,
 ) -> _DecodePlan:
     """Grid, split geometry and meta-parameters of the decode kernel (and the merge) for one shape.
 
@@ -388,7 +389,7 @@ def _decode_plan(
             HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=s_pad, BY_SEQ=by_seq, num_warps=warps, num_stages=1
         )
     return _DecodePlan(
-        grid=(num_rows, num_kv_heads, num_splits),
+        grid=(num_rows, _cdiv(num_kv_heads, heads_per_program), num_splits),
         num_splits=num_splits,
         tokens_per_split=tokens_per_split,
         table_tokens=table_tokens,
@@ -587,8 +588,10 @@ def decode_plan(
     config: DecodeConfig | None = None,
     num_splits: int | None = None,
     by_seq: bool = False,
+    heads_per_program: int = 1,
 ) -> _DecodePlan:
-    """The decode launch `paged_attention` would make for these shapes (for the benchmark and tests)."""
+    """The decode launch `paged_attention` would make for these shapes (for the benchmark and tests);
+    heads_per_program > 1 for the CUDA kernel, whose programs take several KV heads."""
     _, num_q_heads, head_dim = q.shape
     return _decode_plan(
         block_tables.shape[0],
@@ -602,6 +605,7 @@ def decode_plan(
         config,
         num_splits,
         by_seq,
+        heads_per_program,
     )
 
 
@@ -628,10 +632,7 @@ def _launch_decode(
         cuda_config = cuda_decode.fitted(cuda_config, k_cache.shape[2])
         cuda_kernel = cuda_decode.compiled_kernel(q, k_cache, cuda_config)
     if cuda_kernel is not None:
-        plan = _cuda_decode_plan(
-            block_tables.shape[0], *q.shape[1:], k_cache.shape[2], k_cache.shape[1], block_tables.shape[1],
-            q.dtype, _sm_count(q.device), cuda_config, num_splits, by_seq,
-        )  # fmt: skip
+        plan = _cuda_decode_plan(q, k_cache, block_tables, cuda_config, num_splits, by_seq)
         part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out
         cuda_decode.launch(
             cuda_kernel, q, k_cache, v_cache, out, part, block_tables, seq_lens, cu_seqlens_q, *scales,
@@ -679,16 +680,10 @@ def _launch_merge(
         )
 
 
-@functools.lru_cache(maxsize=1024)
 def _cuda_decode_plan(
-    num_rows: int,
-    num_q_heads: int,
-    head_dim: int,
-    num_kv_heads: int,
-    page_size: int,
-    table_width: int,
-    dtype: torch.dtype,
-    sm_count: int,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
     config: cuda_decode.CudaDecodeConfig,
     num_splits: int | None,
     by_seq: bool,
@@ -698,13 +693,10 @@ def _cuda_decode_plan(
     tile = DecodeConfig(block_n=64, num_warps=config.warps, num_stages=config.stages)
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_rows, num_kv_heads, table_width * page_size, tile.block_n, sm_count, _CUDA_HEADS_PER_SM
-        )
-    plan = _decode_plan(
-        num_rows, num_q_heads, head_dim, num_kv_heads, page_size, table_width, dtype, sm_count, tile,
-        num_splits, by_seq,
-    )  # fmt: skip
-    return replace(plan, grid=(num_rows, _cdiv(num_kv_heads, config.warps), plan.num_splits))
+            block_tables.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], tile.block_n,
+            _sm_count(q.device), _CUDA_HEADS_PER_SM,
+        )  # fmt: skip
+    return decode_plan(q, k_cache, block_tables, tile, num_splits, by_seq, heads_per_program=config.warps)
 
 
 def _launch_varlen(
