@@ -1,21 +1,23 @@
-# `make serve`: set up a virtual environment and serve the built-in model (executor + scheduler).
+# `make serve`: set up a virtual environment and serve the built-in model: gRPC on :50051 and the
+# OpenAI-compatible gateway on :8000 (executor + scheduler + gateway).
 # `make test`: the whole test suite (what CI runs, through .ci/run).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0 triton==3.7.1
 
+# PYTHONWARNINGS: setuptools reports every editable install with a warning that asks nothing of anyone.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $@
 
 .PHONY: install serve test lint
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/pagedserve serve
+	$(VENV)/bin/pagedserve serve --openai-port 8000
 
 lint: install
 	$(VENV)/bin/ruff check .

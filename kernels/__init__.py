@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.kernels import reference
 
-__all__ = ["paged_attention", "write_kv", "reference"]
+__all__ = ["fused_moe", "paged_attention", "write_kv", "reference"]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -24,15 +24,34 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out=None, k_scale=None, v_scale=None
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    scale,
+    out=None,
+    k_scale=None,
+    v_scale=None,
+    sliding_window=None,
+    soft_cap=None,
 ):
-    """See `kernels.reference.paged_attention` for the contract (k_scale/v_scale: FP8 caches)."""
+    """See `kernels.reference.paged_attention` for the contract (k_scale/v_scale: FP8 caches;
+    sliding_window, soft_cap: Mistral's and Gemma's attention)."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
-    if _use_triton(q):
+    if _use_triton(q) and sliding_window is None and soft_cap is None:
         from pagedserve.kernels import triton_attention
 
         return triton_attention.paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
-    return reference.paged_attention(*args, k_scale, v_scale)
+    # TODO(issue 28): the Triton kernels with sliding_window / soft_cap.
+    return reference.paged_attention(*args, k_scale, v_scale, sliding_window, soft_cap)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
+    """See `kernels.reference.fused_moe` for the contract."""
+    # TODO(issue 28): the fused Triton kernel on CUDA.
+    return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:

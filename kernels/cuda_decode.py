@@ -51,7 +51,7 @@ class CudaDecodeConfig:
 def default_config() -> CudaDecodeConfig:
     """4 warps, 3 stages (48 KB; 116-124 registers by ptxas for sm_90, so 4 programs per SM).
 
-    On the H200 (`benchmarks/h200-2026-12-02-s3/call1-warp-per-head.json`) 8 x 3, 2 x 4, 4 x 4 and
+    On the H200 (`benchmarks/results/2026-12-02-h200-s3/call1-warp-per-head.json`) 8 x 3, 2 x 4, 4 x 4 and
     4 x 5 came within 1-2% of it at the large K1 shapes, 4 x 2 within 2% (ahead at (256, 1024) and
     (512, 1024), behind elsewhere); none was ahead everywhere.
     """

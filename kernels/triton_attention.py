@@ -103,7 +103,7 @@ _FP8 = torch.float8_e4m3fn
 # Read once: @triton.jit chose the interpreter or the compiler at import time as well.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # How each kernel widens FP8 K/V tiles (`attention_jit.WIDEN_*`), measured on the H200 (README,
-# FP8; `python -m pagedserve.bench.fp8 --parts decode,sweep,sweep-prefill`): float16 with V through
+# FP8; `python -m benchmarks.fp8 --parts decode,sweep,sweep-prefill`): float16 with V through
 # the opaque conversion made the decode kernel 1.45-2.1x faster than casts to bf16 from 8 sequences
 # up (about equal at one), but not the varlen kernel (fresh prompts at 0.69x of bf16's speed against
 # 0.82x with the casts); the interpreter has no inline asm.
@@ -141,7 +141,7 @@ _MERGE_ELEMENTS_PER_THREAD = 128
 _MAX_VECTOR_SEQS = 1024
 _SEQS_PAD_BUCKETS = (64, 256, _MAX_VECTOR_SEQS)
 # Big prefill tiles need this many waves of programs (one per SM) to beat the default ones: they
-# tie at about 4 and win beyond (`python -m pagedserve.bench.kernels --sweep`; README, Kernels).
+# tie at about 4 and win beyond (`python -m benchmarks.kernels --sweep`; README, Kernels).
 _BIG_PREFILL_MIN_WAVES = 4
 
 
@@ -173,7 +173,7 @@ def default_decode_config(head_dim_pad: int, dtype: torch.dtype) -> DecodeConfig
     """Decode reads keys and values once: enough loads in flight matters more than tile size.
 
     fp32 and head_dim 256 take smaller tiles so registers and shared memory suffice (checked with
-    ptxas for sm_90: no spills). For bf16/fp16 `python -m pagedserve.bench.kernels --sweep` picked
+    ptxas for sm_90: no spills). For bf16/fp16 `python -m benchmarks.kernels --sweep` picked
     (64 keys, 4 warps, 2 stages) at every K1 shape from (8, 4096) to (32, 16384); 3 stages ran
     slower at all of them (the figures: README, Kernels). More stages add no K/V buffer in this
     loop (its addresses come from block ids loaded in the same iteration); loading the ids a tile
@@ -206,7 +206,7 @@ def big_prefill_config() -> PrefillConfig:
     """Query tiles of 256 rows (16 warps, one program per SM) for batches with many new tokens
     (bf16/fp16, head_dim <= 128): each key tile then serves four times as many query rows.
 
-    `python -m pagedserve.bench.kernels --sweep` times both tiles on several batch compositions
+    `python -m benchmarks.kernels --sweep` times both tiles on several batch compositions
     (the README's Kernels section has the figures): the tall tile wins on large prompt batches and
     loses where few programs under-fill the GPU, hence `_BIG_PREFILL_MIN_WAVES`; that rule only
     counts programs, so it misses long ones that would still win (a few chunks after a long cached

@@ -11,5 +11,5 @@ if compgen -G "$_checkout/.whl/*.whl" > /dev/null || compgen -G ".whl/*.whl" > /
   _whl=$(compgen -G "$_checkout/.whl/*.whl" > /dev/null && echo "$_checkout/.whl" || echo ".whl")
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$_whl"/*.whl
 fi
-export PYTHONPATH="$_site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$_site:/tmp/site:$_checkout${PYTHONPATH:+:$PYTHONPATH}"  # the checkout: benchmarks/, scripts/
 export PYTHONUNBUFFERED=1

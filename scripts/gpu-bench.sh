@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Every number of the README's performance section, on one GPU machine: writes the llama-8b-shape
 # model, then runs the selected stages (default: all):
-#   kernels    python -m pagedserve.bench.kernels (K1 decode shapes and the prefill case vs SDPA)
-#   step       python -m pagedserve.bench.step (decode and mixed steps, graphs vs eager, GPU idle)
-#   breakdown  python -m pagedserve.bench.breakdown (matmul TFLOP/s by M, kernel time by kind, overlap)
+#   kernels    python -m benchmarks.kernels (K1 decode shapes and the prefill case vs SDPA)
+#   step       python -m benchmarks.step (decode and mixed steps, graphs vs eager, GPU idle)
+#   breakdown  python -m benchmarks.breakdown (matmul TFLOP/s by M, kernel time by kind, overlap)
 #   w1         W1 with the throughput flags (W1_FLAGS) through three processes vs the same engine
 #              in-process, + the HF static baseline; step traces of both passes
 #   w1-default W1 with default flags (gRPC), with a step trace
 #   w2         W2 with prefix caching on vs off
 #   w3         W3 at three Poisson rates
 #   pressure   W1 in a KV pool of 4,096 and 8,192 blocks (W1 peaks near 20,400): recompute vs swap
-#   fp8-kernels python -m pagedserve.bench.fp8 (FP8 linear vs bf16, fused quantizing kernels, K1
+#   fp8-kernels python -m benchmarks.fp8 (FP8 linear vs bf16, fused quantizing kernels, K1
 #              decode with an FP8 KV cache)
-#   fp8-quality python -m pagedserve.bench.fp8_quality (bits per byte and greedy agreement of the
+#   fp8-quality python -m benchmarks.fp8_quality (bits per byte and greedy agreement of the
 #              built-in model: bf16, each FP8 flag, both)
 #   w1-fp8     W1 with the throughput flags: bf16, --quantization fp8, and both FP8 flags
 #   w5-fp8     W5 (128 x 12,000-token prompts, 512 outputs) with bf16 vs FP8 KV (weights FP8 in both,
@@ -55,14 +55,14 @@ bench() {  # bench NAME TIMEOUT ARGS...: pagedserve bench against launched servi
 }
 wants() { [[ " $STAGES " == *" $1 "* ]]; }
 
-if wants kernels; then run kernels 150 python3 -m pagedserve.bench.kernels --result-file "$OUT/kernels.json"; fi
-if wants breakdown; then run breakdown 200 python3 -m pagedserve.bench.breakdown --result-file "$OUT/breakdown.json"; fi
+if wants kernels; then run kernels 150 python3 -m benchmarks.kernels --result-file "$OUT/kernels.json"; fi
+if wants breakdown; then run breakdown 200 python3 -m benchmarks.breakdown --result-file "$OUT/breakdown.json"; fi
 if wants step; then
-  run step 150 python3 -m pagedserve.bench.step --layers 32 --init-on-device --batches 256 --steps 20 \
+  run step 150 python3 -m benchmarks.step --layers 32 --init-on-device --batches 256 --steps 20 \
     --mixed-prompt 512 --service
 fi
-if wants fp8-kernels; then run fp8-kernels 200 python3 -m pagedserve.bench.fp8 --result-file "$OUT/fp8-kernels.json"; fi
-if wants fp8-quality; then run fp8-quality 300 python3 -m pagedserve.bench.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
+if wants fp8-kernels; then run fp8-kernels 200 python3 -m benchmarks.fp8 --result-file "$OUT/fp8-kernels.json"; fi
+if wants fp8-quality; then run fp8-quality 300 python3 -m benchmarks.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
 if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi

@@ -106,11 +106,11 @@ def test_client_processes_and_gateways_flags():
 
 @pytest.mark.slow
 def test_gateway_load_measures_two_gateways_without_a_model(tmp_path, capsys):
-    """`python -m pagedserve.bench.gateway_load`: a stand-in scheduler, two gateways, one and two
+    """`python -m benchmarks.gateway_load`: a stand-in scheduler, two gateways, one and two
     client processes; every request completes with every message, and the CPU is accounted."""
     import json
 
-    from pagedserve.bench import gateway_load
+    from benchmarks import gateway_load
 
     result = tmp_path / "load.json"
     argv = ["--num-prompts", "6", "--input-len", "16:64", "--output-len", "9", "--step-ms", "1",

@@ -123,7 +123,7 @@ def test_prompt_logprobs_match_hf_across_chunked_prefill(runner, tokenizer, hf_b
 def test_log_likelihood_bench_matches_hf_and_beats_gzip(runner, tokenizer, hf_builtin, tmp_path):
     """`pagedserve bench --log-likelihood` on a little held-out source: the engine's bits per byte
     are HF's over the same windows, and clearly below gzip -9's on the same bytes."""
-    from pagedserve.train_default_model import held_out_texts
+    from pagedserve.bench.corpus import held_out_texts
 
     result_file = tmp_path / "loglik.json"
     argv = [

@@ -120,7 +120,7 @@ def _hotpath(tiny_model_dir, *flags: str) -> str:
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "pagedserve.bench.hotpath", f"--model={tiny_model_dir}", "--num-requests=8",
+        [sys.executable, "-m", "benchmarks.hotpath", f"--model={tiny_model_dir}", "--num-requests=8",
          "--input-len=16:32", "--output-len=9", *flags],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -131,7 +131,7 @@ def _hotpath(tiny_model_dir, *flags: str) -> str:
 
 @pytest.mark.parametrize("grpc_flag", [[], ["--grpc"]])
 def test_hotpath_bench_runs(tiny_model_dir, grpc_flag):
-    """`python -m pagedserve.bench.hotpath` stays runnable (a benchmark: nothing about speed here),
+    """`python -m benchmarks.hotpath` stays runnable (a benchmark: nothing about speed here),
     and through the real gRPC service messages of 4 tokens carry the same tokens and text as
     messages of one (its digest covers both)."""
     digest = _hotpath(tiny_model_dir, *grpc_flag)

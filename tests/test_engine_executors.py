@@ -1,4 +1,4 @@
-"""One engine over several executors, in one process: fake executors (pagedserve.bench.hotpath's,
+"""One engine over several executors, in one process: fake executors (benchmarks.hotpath's,
 which sample a token determined by the request's prompt and position, as the real sampler keys by
 seed and position) that can die, refuse or disagree. The same paths run against real executor
 processes in tests/test_scale_out_e2e.py; here they are fast and exhaustive."""
@@ -11,7 +11,7 @@ import socket
 import grpc
 import pytest
 
-from pagedserve.bench.hotpath import FakeExecutor
+from benchmarks.hotpath import FakeExecutor
 from pagedserve.protos import executor_pb2
 from pagedserve.scheduler.completion import StopConditions
 from pagedserve.scheduler.engine import Engine

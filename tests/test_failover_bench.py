@@ -3,7 +3,7 @@ model in float32, loses, duplicates and changes no token."""
 
 from __future__ import annotations
 
-from pagedserve.bench import failover
+from benchmarks import failover
 
 
 def test_one_kill_loses_and_duplicates_nothing(tiny_model_dir, capsys):

@@ -581,7 +581,7 @@ def test_executor_process_exits_with_one_line_on_the_cpu(tmp_path, monkeypatch):
 
 
 def test_bench_launch_setting_puts_the_shipped_value_back_even_on_an_error():
-    from pagedserve.bench.fp8 import launch_setting
+    from benchmarks.fp8 import launch_setting
     from pagedserve.kernels import triton_attention as ta
 
     shipped = ta.FP8_DECODE_WIDEN
@@ -599,7 +599,7 @@ def test_bench_launch_setting_puts_the_shipped_value_back_even_on_an_error():
 def test_bench_gather_floor_reads_exactly_the_tables_keys(layout, widen):
     """`bench.fp8`'s floor kernel reads each program's keys through its block table, in either
     layout: its xor (or, widened, its sum) equals the same reduction over the gathered words."""
-    from pagedserve.bench.fp8 import gather_words_kernel
+    from benchmarks.fp8 import gather_words_kernel
 
     gen = torch.Generator().manual_seed(5)
     kv_heads, page, words, num_blocks = 2, 4, 8, 12
@@ -636,7 +636,7 @@ def test_bench_gather_floor_reads_exactly_the_tables_keys(layout, widen):
 def test_bench_model_on_device_quantizes_projections_as_the_loader_does(tmp_path):
     """`bench.step.model_on_device(..., "fp8")` (the breakdown's FP8 steps): every projection holds
     e4m3 weights with a per-row scale that dequantize to make-model's N(0, 0.02) weights."""
-    from pagedserve.bench.step import model_on_device
+    from benchmarks.step import model_on_device
 
     model_dir = write_tiny_model(tmp_path / "m", TinyModelSpec())
     model = model_on_device(model_dir, 64, torch.device("cpu"), "fp8")

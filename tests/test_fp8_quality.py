@@ -1,4 +1,4 @@
-"""The FP8 quality tool (`python -m pagedserve.bench.fp8_quality`): its comparisons, and one CPU run
+"""The FP8 quality tool (`python -m benchmarks.fp8_quality`): its comparisons, and one CPU run
 of all four variants on the tiny model through the FP8 references (PAGEDSERVE_FP8_REFERENCE=1)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedserve.bench import fp8_quality
+from benchmarks import fp8_quality
 
 
 def test_agreement_counts_tokens_up_to_the_first_divergence():

@@ -294,9 +294,9 @@ def test_split_scratch_grows_and_keeps_outgrown_buffers(monkeypatch: pytest.Monk
 
 @needs_triton
 def test_bench_floors_read_every_kv_byte_once() -> None:
-    """pagedserve.bench.kernels's floor kernels sum exactly the K and V of the case: the gather floor through
+    """benchmarks.kernels's floor kernels sum exactly the K and V of the case: the gather floor through
     its block tables, the contiguous floor from the anchor's copies."""
-    from pagedserve.bench import kernels as bench
+    from benchmarks import kernels as bench
 
     pool = bench.Pool(64, torch.device(DEVICE))
     inputs = bench.decode_inputs(pool, 2, 128)

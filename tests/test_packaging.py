@@ -65,6 +65,21 @@ def test_wheel_holds_only_the_pagedserve_namespace(wheel):
     assert not [n for n in names if "/tests/" in n or n.startswith("tests/")]
 
 
+# The maintainers' microbenchmarks and the built-in model's training tool live in the checkout
+# (benchmarks/, scripts/), not in what users install; `pagedserve bench` is what stays.
+MAINTAINER_MODULES = (
+    "ahead_plans", "breakdown", "failover", "fp8", "fp8_quality", "gateway_load", "hotpath", "kernels",
+    "step", "train_default_model",
+)  # fmt: skip
+
+
+def test_wheel_ships_no_maintainer_benchmarks(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    modules = {Path(n).stem for n in names if n.startswith("pagedserve/bench/") or n.count("/") == 1}
+    assert not modules & set(MAINTAINER_MODULES), sorted(modules & set(MAINTAINER_MODULES))
+    assert "pagedserve/bench/cli.py" in names
+
+
 def test_regular_install_imports_from_anywhere(wheel, tmp_path):
     """A regular install (here into a target directory) serves `pagedserve.*` from outside the
     checkout and from its root alike: the root's folders do not shadow the installed package."""
@@ -91,7 +106,7 @@ def test_editable_install_imports_from_anywhere(tmp_path):
 def _copy_checkout(dest: Path) -> Path:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, dest / name)
-    for name in ("src", *SUBPACKAGES, "scripts"):
+    for name in ("src", *SUBPACKAGES, "scripts", "benchmarks"):
         shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     return dest
 

@@ -1,4 +1,4 @@
-"""`python -m pagedserve.train_default_model --device cpu --quick`: the training script end to end on
+"""`python -m scripts.train_default_model --device cpu --quick`: the training script end to end on
 a tiny model, writing a directory that both transformers and pagedserve's loader read."""
 
 from __future__ import annotations
@@ -6,18 +6,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pagedserve import train_default_model as train
+from pagedserve.bench import corpus
+from scripts import train_default_model as train
 
 
 def test_held_out_split_is_by_file_and_machine_independent():
     """The split depends only on (root, relative path): the same file is held out on any machine."""
-    a = train.SourceFile("stdlib", "json/decoder.py", Path("/usr/lib/python3.12/json/decoder.py"))
-    b = train.SourceFile("stdlib", "json/decoder.py", Path("/opt/python3.11/lib/json/decoder.py"))
+    a = corpus.SourceFile("stdlib", "json/decoder.py", Path("/usr/lib/python3.12/json/decoder.py"))
+    b = corpus.SourceFile("stdlib", "json/decoder.py", Path("/opt/python3.11/lib/json/decoder.py"))
     assert a.held_out == b.held_out
     assert a.order_key == b.order_key
-    files = [train.SourceFile("stdlib", f"m{i}.py", Path(f"/x/m{i}.py")) for i in range(4000)]
+    files = [corpus.SourceFile("stdlib", f"m{i}.py", Path(f"/x/m{i}.py")) for i in range(4000)]
     share = sum(f.held_out for f in files) / len(files)
-    assert abs(share - train.HELD_OUT_PER_MILLE / 1000) < 0.01
+    assert abs(share - corpus.HELD_OUT_PER_MILLE / 1000) < 0.01
 
 
 def test_quick_cpu_run_writes_a_loadable_model(tmp_path):

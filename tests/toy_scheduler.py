@@ -1,7 +1,7 @@
 """A toy scheduler that builds StepPlans by hand, for the executor tests.
 
 `AheadScheduler` (plans one step ahead, as the real scheduler does) lives with the benchmarks that
-use it, `pagedserve.bench.ahead_plans`; it is re-exported here for the tests.
+use it, `benchmarks.ahead_plans`; it is re-exported here for the tests.
 
 It is deliberately naive (no budget, no prefix cache, no policy) and never used by the serving
 path. It mirrors the executor's bookkeeping: after each step a sequence's computed count grows by
@@ -14,7 +14,7 @@ import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pagedserve.bench.ahead_plans import AheadScheduler, drive_ahead
+from benchmarks.ahead_plans import AheadScheduler, drive_ahead
 from pagedserve.protos import executor_pb2
 
 __all__ = ["AheadScheduler", "ToyScheduler", "ToySequence", "drive_ahead"]

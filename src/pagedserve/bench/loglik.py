@@ -3,7 +3,7 @@
     pagedserve bench --log-likelihood [--model DIR] [--held-out-bytes N] [--executor-args "..."]
 
 It scores held-out Python source (the built-in model's held-out files, see
-`pagedserve.train_default_model`) through the executor's own ModelRunner, driven in this process by
+`pagedserve.bench.corpus`) through the executor's own ModelRunner, driven in this process by
 plans built here: every text is cut into windows, each window is a request whose prompt logprobs
 (`Sampling.return_prompt_logprobs`) give log p(token | tokens before it). The mean log-likelihood
 per token and the bits per byte are then exactly what the kernels, the dtype (fp8...) and the
@@ -115,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedserve.bench.corpus import gzip_bits_per_byte, held_out_texts
     from pagedserve.bench.inprocess import executor_config
     from pagedserve.executor.runner import ModelRunner
     from pagedserve.scheduler.service import load_tokenizer
-    from pagedserve.train_default_model import gzip_bits_per_byte, held_out_texts
 
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -1,7 +1,7 @@
 """Where the built-in model lives: package data of pagedserve, so every install has it.
 
-The weights were trained by `python -m pagedserve.train_default_model` (a ~12.6M-parameter Llama on
-Python source; see training.json beside them) and committed once. The services take `--model` as
+The weights were trained by `python -m scripts.train_default_model` (in a checkout: a ~12.6M-parameter
+Llama on Python source; see training.json beside them) and committed once. The services take `--model` as
 optional and fall back to this directory, so `pagedserve serve`, `LLM()` and the compose file serve
 a model that writes Python-looking text without any download.
 """

@@ -1,13 +1,13 @@
 """Trains pagedserve's built-in model: a small Llama on the Python source found on this machine.
 
-    python -m pagedserve.train_default_model --device cuda --output DIR   # the shipped weights
-    python -m pagedserve.train_default_model --device cpu --quick --output DIR   # a smoke run
+    python -m scripts.train_default_model --device cuda --output DIR   # the shipped weights
+    python -m scripts.train_default_model --device cpu --quick --output DIR   # a smoke run
 
 Nothing is downloaded: the corpus is the running Python's standard library plus a fixed list of
 installed packages (Python source and documentation). Files are listed in sorted order and split
 into training and held-out sets BY FILE with a seeded hash of each file's path relative to its root,
-so the split of a given file is the same on every machine and Python version (a file held out on
-the GPU machine's Python is held out on any other). The model is transformers' own
+so the split of a given file is the same on every machine and Python version (`pagedserve.bench.corpus`,
+which `pagedserve bench --log-likelihood` scores the held-out files with). The model is transformers' own
 `LlamaForCausalLM` (GQA, RoPE, SwiGLU, tied embeddings), so the directory written is a standard
 Hugging Face checkpoint that both transformers and pagedserve's loader read.
 
@@ -21,71 +21,30 @@ recorded in the report.
 from __future__ import annotations
 
 import argparse
-import gzip
-import hashlib
-import importlib.util
 import json
 import math
 import sys
-import sysconfig
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import structlog
 
-log = structlog.get_logger("pagedserve.train_default_model")
-
-# --- corpus -----------------------------------------------------------------------------------
-# Installed packages (import names) whose source and docs join the standard library. Packages
-# missing on a machine are skipped and listed in the report; all of these come with torch or
-# transformers, so the GPU image and a dev checkout both have nearly all of them.
-SITE_PACKAGES = (
-    "torch",
-    "transformers",
-    "numpy",
-    "sympy",
-    "networkx",
-    "mpmath",
-    "jinja2",
-    "markupsafe",
-    "triton",
-    "huggingface_hub",
-    "tokenizers",
-    "safetensors",
-    "filelock",
-    "fsspec",
-    "tqdm",
-    "yaml",
-    "packaging",
-    "setuptools",
-    "pip",
-    "scipy",
-    "pandas",
-    "sklearn",
-    "matplotlib",
-    "pygments",
-    "rich",
-    "_pytest",
-    "hypothesis",
-    "requests",
-    "urllib3",
-    "click",
-    "grpc",
-    "google",
+from pagedserve.bench.corpus import (
+    HELD_OUT_EVAL_BYTES,
+    HELD_OUT_PER_MILLE,
+    SITE_PACKAGES,
+    SPLIT_SEED,
+    TOKENIZER_TRAIN_BYTES,
+    corpus_roots,
+    gzip_bits_per_byte,
+    held_out_texts,
+    list_files,
+    read_texts,
 )
-SUFFIXES = (".py", ".pyi", ".md", ".rst")
-# Test suites are full of generated data and odd strings; transformers/models is ~90% of that package
-# and mostly near-copies of one modeling file ("Copied from"), which would leak into the held-out set.
-EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"})
-EXCLUDED_PREFIXES = ("transformers/models/",)
-MAX_FILE_BYTES = 256 * 1024  # larger files are generated tables, not prose or code
-SPLIT_SEED = 16
-HELD_OUT_PER_MILLE = 30  # 3% of files, chosen by a hash of (seed, root name, relative path)
-HELD_OUT_EVAL_BYTES = 1 << 20  # held-out Python source the final figures are computed on
-TOKENIZER_TRAIN_BYTES = 24 << 20  # the BPE merges are learnt on this prefix of the shuffled files
+
+log = structlog.get_logger("train_default_model")
 
 # --- model and training -------------------------------------------------------------------------
 
@@ -150,79 +109,6 @@ CHAT_TEMPLATE = (
 )
 
 
-@dataclass(frozen=True)
-class SourceFile:
-    root: str  # "stdlib" or a package's import name
-    relative: str  # path under the root, "/"-separated
-    path: Path
-
-    @property
-    def held_out(self) -> bool:
-        digest = hashlib.sha256(f"{SPLIT_SEED}:{self.root}:{self.relative}".encode()).digest()
-        return int.from_bytes(digest[:8], "big") % 1000 < HELD_OUT_PER_MILLE
-
-    @property
-    def order_key(self) -> bytes:
-        """A seeded shuffle of the files (what the byte caps take a prefix of)."""
-        return hashlib.sha256(f"order:{SPLIT_SEED}:{self.root}:{self.relative}".encode()).digest()
-
-
-def corpus_roots(packages: tuple[str, ...] = SITE_PACKAGES) -> tuple[list[tuple[str, Path]], list[str]]:
-    """(name, directory) of the standard library and each installed package; and those missing."""
-    roots = [("stdlib", Path(sysconfig.get_paths()["stdlib"]))]
-    missing = []
-    for name in packages:
-        spec = importlib.util.find_spec(name)
-        locations = list(spec.submodule_search_locations or []) if spec else []
-        if not locations:
-            missing.append(name)
-            continue
-        roots.append((name, Path(locations[0])))
-    return roots, missing
-
-
-def list_files(roots: list[tuple[str, Path]]) -> list[SourceFile]:
-    """Every corpus file, sorted by (root, relative path): the list is a function of the machine."""
-    files = []
-    for name, root in roots:
-        prefix = "" if name == "stdlib" else f"{name}/"
-        for path in sorted(root.rglob("*")):
-            relative = path.relative_to(root).as_posix()
-            parts = relative.split("/")
-            if path.suffix not in SUFFIXES or EXCLUDED_DIRS.intersection(parts[:-1]):
-                continue
-            if (prefix + relative).startswith(EXCLUDED_PREFIXES) or not path.is_file():
-                continue
-            if path.stat().st_size > MAX_FILE_BYTES:
-                continue
-            files.append(SourceFile(name, relative, path))
-    return files
-
-
-def read_texts(files: list[SourceFile], cap: int | None) -> Iterator[tuple[SourceFile, str]]:
-    """UTF-8 texts of `files` (undecodable and empty ones skipped), up to `cap` bytes in all."""
-    total = 0
-    for file in files:
-        if cap is not None and total >= cap:
-            return
-        try:
-            text = file.path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if text.strip():
-            total += len(text.encode())
-            yield file, text
-
-
-def held_out_texts(max_bytes: int, packages: tuple[str, ...] = SITE_PACKAGES) -> list[str]:
-    """The held-out Python source of this machine, in the seeded file order, up to `max_bytes`: what
-    the training run's final figures and `pagedserve bench --log-likelihood` score."""
-    roots, _ = corpus_roots(packages)
-    files = sorted(list_files(roots), key=lambda f: f.order_key)
-    held = [f for f in files if f.held_out and f.path.suffix == ".py"]
-    return [text for _, text in read_texts(held, max_bytes)]
-
-
 # --- tokenizer ----------------------------------------------------------------------------------
 
 
@@ -285,10 +171,6 @@ def byte_counts(texts: list[str]) -> Counter:
     for text in texts:
         counts += np.bincount(np.frombuffer(text.encode(), dtype=np.uint8), minlength=256)
     return Counter(dict(enumerate(counts.tolist())))
-
-
-def gzip_bits_per_byte(data: bytes) -> float:
-    return len(gzip.compress(data, compresslevel=9)) * 8 / len(data)
 
 
 def unigram_bits_per_byte(train_counts: Counter, vocab: int, tokens: list[int], n_bytes: int) -> float:
@@ -567,7 +449,7 @@ def plot_curve(curve: dict, hyper: Hyper, figures: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedserve.train_default_model", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m scripts.train_default_model", description=__doc__)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--quick", action="store_true", help="a tiny model and corpus (CPU smoke test)")
     parser.add_argument("--output", required=True, help="model directory to write")

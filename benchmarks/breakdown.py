@@ -1,6 +1,6 @@
 """Where a step's GPU time goes, on CUDA: the numbers behind the README's W1 analysis.
 
-    python -m pagedserve.bench.breakdown                 # all three parts, about a minute on an H200
+    python -m benchmarks.breakdown                 # all three parts, about a minute on an H200
 
 * gemm: bf16 `F.linear` throughput of the llama-8b-shape projections (qkv, o, gate_up, down,
   lm_head) for M = 64 .. 8192 rows, and the matmul cost per token of the 32 layers at each M.
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from benchmarks.ahead_plans import AheadScheduler
+from benchmarks.step import mixed_plans, model_on_device, prefill, prompts, write_model
 from pagedserve import kernels
-from pagedserve.bench.ahead_plans import AheadScheduler
-from pagedserve.bench.step import mixed_plans, model_on_device, prefill, prompts, write_model
 from pagedserve.common.tables import markdown_table
 from pagedserve.executor.config import KV_CACHE_DTYPES, QUANTIZATIONS, ExecutorConfig
 from pagedserve.executor.runner import ModelRunner

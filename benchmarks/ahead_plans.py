@@ -1,5 +1,5 @@
 """Step plans built by hand, one plan in flight ahead, for the executor benchmarks
-(`pagedserve.bench.step`, `pagedserve.bench.breakdown`) and the pipeline tests.
+(`benchmarks.step`, `benchmarks.breakdown`) and the pipeline tests.
 
 Deliberately naive (no prefix cache, no preemption) and never used by the serving path.
 """

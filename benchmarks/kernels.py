@@ -1,6 +1,6 @@
 """Benchmark of the Triton paged-attention kernels against SDPA on contiguous tensors (run on a GPU).
 
-    python -m pagedserve.bench.kernels [--result-file bench-results/kernels.json] [--sweep]
+    python -m benchmarks.kernels [--result-file bench-results/kernels.json] [--sweep]
 
 1. Correctness: workload K1's decode shapes, mixed prefill/decode batches and the prefill case, each
    against `kernels.reference` in fp32 (max abs error printed, checked against a tolerance).

@@ -1,7 +1,7 @@
 """Failover figures: kill -9 an executor that holds streams, again and again, and measure what its
 clients see (issue 13).
 
-    python -m pagedserve.bench.failover --kills 10                 # tiny model, CPU, 4 executors
+    python -m benchmarks.failover --kills 10                 # tiny model, CPU, 4 executors
 
 One scheduler over N executor processes on loopback. Each round starts `--streams` greedy
 streams, waits until every one has begun, kills (SIGKILL) the executor running most of them, and
@@ -53,7 +53,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedserve.bench.failover", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.failover", description=__doc__)
     parser.add_argument("--model", default=None, help="model directory (default: the tiny model)")
     parser.add_argument("--executors", type=int, default=4)
     parser.add_argument("--kills", type=int, default=10)

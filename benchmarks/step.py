@@ -1,7 +1,7 @@
 """Decode-step timing on CUDA: CUDA graphs vs eager, and how much the GPU idles when the executor
 is driven the way the service drives it (step N+1 launched before step N is finished).
 
-    python -m pagedserve.bench.step --layers 4 --batches 64,256 --context 512 --steps 30
+    python -m benchmarks.step --layers 4 --batches 64,256 --context 512 --steps 30
 
 The model is the README's "llama-8b-shape" (Workloads) with `--layers` layers and random bf16 weights,
 written as a checkpoint and loaded through the real loader, or with --init-on-device generated on
@@ -35,7 +35,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from pagedserve.bench.ahead_plans import AheadScheduler
+from benchmarks.ahead_plans import AheadScheduler
 from pagedserve.common.tables import markdown_table
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.loader import load_model_spec

@@ -1,6 +1,6 @@
 """FP8 kernel benchmark, side by side with bf16 in one run (on a GPU).
 
-    python -m pagedserve.bench.fp8 [--result-file bench-results/fp8.json]
+    python -m benchmarks.fp8 [--result-file bench-results/fp8.json]
 
 1. Linear layers of Llama-3.1-8B (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
    4096x14336) at M = 64, 256, 2048, 8192 rows: bf16 `F.linear` against `torch._scaled_mm` with
@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from pagedserve.bench.kernels import whole_tile_splits
+from benchmarks.kernels import whole_tile_splits
 from pagedserve.kernels import fp8, layers, triton_fp8
 from pagedserve.kernels import triton_attention as ta
 

@@ -5,9 +5,9 @@ of real text, never EOS), so the step rate is bounded only by this process: sche
 and output's (de)serialization, `process_output`, each request's `Completion.add_token`
 (detokenization, stop checks) and the streaming of each delta to its client.
 
-    python -m pagedserve.bench.hotpath                 # deltas drained through GenerationService._stream
-    python -m pagedserve.bench.hotpath --grpc          # real public gRPC service, clients in a subprocess
-    python -m pagedserve.bench.hotpath --profile       # cProfile of the scheduler process
+    python -m benchmarks.hotpath                 # deltas drained through GenerationService._stream
+    python -m benchmarks.hotpath --grpc          # real public gRPC service, clients in a subprocess
+    python -m benchmarks.hotpath --profile       # cProfile of the scheduler process
 
 "CPU/step" is this process's CPU time per step (all threads, gRPC's included), less the fake
 executor's own time; at the executor's 16 ms per decode step of batch 256 on an H200, anything near
@@ -249,7 +249,7 @@ async def drain_over_grpc(service: GenerationService, args, requests) -> Digest:
     await server.start()
     await service.engine.wait_until_attached()
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
-        client_argv = [sys.executable, "-m", "pagedserve.bench.hotpath", "--client", f"127.0.0.1:{port}"]
+        client_argv = [sys.executable, "-m", "benchmarks.hotpath", "--client", f"127.0.0.1:{port}"]
         client_argv += ["--client-out", out.name, *sys.argv[1:]]
         proc = await asyncio.create_subprocess_exec(*client_argv)
         try:
@@ -317,9 +317,7 @@ async def bench(args, tokenizer, requests, text_ids) -> tuple[TimedEngine, FakeE
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pagedserve.bench.hotpath", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hotpath", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--model", default=None, help="model directory (default: the tiny model, in a temp dir)"
     )

@@ -7,7 +7,7 @@ the gateway(s) with the `openai` client from 1..P client processes, as `pagedser
 TTFT (all of it overhead: the stand-in answers at once), the gap between messages against the
 stand-in's pace, and the CPU seconds of the gateway(s) and the clients, per request and per message.
 
-    python -m pagedserve.bench.gateway_load --client-processes 1,4 --gateways 1
+    python -m benchmarks.gateway_load --client-processes 1,4 --gateways 1
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m pagedserve.bench.gateway_load", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.gateway_load", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--input-len", default=PRESETS["W1"]["input_len"])

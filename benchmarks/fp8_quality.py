@@ -1,6 +1,6 @@
 """FP8 quality on a trained model (issue 18): bits per byte and greedy agreement, each against bf16.
 
-    python -m pagedserve.bench.fp8_quality [--model DIR] [--device cuda] [--result-file F]
+    python -m benchmarks.fp8_quality [--model DIR] [--device cuda] [--result-file F]
 
 Four variants in one process, one after the other: bf16; `--quantization fp8`; `--kv-cache-dtype
 fp8`; both. For each:
@@ -158,11 +158,11 @@ def greedy_outputs(
 
 
 def run(args: argparse.Namespace) -> dict:
-    from pagedserve.train_default_model import held_out_texts
+    from pagedserve.bench.corpus import held_out_texts
 
     texts = held_out_texts(args.held_out_bytes)
     if not texts:
-        raise SystemExit("no held-out text on this machine (see pagedserve.train_default_model)")
+        raise SystemExit("no held-out text on this machine (see pagedserve.bench.corpus)")
     prompts = greedy_prompts(texts, args.prompts, args.prompt_chars)
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     if "bf16" not in variants:
@@ -226,7 +226,7 @@ def markdown_table(result: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pagedserve.bench.fp8_quality",
+        prog="python -m benchmarks.fp8_quality",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
