@@ -1,17 +1,26 @@
 """`python -m pagedserve.executor --model DIR --port P`: the executor service alone (`pagedserve executor`).
 
 Logging follows the shared pagedserve setup: PAGEDSERVE_LOG_LEVEL, PAGEDSERVE_LOG_FORMAT=json.
+
+Errors a restart cannot fix (the model, the flags, a KV pool too small for --max-model-len, the
+token or TLS files) exit with status 78 (`os.EX_CONFIG`, sysexits.h's configuration error) and one
+line naming the problem: `pagedserve serve` then stops instead of restarting the executor.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from pagedserve.common.auth import TokenError
 from pagedserve.common.logs import configure_logging
 from pagedserve.common.tls import TlsConfigError
 from pagedserve.executor.config import ExecutorConfig, add_cli_args
+from pagedserve.executor.kv_cache import KVCacheTooSmallError
 from pagedserve.executor.loader import UnsupportedModelError
+
+# What no restart fixes (UnsupportedModelError covers the FP8 and tensor-parallel refusals too).
+CONFIG_ERRORS = (UnsupportedModelError, KVCacheTooSmallError, FileNotFoundError, TokenError, TlsConfigError)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         serve(config)
-    except (UnsupportedModelError, OSError, TokenError, TlsConfigError) as exc:  # one line, no traceback
+    except CONFIG_ERRORS as exc:  # one line, no traceback
+        parser.exit(os.EX_CONFIG, f"{parser.prog}: error: {exc}\n")
+    except OSError as exc:  # a port in use, a device gone: may pass, so serve restarts us
         parser.exit(1, f"{parser.prog}: error: {exc}\n")
 
 

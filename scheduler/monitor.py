@@ -1,5 +1,5 @@
 """What the scheduler tells its operators while it runs: standard gRPC health (grpc.health.v1) that
-follows the engine, and a warning when preemption is frequent.
+follows the engine, a periodic stats line while it works, and a warning when preemption is frequent.
 
 Health is SERVING only while the engine has an executor attached and the scheduler is not draining,
 so load balancers and Kubernetes probes route around a scheduler that cannot serve. A watcher task
@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import structlog
 from grpc_health.v1 import health, health_pb2
 
 from pagedserve.protos import wire
+from pagedserve.scheduler.core import SchedulerStats
 from pagedserve.scheduler.engine import Engine
 
 log = structlog.get_logger()
@@ -30,6 +32,53 @@ WATCH_PERIOD_S = 0.2
 PREEMPTION_WARNING_THRESHOLD = 10  # more preemptions than this within the window: warn
 PREEMPTION_WINDOW_S = 60.0
 PREEMPTION_WARNING_PERIOD_S = 60.0  # at most one warning per period
+STATS_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(frozen=True)
+class _StatsSample:
+    time: float
+    steps: int
+    tokens_generated: int
+    prompt_tokens_computed: int
+
+
+class StatsLog:
+    """One "scheduler stats" line per `interval` for the whole scheduler (all its executors), as
+    vLLM's periodic log: throughput over the interval, the queues, KV usage and the prefix-cache
+    hit rate. Only while requests run or wait, or when the interval did some work (its last line):
+    an idle scheduler says nothing."""
+
+    def __init__(self, interval: float = STATS_LOG_INTERVAL_S) -> None:
+        self.interval = interval
+        self._last: _StatsSample | None = None
+
+    def observe(self, stats: SchedulerStats, steps: int, tokens_generated: int, now: float) -> bool:
+        """Called often with the engine's figures; logs when an interval has passed and there is
+        something to say. Returns whether it logged."""
+        if self._last is not None and now - self._last.time < self.interval:
+            return False
+        sample = _StatsSample(now, steps, tokens_generated, stats.prompt_tokens_computed)
+        last, self._last = self._last, sample
+        busy = stats.num_running or stats.num_waiting or stats.num_swapped
+        if last is None or not (busy or sample.steps != last.steps):
+            return False
+        seconds = max(now - last.time, 1e-9)
+        prompt_tokens = sample.prompt_tokens_computed - last.prompt_tokens_computed
+        queried, blocks = stats.prefix_cache_query_tokens, stats.num_gpu_blocks
+        log.info(
+            "scheduler stats",
+            prompt_throughput=round(prompt_tokens / seconds, 1),
+            generation_throughput=round((sample.tokens_generated - last.tokens_generated) / seconds, 1),
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            swapped=stats.num_swapped,
+            kv_cache_usage=round(stats.gpu_blocks_in_use / blocks, 4) if blocks else 0.0,
+            prefix_cache_hit_rate=round(stats.prefix_cache_hit_tokens / queried, 4) if queried else 0.0,
+            preemptions=stats.num_preemptions,
+            steps=sample.steps - last.steps,
+        )
+        return True
 
 
 class PreemptionWarning:
@@ -95,10 +144,15 @@ async def watch(
     health_: SchedulerHealth,
     preemption: PreemptionWarning | None = None,
     period: float = WATCH_PERIOD_S,
+    stats_log: StatsLog | None = None,
 ) -> None:
-    """Runs until cancelled: health follows `engine.is_serving`; preemptions feed the warning."""
+    """Runs until cancelled: health follows `engine.is_serving`; preemptions feed the warning; the
+    stats line is logged while there is work."""
     preemption = preemption if preemption is not None else PreemptionWarning()
+    stats_log = stats_log if stats_log is not None else StatsLog()
     while True:
         await health_.publish(engine.is_serving)
-        preemption.observe(engine.core_stats().num_preemptions, time.monotonic())
+        now, stats = time.monotonic(), engine.core_stats()
+        preemption.observe(stats.num_preemptions, now)
+        stats_log.observe(stats, engine.steps, engine.tokens_generated, now)
         await asyncio.sleep(period)

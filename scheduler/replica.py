@@ -45,7 +45,6 @@ log = structlog.get_logger()
 
 # Plans sent ahead of the output being read: the one executing and the one queued behind it.
 PLANS_IN_FLIGHT = 2
-STATS_LOG_INTERVAL_S = 10.0
 ATTACH_RETRY_PERIOD_S = 1.0
 # While idle, how often the loop checks that the executor's step stream is still up, so that it
 # re-attaches to a restarted executor before the next request arrives.
@@ -379,7 +378,6 @@ class ExecutorReplica:
         core = self.scheduler
         call = self.transport.open_steps(self.info.lease_epoch)
         in_flight: deque[StepPlan] = deque()
-        last_log = time.monotonic()
         self._last_contact = time.monotonic()
         try:
             while True:
@@ -402,14 +400,6 @@ class ExecutorReplica:
                         raise RuntimeError("the executor ended the step stream while idle")
                     await self._heartbeat_if_due()
                     await self._wait_for_work()
-                if time.monotonic() - last_log > STATS_LOG_INTERVAL_S:
-                    last_log = time.monotonic()
-                    log.info(
-                        "executor stats",
-                        executor=self.address,
-                        steps=self.steps,
-                        **dataclasses.asdict(core.stats),
-                    )
         finally:
             call.cancel()
 

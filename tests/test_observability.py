@@ -1,5 +1,6 @@
-"""Operating pieces that need no service: the preemption warning's rate limit, the metrics'
-exposition (names, types, labels), the engine's counters across re-attaches, and serve's flags."""
+"""Operating pieces that need no service: the preemption warning's rate limit, the stats line that
+an idle scheduler keeps to itself, the metrics' exposition (names, types, labels), the engine's
+counters across re-attaches, and serve's flags."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pagedserve.scheduler.completion import FinishReason
 from pagedserve.scheduler.core import SchedulerStats
 from pagedserve.scheduler.engine import ExecutorStatusView
 from pagedserve.scheduler.metrics import SchedulerMetrics, token_buckets
-from pagedserve.scheduler.monitor import PreemptionWarning
+from pagedserve.scheduler.monitor import PreemptionWarning, StatsLog
 from pagedserve.scheduler.request import Request, SeqId
 
 
@@ -39,6 +40,37 @@ def test_preemption_warning_counts_only_the_last_window():
     for t in range(0, 600, 10):  # 1 preemption every 10 s: 6 a minute, a steady trickle
         fired = warning.observe(t // 10, now=float(t))
         assert not fired, t
+
+
+def _stats(running: int = 0, waiting: int = 0, prompt_tokens: int = 0) -> SchedulerStats:
+    return SchedulerStats(
+        num_waiting=waiting, num_running=running, num_swapped=0, num_preemptions=0, num_gpu_blocks=100,
+        gpu_blocks_in_use=10 * running, peak_gpu_blocks_in_use=40, cached_free_blocks=0,
+        slot_utilization=0.5, peak_slot_utilization=0.9, prompt_tokens_computed=prompt_tokens,
+        prefix_cache_hit_tokens=32, prefix_cache_query_tokens=128,
+    )  # fmt: skip
+
+
+def test_stats_line_only_while_there_is_work_once_an_interval():
+    log = StatsLog(interval=10.0)
+    with structlog.testing.capture_logs() as logs:
+        assert not log.observe(_stats(), steps=0, tokens_generated=0, now=0.0)  # the first sample
+        for t in range(1, 60):  # idle for a minute: nothing
+            assert not log.observe(_stats(), steps=0, tokens_generated=0, now=float(t))
+        assert log.observe(_stats(running=2, prompt_tokens=400), steps=50, tokens_generated=100, now=61.0)
+        assert not log.observe(_stats(running=2), steps=60, tokens_generated=120, now=65.0)  # too soon
+        # The work ended within the interval: one last line says what it did, then silence.
+        assert log.observe(_stats(prompt_tokens=400), steps=80, tokens_generated=160, now=71.0)
+        for t in range(72, 200):
+            assert not log.observe(_stats(prompt_tokens=400), steps=80, tokens_generated=160, now=float(t))
+    assert [entry["event"] for entry in logs] == ["scheduler stats"] * 2
+    first = logs[0]
+    assert first["running"] == 2 and first["steps"] == 50
+    # Over the 11 s since the last (idle) sample, at t=50.
+    assert first["generation_throughput"] == round(100 / 11, 1)
+    assert first["prompt_throughput"] == round(400 / 11, 1)
+    assert first["kv_cache_usage"] == 0.2 and first["prefix_cache_hit_rate"] == 0.25
+    assert logs[1]["running"] == 0 and logs[1]["steps"] == 30
 
 
 def test_token_buckets_follow_vllm_1_2_5():

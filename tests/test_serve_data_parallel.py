@@ -1,10 +1,13 @@
 """`pagedserve serve --data-parallel-size 2 --device cpu` as a user runs it: two executor processes
 and a scheduler; it answers Generate, and an executor killed with SIGKILL is started again on its
-port by serve (which keeps running)."""
+port by serve (which keeps running). An executor that cannot start (its model, its KV pool) ends
+serve at once instead."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -144,3 +147,40 @@ def test_serve_two_executors_generates_and_restarts_a_killed_executor(tiny_model
         code = stop(serve)
     assert code == 0, log.read_text()[-4000:]
     assert not children_of(serve.pid)
+
+
+def _serve_fails_fast(model_dir: Path, tmp_path: Path, *flags: str) -> str:
+    """Runs `serve` that cannot work; asserts it exits by itself, quickly, with the executor's
+    configuration-error status (no restart loop), and returns what it printed."""
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model_dir),
+             f"--port={free_port()}", f"--executor-port={free_port()}", "--device=cpu", *flags],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        code = serve.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        serve.kill()
+        raise AssertionError(f"serve kept running:\n{log.read_text()[-4000:]}") from None
+    text = log.read_text()
+    assert code == os.EX_CONFIG, text[-4000:]
+    assert "serve.child_died" not in text  # never restarted
+    assert not children_of(serve.pid)
+    return text
+
+
+def test_serve_with_an_unsupported_model_exits_naming_the_architecture(tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["GPTNeoXForCausalLM"]}))
+    text = _serve_fails_fast(model, tmp_path)
+    assert "architecture ['GPTNeoXForCausalLM'] is not supported" in text
+    assert "LlamaForCausalLM" in text  # what is supported
+
+
+def test_serve_with_a_kv_pool_too_small_for_max_model_len_exits_naming_the_fit(tiny_model_dir, tmp_path):
+    text = _serve_fails_fast(tiny_model_dir, tmp_path, "--num-gpu-blocks-override=2", "--max-model-len=256")
+    assert "cannot hold one sequence of max_model_len=256" in text

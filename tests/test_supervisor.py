@@ -4,6 +4,8 @@ an executor of `serve --data-parallel-size 2`) is in test_serve_data_parallel.py
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from pagedserve.supervisor import ChildSpec, RestartPolicy, Supervisor, place_executors
@@ -104,6 +106,18 @@ def test_a_dying_executor_is_restarted_with_backoff_and_the_scheduler_ending_end
     assert supervisor.check() == 3
     supervisor.stop()
     assert current_executor().returncode == -15
+
+
+def test_an_executor_exiting_with_a_configuration_error_ends_serve_without_a_restart():
+    procs = []
+    supervisor = Supervisor(
+        [ChildSpec("executor-0", ["e"], restart=True), ChildSpec("scheduler", ["s"])],
+        popen=lambda argv, env=None: procs.append(FakeProcess(argv)) or procs[-1],
+    )
+    supervisor.start()
+    procs[0].returncode = os.EX_CONFIG
+    assert supervisor.check() == os.EX_CONFIG
+    assert supervisor.restarts("executor-0") == 0
 
 
 def test_a_scheduler_killed_by_a_signal_ends_serve_with_128_plus_the_signal():

@@ -3,9 +3,11 @@
 `serve --data-parallel-size N` runs N executors and one scheduler on loopback. Executors are
 restarted when they die (the scheduler re-attaches to a restarted executor by itself), with
 exponential backoff so one that crashes at startup (a bad model, a GPU out of memory) does not spin:
-1 s, doubling up to 30 s, back to 1 s once it has run for a minute. The scheduler is the service
-clients talk to: when it dies `serve` ends with its exit code (a supervisor of `serve` itself,
-systemd or Kubernetes, decides what happens next).
+1 s, doubling up to 30 s, back to 1 s once it has run for a minute. A child that exits with status
+78 (`os.EX_CONFIG`: an executor's model, flags or KV pool size are wrong) is not restarted, since
+no restart would fix it: `serve` stops with that status, after the child's own error line. The
+scheduler is the service clients talk to: when it dies `serve` ends with its exit code (a
+supervisor of `serve` itself, systemd or Kubernetes, decides what happens next).
 
 GPU placement (`place_executors`): with at least N GPUs visible, executor i gets GPU i alone
 (CUDA_VISIBLE_DEVICES). With G < N GPUs, executor i gets GPU i mod G, and its
@@ -222,6 +224,9 @@ class Supervisor:
             if not child.spec.restart:
                 log.error("serve.child_exited", child=child.spec.name, returncode=code)
                 return exit_status(code) or 1
+            if code == os.EX_CONFIG:
+                log.error("serve.child_misconfigured", child=child.spec.name, returncode=code)
+                return code
             child.backoff_s = self.policy.next_backoff(child.backoff_s, ran_for)
             child.restart_at = now + child.backoff_s
             child.proc = None
