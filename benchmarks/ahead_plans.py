@@ -46,11 +46,13 @@ class AheadScheduler:
         self.waiting[seq_id] = list(prompt)
         self.outputs[seq_id] = []
 
-    def _blocks(self, seq_id: int, end: int) -> list[int]:
+    def _blocks(self, seq_id: int, end: int) -> tuple[int, list[int]]:
+        """(table index of the new blocks, the new blocks) to hold `end` tokens."""
         held = self.block_ids[seq_id]
-        new = [self.free.pop() for _ in range(max(0, -(-end // self.block_size) - len(held)))]
+        first = len(held)
+        new = [self.free.pop() for _ in range(max(0, -(-end // self.block_size) - first))]
         held.extend(new)
-        return new
+        return first, new
 
     def retire(self, seq_id: int) -> None:
         """Finishes an admitted request: the next plan removes it and its blocks are free again."""
@@ -64,9 +66,10 @@ class AheadScheduler:
         self._retired = []
         budget = self.budget
         for seq_id in self.num_tokens:
-            new_blocks = self._blocks(seq_id, self.num_tokens[seq_id])
+            first, new_blocks = self._blocks(seq_id, self.num_tokens[seq_id])
+            tables = [executor_pb2.BlockTable(first_index=first, block_ids=new_blocks)] if new_blocks else []
             plan.running.append(
-                executor_pb2.RunningRequest(seq_id=seq_id, num_new_tokens=1, new_block_ids=new_blocks)
+                executor_pb2.RunningRequest(seq_id=seq_id, num_new_tokens=1, new_blocks=tables)
             )
             self.num_tokens[seq_id] += 1
             budget -= 1
@@ -78,7 +81,7 @@ class AheadScheduler:
             plan.new_requests.append(
                 executor_pb2.NewRequest(
                     seq_id=seq_id, token_ids=prompt, num_new_tokens=len(prompt),
-                    block_ids=self._blocks(seq_id, len(prompt)),
+                    block_tables=[executor_pb2.BlockTable(block_ids=self._blocks(seq_id, len(prompt))[1])],
                 )
             )  # fmt: skip
             self.num_tokens[seq_id] = len(prompt) + 1

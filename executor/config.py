@@ -60,6 +60,9 @@ class ExecutorConfig:
         tensor_parallel_size: devices one executor spans (vLLM's name): this process is rank 0
             and starts N - 1 worker processes; on CUDA rank r uses GPU (current device + r). See
             executor.parallel and executor.tp_workers.
+        disable_hybrid_kv_cache_manager: give every layer one block table, as if all attended to
+            the whole context (vLLM's flag): sliding-window layers then keep blocks they no longer
+            read. For comparisons; see executor.kv_groups.
     """
 
     model: str
@@ -86,6 +89,7 @@ class ExecutorConfig:
     kv_cache_dtype: str = "auto"
     metrics_port: int | None = None
     tensor_parallel_size: int = 1
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -243,5 +247,10 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
         "--tensor-parallel-size", "-tp", type=int, default=1,
         help="devices one executor spans (default 1): N - 1 worker processes join this one in a "
         "torch.distributed group (NCCL on CUDA, rank r on GPU current + r; gloo on the CPU)",
+    )  # fmt: skip
+    group.add_argument(
+        "--disable-hybrid-kv-cache-manager", action="store_true",
+        help="one block table for every layer: sliding-window layers keep the blocks their window "
+        "left behind (by default they are freed); for comparisons",
     )  # fmt: skip
     return parser

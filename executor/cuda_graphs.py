@@ -112,7 +112,7 @@ class StepGraphs:
         for names, length in ((_TOKEN_FIELDS, self._token_capacity), (_SEQ_FIELDS, self._seq_capacity)):
             for name in names:
                 self._offsets[name] = offset
-                offset += length
+                offset += length * self._rows(name)
         self._static = torch.zeros(offset, dtype=torch.int64, device=device)
         logits_rows = max(self.max_decode, self.num_seq_slots)
         self._logits = torch.empty((logits_rows, model.spec.vocab_size), dtype=torch.float32, device=device)
@@ -128,8 +128,15 @@ class StepGraphs:
     def num_graphs(self) -> int:
         return len(self.decode_sizes) + len(self.mixed_sizes)
 
+    def _rows(self, name: str) -> int:
+        """Rows of a field: one per KV-cache group for the slot mapping, else one."""
+        return self.slots.num_groups if name == "slot_mapping" else 1
+
     def _field(self, name: str, size: int) -> torch.Tensor:
         offset = self._offsets[name]
+        if name == "slot_mapping":  # [num_groups, size]
+            rows, capacity = self.slots.num_groups, self._token_capacity
+            return self._static[offset : offset + rows * capacity].view(rows, capacity)[:, :size]
         return self._static[offset : offset + size]
 
     def _forward(self, num_tokens: int, mixed: bool) -> None:
@@ -176,11 +183,12 @@ class StepGraphs:
             cu, seq_lens = empty, np.concatenate((get("seq_lens"), np.ones(pad_seqs, dtype=np.int64)))
         num_sampled = len(get("logits_indices"))
         pad_row = self.slots.pad_row
+        slot_mapping = get("slot_mapping") if batch is not None else np.zeros((self.slots.num_groups, 0))
         fields = {
             "host_ids": (get("host_ids"), np.zeros(pad_tokens)),
             "feed_slots": (get("feed_slots"), np.full(pad_tokens, -1)),
             "positions": (get("positions"), np.zeros(pad_tokens)),
-            "slot_mapping": (get("slot_mapping"), np.full(pad_tokens, -1)),
+            "slot_mapping": (slot_mapping, np.full(pad_tokens, -1)),
             "seq_lens": (seq_lens, empty),
             "rows": (get("rows"), np.full(pad_seqs, pad_row)),
             "cu_seqlens": (cu, empty),
@@ -191,7 +199,10 @@ class StepGraphs:
         for names, capacity in ((_TOKEN_FIELDS, self._token_capacity), (_SEQ_FIELDS, self._seq_capacity)):
             for name in names:
                 head, pad = fields[name]
-                arrays.append(_padded(head, pad, capacity))
+                if name == "slot_mapping":  # one padded row per KV-cache group
+                    arrays.append(np.concatenate([_padded(row, pad, capacity) for row in head]))
+                else:
+                    arrays.append(_padded(head, pad, capacity))
         host, _ = pack_int64(arrays, self._static.device)
         self._static.copy_(host, non_blocking=True)
 

@@ -1,8 +1,10 @@
 """The KV pool: paged K/V blocks on the device, a swap pool of the same blocks in CPU memory.
 
-The device pool is one tensor, [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads,
-head_dim]; `layer_caches()` hands the kernels each layer's contiguous K and V views. The CPU pool is
-block-major, [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], and pinned on CUDA, so
+The device pool is one tensor, [layers_per_block, 2 (K, V), num_blocks, block_size, num_kv_heads,
+head_dim]; `layer_caches()` hands the kernels each layer's contiguous K and V views. A block holds
+one KV-cache group's layers (executor.kv_groups): all the model's layers when it has one group, and
+layer l is slot `layer_slot[l]` of the blocks of its group's table. The CPU pool is
+block-major, [num_blocks, layers_per_block, 2, block_size, num_kv_heads, head_dim], and pinned on CUDA, so
 each CPU block is one contiguous span: a swap is one gather or scatter on the device plus one
 asynchronous copy per run of consecutive CPU blocks, and never makes the host wait for the GPU.
 
@@ -14,11 +16,13 @@ bytes and need no float8 support from torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 import torch
 
+from pagedserve.common.kv_sizing import blocks_per_sequence
 from pagedserve.executor.transfer import to_device
 
 log = structlog.get_logger(__name__)
@@ -30,9 +34,12 @@ class KVCacheTooSmallError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """Shape and dtype of one block, shared by the device and CPU pools."""
+    """Shape and dtype of one block, shared by the device and CPU pools.
 
-    num_layers: int
+    `layers_per_block`: the layers whose KV one block holds: the model's layers for a model of one
+    KV-cache group, each group's size otherwise (executor.kv_groups)."""
+
+    layers_per_block: int
     block_size: int
     num_kv_heads: int
     head_dim: int
@@ -40,9 +47,9 @@ class KVCacheLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across its layers, K and V."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return 2 * self.layers_per_block * self.block_size * self.num_kv_heads * self.head_dim * element
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -53,20 +60,24 @@ class KVCacheLayout:
         return torch.uint8 if self.dtype.is_floating_point and self.dtype.itemsize == 1 else self.dtype
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """The device pool's shape: per layer, K and V of all blocks."""
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """The device pool's shape: per layer slot, K and V of all blocks."""
+        return (self.layers_per_block, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def cpu_pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The CPU pool's shape: block-major, each block's layers, K and V in one span."""
-        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (num_blocks, self.layers_per_block, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
 
 def cpu_device_num_blocks(
-    layout: KVCacheLayout, space_bytes: int, max_num_seqs: int, max_model_len: int
+    layout: KVCacheLayout,
+    space_bytes: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    sliding_windows: Sequence[int | None] = (None,),
 ) -> int:
     """Pool size when the model runs on the CPU: `space_bytes` worth of blocks, but never more than
     max_num_seqs full-length sequences could use (more would only cost RAM)."""
-    cap = max_num_seqs * layout.blocks_for(max_model_len)
+    cap = max_num_seqs * blocks_per_sequence(max_model_len, layout.block_size, sliding_windows)
     return min(space_bytes // layout.bytes_per_block, cap)
 
 
@@ -95,13 +106,29 @@ def gpu_num_blocks(
     return max(available, 0) // layout.bytes_per_block
 
 
-def check_fits(layout: KVCacheLayout, num_blocks: int, max_model_len: int, *, why: str) -> None:
-    """Fails at startup when one max_model_len sequence cannot fit, naming the largest that can."""
-    if num_blocks * layout.block_size < max_model_len:
+def check_fits(
+    layout: KVCacheLayout,
+    num_blocks: int,
+    max_model_len: int,
+    *,
+    why: str,
+    sliding_windows: Sequence[int | None] = (None,),
+    max_num_batched_tokens: int | None = None,
+) -> None:
+    """Fails at startup when one max_model_len sequence cannot fit (the scheduler checks the same,
+    with the same arithmetic: common.kv_sizing), naming the largest that can."""
+
+    def needed(num_tokens: int) -> int:
+        return blocks_per_sequence(num_tokens, layout.block_size, sliding_windows, max_num_batched_tokens)
+
+    if num_blocks < needed(max_model_len):
+        fits = max(
+            (n for n in range(0, max_model_len, layout.block_size) if needed(n) <= num_blocks), default=0
+        )
         raise KVCacheTooSmallError(
             f"the KV pool has {num_blocks} blocks of {layout.block_size} tokens ({why}), which cannot "
             f"hold one sequence of max_model_len={max_model_len}; the largest length that fits is "
-            f"{num_blocks * layout.block_size}: lower --max-model-len or give the pool more memory"
+            f"{fits}: lower --max-model-len or give the pool more memory"
         )
 
 
@@ -127,10 +154,14 @@ class KVCache:
             pin_memory=device.type == "cuda",
         )
 
-    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V), each a contiguous [num_blocks, block_size, num_kv_heads, head_dim] view."""
+    def layer_caches(
+        self, layer_slot: Sequence[int] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V), each a contiguous [num_blocks, block_size, num_kv_heads, head_dim] view of
+        the layer's slot (`KVCacheGroups.layer_slot`; default: layer i is slot i, one group)."""
         pool = self.device_pool.view(self.layout.dtype)
-        return [(pool[i, 0], pool[i, 1]) for i in range(self.layout.num_layers)]
+        slots = range(self.layout.layers_per_block) if layer_slot is None else layer_slot
+        return [(pool[i, 0], pool[i, 1]) for i in slots]
 
     def swap_out(self, src_device_blocks: list[int], dst_cpu_blocks: list[int]) -> None:
         """Copies device blocks to CPU blocks, all layers at once, queued behind the steps already

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import kernels
+from pagedserve.executor.kv_groups import KVCacheGroups
 from pagedserve.executor.loader import ModelSpec, RopeConfig
 from pagedserve.executor.quantization import QUANTIZATIONS, Fp8Linear, kv_scale_from_amax
 from pagedserve.kernels import fp8, layers
@@ -40,8 +41,10 @@ class AttentionMetadata:
 
     Attributes:
         positions: [num_tokens] int64, position of each token in its sequence.
-        slot_mapping: [num_tokens] int64, block_id * block_size + offset where its K/V is written.
-        block_tables: [num_seqs, max_blocks] int32, each sequence's physical blocks (zero padded).
+        slot_mapping: [num_groups, num_tokens] int64, per KV-cache group (executor.kv_groups),
+            block_id * block_size + offset where the token's K/V is written.
+        block_tables: [num_groups, num_seqs, max_blocks] int32, each sequence's physical blocks per
+            group (zero padded; a sliding-window group's entries before its window are stale).
         seq_lens: [num_seqs] int32, context length of each sequence including its new tokens.
         cu_seqlens_q: [num_seqs + 1] int32, row ranges of each sequence's tokens.
     """
@@ -199,11 +202,15 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         quantization: str | None = None,
         all_reduce: AllReduce | None = None,
+        kv_group: int = 0,
+        sliding_window: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
         self.scale = spec.head_dim**-0.5
+        self.kv_group = kv_group  # whose block tables and slot mapping this layer uses
+        self.sliding_window = sliding_window
         self.rotary = rotary
         qkv_rows = self.q_size + 2 * self.kv_size
         self.qkv_proj = _linear(qkv_rows, spec.hidden_size, spec.qkv_bias, device, dtype, quantization)
@@ -227,10 +234,11 @@ class Attention(nn.Module):
         if self.calibrate_kv_scales:
             self.k_scale.copy_(kv_scale_from_amax(k))
             self.v_scale.copy_(kv_scale_from_amax(v))
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        group = self.kv_group
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping[group], self.k_scale, self.v_scale)
         out = kernels.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
-            k_scale=self.k_scale, v_scale=self.v_scale,
+            q, k_cache, v_cache, meta.block_tables[group], meta.seq_lens, meta.cu_seqlens_q, self.scale,
+            k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=self.sliding_window,
         )  # fmt: skip
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -272,11 +280,15 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         quantization: str | None = None,
         all_reduce: AllReduce | None = None,
+        kv_group: int = 0,
+        sliding_window: int | None = None,
     ):
         super().__init__()
         quant = quantization == "fp8"
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, quant)
-        self.self_attn = Attention(spec, rotary, device, dtype, quantization, all_reduce)
+        self.self_attn = Attention(
+            spec, rotary, device, dtype, quantization, all_reduce, kv_group, sliding_window
+        )
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, quant)
         self.mlp = MLP(spec, device, dtype, quantization, all_reduce)
 
@@ -331,9 +343,20 @@ class LlamaModel(nn.Module):
         self.kv_scales_loaded = False  # the loader sets it when the checkpoint carried KV scales
         self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, device, dtype)
         rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_model_len, device)
+        # Which block tables each layer uses (one group unless layers attend differently).
+        self.kv_groups = KVCacheGroups.for_layers([spec.sliding_window] * spec.num_layers)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, rotary, device, dtype, quantization, all_reduce)
-            for _ in range(spec.num_layers)
+            DecoderLayer(
+                spec,
+                rotary,
+                device,
+                dtype,
+                quantization,
+                all_reduce,
+                self.kv_groups.layer_group[i],
+                self.kv_groups.layer_window(i),
+            )  # fmt: skip
+            for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
         self.lm_head = (
@@ -364,7 +387,8 @@ class LlamaModel(nn.Module):
         Args:
             input_ids: [num_tokens] int64.
             meta: positions and paged-cache layout of the tokens.
-            kv_caches: per layer (k_cache, v_cache), written in place.
+            kv_caches: per layer (k_cache, v_cache), written in place (`KVCache.layer_caches` with
+                this model's `kv_groups.layer_slot`).
             logits_indices: [num_rows] int64 rows of the batch that need logits (each sampling
                 sequence's last token); the LM head runs on those rows only. None = every row
                 (a decode batch, where each row samples).

@@ -25,7 +25,7 @@ class HeldRequest(Protocol):
 
     num_computed: int
     num_tokens: int
-    num_blocks: int
+    table_ends: list[int]  # per KV-cache group
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class PlanLimits:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_held_requests: int
+    sliding_windows: tuple[int | None, ...] = (None,)  # per KV-cache group (executor.kv_groups)
 
 
 def sampling_from_proto(s: executor_pb2.Sampling) -> SamplingParams:
@@ -83,14 +84,15 @@ def validate_plan(
         if not req.token_ids:
             raise PlanError(f"{where}: has no token_ids")
         _check_request_tokens(where, req, limits.vocab_size)
+        _check_tables(where, limits, req.block_tables, req.num_computed_tokens, [0] * len(req.block_tables))
         _check_span(
             where,
             limits,
             req.num_computed_tokens,
             req.num_new_tokens,
             len(req.token_ids),
-            num_blocks=len(req.block_ids),
-            unchecked_blocks=req.block_ids,
+            table_ends=[t.first_index + len(t.block_ids) for t in req.block_tables],
+            unchecked_blocks=[b for t in req.block_tables for b in t.block_ids],
         )
         try:
             params.append(sampling_from_proto(req.sampling))
@@ -105,14 +107,18 @@ def validate_plan(
             raise PlanError(f"{where}: appears twice in the plan")
         seen.add(req.seq_id)
         state = held[req.seq_id]
+        ends = state.table_ends
+        if req.new_blocks:
+            _check_tables(where, limits, req.new_blocks, state.num_computed, ends)
+            ends = [t.first_index + len(t.block_ids) for t in req.new_blocks]
         _check_span(
             where,
             limits,
             state.num_computed,
             req.num_new_tokens,
             state.num_tokens,
-            num_blocks=state.num_blocks + len(req.new_block_ids),
-            unchecked_blocks=req.new_block_ids,  # the held ones were checked when they came
+            table_ends=ends,
+            unchecked_blocks=[b for t in req.new_blocks for b in t.block_ids],  # held ones: checked
         )
         total_tokens += req.num_new_tokens
     if total_tokens > limits.max_num_batched_tokens:
@@ -141,6 +147,35 @@ def _check_request_tokens(where: str, req: executor_pb2.NewRequest, vocab: int) 
         raise PlanError(f"{where}: stop token id {max(stop_ids)} >= vocab_size {vocab}")
 
 
+def _check_tables(
+    where: str,
+    limits: PlanLimits,
+    tables: Sequence[executor_pb2.BlockTable],
+    num_computed: int,
+    ends: Sequence[int],
+) -> None:
+    """One table per KV-cache group, each starting where the executor's copy ends (`ends`: 0 for a
+    new request; a full-attention group's table from entry 0) and, in a sliding-window group, no
+    later than the first entry the step's first query can see."""
+    windows = limits.sliding_windows
+    if len(tables) != len(windows):
+        raise PlanError(f"{where}: {len(tables)} block tables for {len(windows)} KV-cache groups")
+    for group, (table, end, window) in enumerate(zip(tables, ends, windows, strict=True)):
+        if end:  # appended blocks
+            if table.first_index != end:
+                raise PlanError(
+                    f"{where}: group {group}'s new blocks start at entry {table.first_index}, "
+                    f"its table ends at {end}"
+                )
+            continue
+        first_visible = 0 if window is None else max(0, num_computed - window + 1) // limits.block_size
+        if table.first_index > first_visible:
+            raise PlanError(
+                f"{where}: group {group}'s table starts at entry {table.first_index}, but its first "
+                f"query reads entry {first_visible}"
+            )
+
+
 def _check_span(
     where: str,
     limits: PlanLimits,
@@ -148,7 +183,7 @@ def _check_span(
     num_new: int,
     num_tokens: int,
     *,
-    num_blocks: int,
+    table_ends: Sequence[int],
     unchecked_blocks: Sequence[int],
 ) -> None:
     end = num_computed + num_new
@@ -161,13 +196,14 @@ def _check_span(
         raise PlanError(
             f"{where}: computes up to position {end - 1}, max_model_len is {limits.max_model_len}"
         )
+    num_blocks = min(table_ends, default=0)
     if num_blocks * limits.block_size < end:
         raise PlanError(
             f"{where}: {num_blocks} blocks of {limits.block_size} tokens cannot hold {end} tokens"
         )
-    if num_blocks > limits.max_blocks_per_seq:
+    if max(table_ends, default=0) > limits.max_blocks_per_seq:
         raise PlanError(
-            f"{where}: a table of {num_blocks} blocks is longer than max_model_len "
+            f"{where}: a table of {max(table_ends)} blocks is longer than max_model_len "
             f"{limits.max_model_len} needs ({limits.max_blocks_per_seq} blocks)"
         )
     if unchecked_blocks and max(unchecked_blocks) >= limits.num_device_blocks:

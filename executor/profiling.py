@@ -78,8 +78,9 @@ def _worst_step_peak(model: LlamaModel, layout: KVCacheLayout, lens: list[int]) 
     scratch, tables = _scratch_pool(layout, lens, device)
     scratch_bytes = scratch.device_pool.numel() * scratch.device_pool.element_size()
     inputs = build_step_inputs([[0] * n for n in lens], [0] * num_seqs, tables, [True] * num_seqs,
-                               layout.block_size, device)  # fmt: skip
-    logits = model(inputs.input_ids, inputs.meta, scratch.layer_caches(), inputs.logits_indices)
+                               layout.block_size, device, model.kv_groups.num_groups)  # fmt: skip
+    caches = scratch.layer_caches(model.kv_groups.layer_slot)
+    logits = model(inputs.input_ids, inputs.meta, caches, inputs.logits_indices)
     if logits is not None:  # None on a tensor-parallel worker: rank 0 alone samples
         sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs, lens)
     torch.cuda.synchronize(device)
@@ -93,14 +94,14 @@ def _graph_pass_bytes(model: LlamaModel, layout: KVCacheLayout, lens: list[int])
     num_seqs = len(lens)
     scratch, tables = _scratch_pool(layout, lens, device)
     inputs = build_step_inputs([[0] * n for n in lens], [0] * num_seqs, tables, [True] * num_seqs,
-                               layout.block_size, device)  # fmt: skip
+                               layout.block_size, device, model.kv_groups.num_groups)  # fmt: skip
     decode = all(n == 1 for n in lens)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     out = torch.empty((num_seqs, model.spec.vocab_size), dtype=torch.float32, device=device)
     indices = None if decode else inputs.logits_indices
-    model(inputs.input_ids, inputs.meta, scratch.layer_caches(), indices, out=out)
+    model(inputs.input_ids, inputs.meta, scratch.layer_caches(model.kv_groups.layer_slot), indices, out=out)
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
 

@@ -66,7 +66,7 @@ class RequestState:
     num_tokens: int  # len(known_ids) + tokens sampled here since (their values live on the device)
     num_prompt: int  # the leading tokens that are prompt (min_tokens counts the rest)
     num_computed: int  # tokens whose K/V is in the pool
-    num_blocks: int  # length of its block table
+    table_ends: list[int]  # per KV-cache group, the length of its block table
     sampling: SamplingParams
 
 
@@ -158,8 +158,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.stats = RunnerStats()
         self._requests: dict[SeqId, RequestState] = {}
-        self._layer_caches = kv_cache.layer_caches()
-        self.slots = RequestSlots(max_num_seqs, self.max_blocks_per_seq, self.device)
+        self.kv_groups = model.kv_groups
+        self._layer_caches = kv_cache.layer_caches(self.kv_groups.layer_slot)
+        self.slots = RequestSlots(
+            max_num_seqs, self.max_blocks_per_seq, self.device, self.kv_groups.num_groups
+        )
         self._limits = PlanLimits(
             vocab_size=self.spec.vocab_size,
             max_model_len=max_model_len,
@@ -170,6 +173,7 @@ class ModelRunner:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_held_requests=self.slots.capacity,
+            sliding_windows=self.kv_groups.sliding_windows,
         )
         self._busy_until = 0.0
         self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
@@ -227,7 +231,10 @@ class ModelRunner:
         check_fp8_support(model.quantization, config.kv_cache_dtype, device)
         max_model_len = resolve_max_model_len(config, spec)
         kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
-        layout = KVCacheLayout(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype)
+        windows = model.kv_groups.sliding_windows
+        layout = KVCacheLayout(
+            model.kv_groups.layers_per_block, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype
+        )
         cuda_graphs = device.type == "cuda" and not config.enforce_eager
         graph_reserve = 0
         if config.num_gpu_blocks_override is not None:
@@ -247,14 +254,17 @@ class ModelRunner:
             )
         else:
             num_blocks = cpu_device_num_blocks(
-                layout, config.cpu_kv_cache_bytes, config.max_num_seqs, max_model_len
+                layout, config.cpu_kv_cache_bytes, config.max_num_seqs, max_model_len, windows
             )
             why = f"--cpu-kv-cache-space {config.cpu_kv_cache_space} GiB"
         num_cpu_blocks = config.swap_space_bytes // layout.bytes_per_block
         if min_over_ranks is not None:
             num_blocks, num_cpu_blocks = min_over_ranks(num_blocks), min_over_ranks(num_cpu_blocks)
             why += ", the smallest over the tensor-parallel ranks"
-        check_fits(layout, num_blocks, max_model_len, why=why)
+        check_fits(
+            layout, num_blocks, max_model_len, why=why, sliding_windows=windows,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )  # fmt: skip
         kv_cache = KVCache(layout, num_blocks, num_cpu_blocks, device)
         log.info(
             "executor.loaded",
@@ -266,6 +276,7 @@ class ModelRunner:
             kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
             max_model_len=max_model_len,
             block_size=config.block_size,
+            kv_cache_groups=[w or 0 for w in windows],
             num_gpu_blocks=num_blocks,
             num_cpu_blocks=num_cpu_blocks,
             kv_pool_gib=round(num_blocks * layout.bytes_per_block / 2**30, 3),
@@ -382,16 +393,18 @@ class ModelRunner:
                 num_tokens=len(known),
                 num_prompt=req.num_prompt_tokens or len(known),  # proto3: 0 = unset = all prompt
                 num_computed=req.num_computed_tokens,
-                num_blocks=len(req.block_ids),
+                table_ends=[t.first_index + len(t.block_ids) for t in req.block_tables],
                 sampling=params,
             )
-            self.slots.set_blocks(state.slot, 0, req.block_ids)
+            for group, table in enumerate(req.block_tables):
+                self.slots.set_blocks(state.slot, table.first_index, table.block_ids, group)
             self._requests[req.seq_id] = state
             scheduled.append(_Scheduled(state, req.num_new_tokens))
         for req in plan.running:
             state = self._requests[req.seq_id]
-            self.slots.set_blocks(state.slot, state.num_blocks, req.new_block_ids)
-            state.num_blocks += len(req.new_block_ids)
+            for group, table in enumerate(req.new_blocks):  # appended at each table's end (checked)
+                self.slots.set_blocks(state.slot, table.first_index, table.block_ids, group)
+                state.table_ends[group] += len(table.block_ids)
             scheduled.append(_Scheduled(state, req.num_new_tokens))
         self.slots.flush()
         return scheduled

@@ -158,6 +158,7 @@ def attach_response(
         max_num_seqs=runner.max_num_seqs,
         max_num_batched_tokens=runner.max_num_batched_tokens,
         lease_timeout_ms=round(lease_timeout_s * 1000),
+        kv_cache_groups=runner.kv_groups.to_proto(),
     )
 
 

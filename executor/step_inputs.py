@@ -7,7 +7,9 @@ N+1 can be built and launched before step N's sampled values reach the host. Pro
 the tokens a resumed request re-sends) are known on the host and copied with the rest.
 
 The block table is updated with each plan's *new* block ids only (a scatter of a few entries), and a
-host mirror of it gives slot mappings without a device round trip.
+host mirror of it gives slot mappings without a device round trip. A model with several KV-cache
+groups (executor.kv_groups) has one table per group: every table below has a leading group
+dimension, as have the slot mappings (each layer writes into its group's blocks).
 """
 
 from __future__ import annotations
@@ -23,22 +25,26 @@ from pagedserve.executor.transfer import int64_to_device
 
 
 class RequestSlots:
-    """Device rows for up to `capacity` held requests: block table and last sampled token.
+    """Device rows for up to `capacity` held requests: block tables and last sampled token.
 
-    Row `capacity` (`pad_row`) is never handed out: its block table row stays all zeros (block 0),
+    Row `capacity` (`pad_row`) is never handed out: its block table rows stay all zeros (block 0),
     so CUDA-graph padding rows can point at it harmlessly.
     """
 
-    def __init__(self, capacity: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(
+        self, capacity: int, max_blocks_per_seq: int, device: torch.device, num_groups: int = 1
+    ) -> None:
         self.capacity = capacity
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_groups = num_groups
         self.device = device
         self.pad_row = capacity
-        self.table_host = np.zeros((capacity + 1, max_blocks_per_seq), dtype=np.int32)
-        self.table = torch.zeros((capacity + 1, max_blocks_per_seq), dtype=torch.int32, device=device)
+        shape = (num_groups, capacity + 1, max_blocks_per_seq)
+        self.table_host = np.zeros(shape, dtype=np.int32)
+        self.table = torch.zeros(shape, dtype=torch.int32, device=device)
         self.last_token = torch.zeros(capacity + 1, dtype=torch.int64, device=device)
         self._free: list[int] = []
-        self._updates: list[tuple[int, int, Sequence[int]]] = []
+        self._updates: list[tuple[int, int, int, Sequence[int]]] = []
         self.reset()
 
     @property
@@ -46,7 +52,8 @@ class RequestSlots:
         return len(self._free)
 
     def reset(self) -> None:
-        """Frees every slot (a new lease). Stale rows are harmless: kernels read only up to seq_len."""
+        """Frees every slot (a new lease). Stale rows are harmless: kernels read only up to seq_len
+        (and, in a sliding-window group, from the window's start)."""
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._updates.clear()
 
@@ -56,29 +63,29 @@ class RequestSlots:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
-    def set_blocks(self, slot: int, first: int, block_ids: Sequence[int]) -> None:
-        """Records block_ids as entries first, first + 1, ... of the slot's table (host mirror now,
-        device at the next `flush`)."""
+    def set_blocks(self, slot: int, first: int, block_ids: Sequence[int], group: int = 0) -> None:
+        """Records block_ids as entries first, first + 1, ... of the slot's table in `group` (host
+        mirror now, device at the next `flush`)."""
         if block_ids:
-            self.table_host[slot, first : first + len(block_ids)] = block_ids
-            self._updates.append((slot, first, block_ids))
+            self.table_host[group, slot, first : first + len(block_ids)] = block_ids
+            self._updates.append((group, slot, first, block_ids))
 
     def flush(self) -> None:
-        """Scatters the recorded new entries into the device table (one copy, one kernel)."""
+        """Scatters the recorded new entries into the device tables (one copy, one kernel)."""
         if not self._updates:
             return
-        width = self.max_blocks_per_seq
+        width, rows = self.max_blocks_per_seq, self.capacity + 1
         index = np.concatenate(
-            [slot * width + first + np.arange(len(ids)) for slot, first, ids in self._updates]
+            [(g * rows + slot) * width + first + np.arange(len(ids)) for g, slot, first, ids in self._updates]
         )
-        values = np.concatenate([np.asarray(ids, dtype=np.int64) for _, _, ids in self._updates])
+        values = np.concatenate([np.asarray(ids, dtype=np.int64) for *_, ids in self._updates])
         self._updates.clear()
         index_d, values_d = int64_to_device([index, values], self.device)
         self.table.view(-1).index_copy_(0, index_d, values_d.to(torch.int32))
 
     def block_tables(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """[len(rows), width] block tables of the given slots, gathered on the device."""
-        return self.table[:, :width].index_select(0, rows)
+        """[num_groups, len(rows), width] block tables of the given slots, gathered on the device."""
+        return self.table[:, :, :width].index_select(1, rows)
 
     def input_ids(self, host_ids: torch.Tensor, feed_slots: torch.Tensor) -> torch.Tensor:
         """Each token's id: last_token[feed_slot] where feed_slot >= 0, else the host-known id."""
@@ -98,7 +105,8 @@ class HostBatch:
         rows: [S] each sequence's block table row (its slot).
         seq_lens: [S] context length including the new tokens.
         cu_seqlens: [S + 1] token ranges of the sequences.
-        positions, slot_mapping: [T].
+        positions: [T].
+        slot_mapping: [G, T], per KV-cache group.
         host_ids: [T] token ids known on the host (0 where the token is fed from the device).
         feed_slots: [T] slot whose last sampled token is this token, -1 for host-known tokens.
         logits_indices: [R] the token rows that are sampled (each sampling sequence's last token).
@@ -145,7 +153,7 @@ def build_host_batch(
         samples: [S] bool, whether the sequence samples after its last new token.
         host_chunks: per sequence, the host-known ids of its new tokens: a prefix of them. The rest
             (at most one: the token the executor sampled last) comes from `last_token[row]`.
-        table: host block table, indexed by row.
+        table: host block tables [G, rows, width], indexed by group and row.
     """
     num_seqs = len(rows)
     cu = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -155,7 +163,7 @@ def build_host_batch(
     offsets = np.arange(num_tokens) - cu[:-1][seq_of_token]
     positions = offsets + starts[seq_of_token]
     token_rows = rows[seq_of_token]
-    slot_mapping = table[token_rows, positions // block_size].astype(np.int64) * block_size + (
+    slot_mapping = table[:, token_rows, positions // block_size].astype(np.int64) * block_size + (
         positions % block_size
     )
     host_lens = np.fromiter((len(c) for c in host_chunks), dtype=np.int64, count=num_seqs)
@@ -197,7 +205,7 @@ def stage_batch(batch: HostBatch, slots: RequestSlots) -> StepInputs:
                 batch.seq_lens,
                 batch.cu_seqlens,
                 batch.positions,
-                batch.slot_mapping,
+                batch.slot_mapping.reshape(-1),
                 batch.host_ids,
                 batch.feed_slots,
                 batch.logits_indices,
@@ -209,7 +217,7 @@ def stage_batch(batch: HostBatch, slots: RequestSlots) -> StepInputs:
     all_from_host = not (batch.feed_slots >= 0).any()
     meta = AttentionMetadata(
         positions=positions,
-        slot_mapping=slot_mapping,
+        slot_mapping=slot_mapping.view(batch.slot_mapping.shape),
         block_tables=slots.block_tables(rows, batch.width),
         seq_lens=seq_lens.to(torch.int32),
         cu_seqlens_q=cu.to(torch.int32),
@@ -225,20 +233,23 @@ def build_step_inputs(
     needs_logits: Sequence[bool],
     block_size: int,
     device: torch.device,
+    num_groups: int = 1,
 ) -> StepInputs:
     """Inputs for sequences given by explicit token chunks and block tables (profiling, tests).
 
     Args:
         chunks: per sequence, the token ids it computes this step (non-empty).
         starts: per sequence, the position of its first new token.
-        block_tables: per sequence, its block ids (covering every new position).
+        block_tables: per sequence, its block ids (covering every new position), the same in each of
+            the `num_groups` KV-cache groups.
         needs_logits: per sequence, whether its last new token is sampled from.
     """
     num_seqs = len(chunks)
     width = max(len(t) for t in block_tables)
-    slots = RequestSlots(num_seqs, width, device)
+    slots = RequestSlots(num_seqs, width, device, num_groups)
     for row, table in enumerate(block_tables):
-        slots.set_blocks(row, 0, list(table))
+        for group in range(num_groups):
+            slots.set_blocks(row, 0, list(table), group)
     slots.flush()
     batch = build_host_batch(
         rows=np.arange(num_seqs, dtype=np.int64),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/executor.proto\x12\rpagedserve.v1\"%\n\rAttachRequest\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\"\x9a\x02\n\x0e\x41ttachResponse\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x18\n\x10lease_timeout_ms\x18\x0c \x01(\r\"\'\n\x10HeartbeatRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x13\n\x11HeartbeatResponse\"$\n\rDetachRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x10\n\x0e\x44\x65tachResponse\"\xc2\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1e\n\x16return_prompt_logprobs\x18\t \x01(\x08\"\xbd\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.pagedserve.v1.Sampling\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\"O\n\x0eRunningRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\"%\n\tBlockMove\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xec\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x17\n\x0fremoved_seq_ids\x18\x02 \x03(\x04\x12*\n\x08swap_out\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12)\n\x07swap_in\x18\x04 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12/\n\x0cnew_requests\x18\x05 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12.\n\x07running\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.RunningRequest\"\xa1\x01\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12\x36\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\"A\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x11\n\x0fGetStatsRequest\"\x96\x01\n\rExecutorStats\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x17\n\x0ftokens_computed\x18\x02 \x01(\x04\x12\x16\n\x0etokens_sampled\x18\x03 \x01(\x04\x12\x17\n\x0fswap_out_blocks\x18\x04 \x01(\x04\x12\x16\n\x0eswap_in_blocks\x18\x05 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x06 \x01(\x01\x32\xf2\x02\n\x08\x45xecutor\x12\x45\n\x06\x41ttach\x12\x1c.pagedserve.v1.AttachRequest\x1a\x1d.pagedserve.v1.AttachResponse\x12N\n\tHeartbeat\x12\x1f.pagedserve.v1.HeartbeatRequest\x1a .pagedserve.v1.HeartbeatResponse\x12\x45\n\x06\x44\x65tach\x12\x1c.pagedserve.v1.DetachRequest\x1a\x1d.pagedserve.v1.DetachResponse\x12>\n\x04Step\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepOutput(\x01\x30\x01\x12H\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x1c.pagedserve.v1.ExecutorStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/executor.proto\x12\rpagedserve.v1\"%\n\rAttachRequest\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\"\xd0\x02\n\x0e\x41ttachResponse\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x18\n\x10lease_timeout_ms\x18\x0c \x01(\r\x12\x34\n\x0fkv_cache_groups\x18\r \x03(\x0b\x32\x1b.pagedserve.v1.KVCacheGroup\":\n\x0cKVCacheGroup\x12\x16\n\x0esliding_window\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\"\'\n\x10HeartbeatRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x13\n\x11HeartbeatResponse\"$\n\rDetachRequest\x12\x13\n\x0blease_epoch\x18\x01 \x01(\x04\"\x10\n\x0e\x44\x65tachResponse\"\xc2\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x17\n\x0freturn_logprobs\x18\x06 \x01(\x08\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x1e\n\x16return_prompt_logprobs\x18\t \x01(\x08\"4\n\nBlockTable\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\xe1\x01\n\nNewRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x16\n\x0enum_new_tokens\x18\x04 \x01(\r\x12/\n\x0c\x62lock_tables\x18\x08 \x03(\x0b\x32\x19.pagedserve.v1.BlockTable\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.pagedserve.v1.Sampling\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\rJ\x04\x08\x05\x10\x06\"m\n\x0eRunningRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0enum_new_tokens\x18\x02 \x01(\r\x12-\n\nnew_blocks\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.BlockTableJ\x04\x08\x03\x10\x04\"%\n\tBlockMove\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xec\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x17\n\x0fremoved_seq_ids\x18\x02 \x03(\x04\x12*\n\x08swap_out\x18\x03 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12)\n\x07swap_in\x18\x04 \x03(\x0b\x32\x18.pagedserve.v1.BlockMove\x12/\n\x0cnew_requests\x18\x05 \x03(\x0b\x32\x19.pagedserve.v1.NewRequest\x12.\n\x07running\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.RunningRequest\"\xa1\x01\n\nStepOutput\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x02\x12\x36\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\"A\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\x11\n\x0fGetStatsRequest\"\x96\x01\n\rExecutorStats\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x17\n\x0ftokens_computed\x18\x02 \x01(\x04\x12\x16\n\x0etokens_sampled\x18\x03 \x01(\x04\x12\x17\n\x0fswap_out_blocks\x18\x04 \x01(\x04\x12\x16\n\x0eswap_in_blocks\x18\x05 \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x06 \x01(\x01\x32\xf2\x02\n\x08\x45xecutor\x12\x45\n\x06\x41ttach\x12\x1c.pagedserve.v1.AttachRequest\x1a\x1d.pagedserve.v1.AttachResponse\x12N\n\tHeartbeat\x12\x1f.pagedserve.v1.HeartbeatRequest\x1a .pagedserve.v1.HeartbeatResponse\x12\x45\n\x06\x44\x65tach\x12\x1c.pagedserve.v1.DetachRequest\x1a\x1d.pagedserve.v1.DetachResponse\x12>\n\x04Step\x12\x17.pagedserve.v1.StepPlan\x1a\x19.pagedserve.v1.StepOutput(\x01\x30\x01\x12H\n\x08GetStats\x12\x1e.pagedserve.v1.GetStatsRequest\x1a\x1c.pagedserve.v1.ExecutorStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,33 +34,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHREQUEST']._serialized_start=47
   _globals['_ATTACHREQUEST']._serialized_end=84
   _globals['_ATTACHRESPONSE']._serialized_start=87
-  _globals['_ATTACHRESPONSE']._serialized_end=369
-  _globals['_HEARTBEATREQUEST']._serialized_start=371
-  _globals['_HEARTBEATREQUEST']._serialized_end=410
-  _globals['_HEARTBEATRESPONSE']._serialized_start=412
-  _globals['_HEARTBEATRESPONSE']._serialized_end=431
-  _globals['_DETACHREQUEST']._serialized_start=433
-  _globals['_DETACHREQUEST']._serialized_end=469
-  _globals['_DETACHRESPONSE']._serialized_start=471
-  _globals['_DETACHRESPONSE']._serialized_end=487
-  _globals['_SAMPLING']._serialized_start=490
-  _globals['_SAMPLING']._serialized_end=684
-  _globals['_NEWREQUEST']._serialized_start=687
-  _globals['_NEWREQUEST']._serialized_end=876
-  _globals['_RUNNINGREQUEST']._serialized_start=878
-  _globals['_RUNNINGREQUEST']._serialized_end=957
-  _globals['_BLOCKMOVE']._serialized_start=959
-  _globals['_BLOCKMOVE']._serialized_end=996
-  _globals['_STEPPLAN']._serialized_start=999
-  _globals['_STEPPLAN']._serialized_end=1235
-  _globals['_STEPOUTPUT']._serialized_start=1238
-  _globals['_STEPOUTPUT']._serialized_end=1399
-  _globals['_PROMPTLOGPROBS']._serialized_start=1401
-  _globals['_PROMPTLOGPROBS']._serialized_end=1466
-  _globals['_GETSTATSREQUEST']._serialized_start=1468
-  _globals['_GETSTATSREQUEST']._serialized_end=1485
-  _globals['_EXECUTORSTATS']._serialized_start=1488
-  _globals['_EXECUTORSTATS']._serialized_end=1638
-  _globals['_EXECUTOR']._serialized_start=1641
-  _globals['_EXECUTOR']._serialized_end=2011
+  _globals['_ATTACHRESPONSE']._serialized_end=423
+  _globals['_KVCACHEGROUP']._serialized_start=425
+  _globals['_KVCACHEGROUP']._serialized_end=483
+  _globals['_HEARTBEATREQUEST']._serialized_start=485
+  _globals['_HEARTBEATREQUEST']._serialized_end=524
+  _globals['_HEARTBEATRESPONSE']._serialized_start=526
+  _globals['_HEARTBEATRESPONSE']._serialized_end=545
+  _globals['_DETACHREQUEST']._serialized_start=547
+  _globals['_DETACHREQUEST']._serialized_end=583
+  _globals['_DETACHRESPONSE']._serialized_start=585
+  _globals['_DETACHRESPONSE']._serialized_end=601
+  _globals['_SAMPLING']._serialized_start=604
+  _globals['_SAMPLING']._serialized_end=798
+  _globals['_BLOCKTABLE']._serialized_start=800
+  _globals['_BLOCKTABLE']._serialized_end=852
+  _globals['_NEWREQUEST']._serialized_start=855
+  _globals['_NEWREQUEST']._serialized_end=1080
+  _globals['_RUNNINGREQUEST']._serialized_start=1082
+  _globals['_RUNNINGREQUEST']._serialized_end=1191
+  _globals['_BLOCKMOVE']._serialized_start=1193
+  _globals['_BLOCKMOVE']._serialized_end=1230
+  _globals['_STEPPLAN']._serialized_start=1233
+  _globals['_STEPPLAN']._serialized_end=1469
+  _globals['_STEPOUTPUT']._serialized_start=1472
+  _globals['_STEPOUTPUT']._serialized_end=1633
+  _globals['_PROMPTLOGPROBS']._serialized_start=1635
+  _globals['_PROMPTLOGPROBS']._serialized_end=1700
+  _globals['_GETSTATSREQUEST']._serialized_start=1702
+  _globals['_GETSTATSREQUEST']._serialized_end=1719
+  _globals['_EXECUTORSTATS']._serialized_start=1722
+  _globals['_EXECUTORSTATS']._serialized_end=1872
+  _globals['_EXECUTOR']._serialized_start=1875
+  _globals['_EXECUTOR']._serialized_end=2245
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,10 @@ any more but whose KV is still valid and findable by hash). Allocation takes fro
 
 Callers free a request's blocks last block first, so that the tail of a chain (the part least
 likely to be shared) is evicted before its prefix.
+
+Models whose layers attend differently (full attention and sliding windows) split their layers into
+KV-cache groups (see scheduler.kv_cache_manager): every block of the pool can serve any group, but
+a block holds one group's layers, so the prefix cache keeps one hash map per group.
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
 class Block:
     """One physical block. ``prev``/``next`` link it into the free queue while it is free."""
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_count", "block_hash", "group", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: BlockHash | None = None
+        self.group = 0  # the KV-cache group whose hash map holds it (while block_hash is set)
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -110,18 +115,18 @@ class FreeBlockQueue:
 class BlockPool:
     """All GPU blocks of one executor.
 
-    Invariants: a block is in the free queue iff its ref_count is 0; a block has a hash iff the hash
-    map maps that hash to it; ``num_free_blocks + num_blocks_in_use == num_blocks``, and
-    ``num_cached_free_blocks`` counts the free blocks that have a hash.
+    Invariants: a block is in the free queue iff its ref_count is 0; a block has a hash iff its
+    group's hash map maps that hash to it; ``num_free_blocks + num_blocks_in_use == num_blocks``,
+    and ``num_cached_free_blocks`` counts the free blocks that have a hash.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.enable_caching = enable_caching
         self.blocks: tuple[Block, ...] = tuple(Block(i) for i in range(num_blocks))
         self._free = FreeBlockQueue(self.blocks)
-        self._cached: dict[BlockHash, Block] = {}
+        self._cached: list[dict[BlockHash, Block]] = [{} for _ in range(num_groups)]
         self._num_cached_free = 0
 
     @property
@@ -144,14 +149,14 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks with a hash, held or free."""
-        return len(self._cached)
+        return sum(len(cached) for cached in self._cached)
 
     def free_queue(self) -> list[Block]:
         """The free queue from head (next handed out) to tail; for tests and debugging."""
         return list(self._free)
 
-    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
-        return self._cached.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Block | None:
+        return self._cached[group].get(block_hash)
 
     def allocate(self, num_blocks: int) -> list[Block]:
         """Takes ``num_blocks`` blocks from the head of the free queue, evicting their hashes.
@@ -165,7 +170,7 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self._free.popleft()
             if block.block_hash is not None:
-                del self._cached[block.block_hash]
+                del self._cached[block.group][block.block_hash]
                 block.block_hash = None
                 self._num_cached_free -= 1
             block.ref_count = 1
@@ -195,16 +200,19 @@ class BlockPool:
                     self._free.append(block)
                     self._num_cached_free += 1
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
-        """Registers a held, full block under its hash so later requests can reuse it.
+    def cache_block(self, block: Block, block_hash: BlockHash, group: int = 0) -> bool:
+        """Registers a held, full block of KV-cache group `group` under its hash so later requests
+        can reuse it.
 
         Returns False (and changes nothing) when caching is off, the block already has a hash, or
         another block already holds this hash (two requests computed the same prefix at once; the
         first one stays the canonical copy, the other is freed uncached later).
         """
-        if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
+        cached = self._cached[group]
+        if not self.enable_caching or block.block_hash is not None or block_hash in cached:
             return False
         assert block.ref_count > 0, "only held blocks get cached"
         block.block_hash = block_hash
-        self._cached[block_hash] = block
+        block.group = group
+        cached[block_hash] = block
         return True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.common.kv_sizing import blocks_per_sequence
+
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -22,6 +24,8 @@ class SchedulerConfig:
         enable_prefix_caching: reuse full blocks whose token chain was computed before.
         preemption_mode: "recompute" (free blocks, compute again later) or "swap" (copy blocks to
             the CPU pool and back).
+        sliding_windows: the executor's KV-cache groups: per group None (full attention) or its
+            sliding window (see scheduler.kv_cache_manager).
     """
 
     block_size: int = 16
@@ -32,6 +36,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
+    sliding_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self) -> None:
         for name in (
@@ -50,9 +55,18 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )
-        # A lone request must always fit, or the scheduler could pre-empt forever.
-        if self.num_gpu_blocks * self.block_size < self.max_model_len:
+        if not self.sliding_windows or any(
+            w is not None and (not isinstance(w, int) or w < 1) for w in self.sliding_windows
+        ):
             raise ValueError(
-                f"num_gpu_blocks * block_size = {self.num_gpu_blocks * self.block_size} slots cannot hold "
-                f"one sequence of max_model_len = {self.max_model_len} tokens"
+                f"sliding_windows must hold None or a positive window per group: {self.sliding_windows}"
+            )
+        # A lone request must always fit, or the scheduler could pre-empt forever.
+        needed = blocks_per_sequence(
+            self.max_model_len, self.block_size, self.sliding_windows, self.max_num_batched_tokens
+        )
+        if self.num_gpu_blocks < needed:
+            raise ValueError(
+                f"num_gpu_blocks = {self.num_gpu_blocks} blocks of {self.block_size} tokens cannot hold "
+                f"one sequence of max_model_len = {self.max_model_len} tokens ({needed} blocks)"
             )

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from pagedserve.scheduler.block_pool import Block, BlockHash
+from pagedserve.scheduler.block_pool import BlockHash
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.kv_cache_manager import NO_HIT, BlockSpan, KVCacheManager, PrefixHit
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 
 log = structlog.get_logger()
@@ -47,7 +47,7 @@ class NewRequestPlan:
     token_ids: list[int]  # every known token: prompt, then outputs so far
     num_computed_tokens: int  # already in its blocks (prefix cache or swap-in)
     num_new_tokens: int
-    block_ids: list[int]  # whole block table
+    block_tables: list[BlockSpan]  # its whole block table per KV-cache group
     sampling: SamplingOptions
 
 
@@ -57,7 +57,7 @@ class RunningPlan:
 
     seq_id: SeqId
     num_new_tokens: int
-    new_block_ids: list[int]
+    new_blocks: list[BlockSpan]  # per KV-cache group; empty when no group got a block
 
 
 @dataclass(slots=True)
@@ -138,7 +138,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv_cache_manager = KVCacheManager(
-            config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching
+            config.block_size,
+            config.num_gpu_blocks,
+            config.num_cpu_blocks,
+            config.enable_prefix_caching,
+            config.sliding_windows,
         )
         self._requests: dict[SeqId, Request] = {}  # every unfinished request
         self._waiting: list[Request] = []
@@ -252,29 +256,29 @@ class Scheduler:
             if step.budget == 0:
                 continue
             num_new = min(wanted, step.budget, max(1, step.budget - step.unserved))
-            new_block_ids = self._allocate_or_preempt(request, request.num_computed_tokens + num_new, step)
-            if new_block_ids is None:
+            new_blocks = self._allocate_or_preempt(request, request.num_computed_tokens + num_new, step)
+            if new_blocks is None:
                 continue  # it pre-empted itself
-            running_plan = RunningPlan(request.seq_id, num_new, new_block_ids)
+            running_plan = RunningPlan(request.seq_id, num_new, new_blocks)
             step.plan.running.append(running_plan)
             step.running_plans[request.seq_id] = running_plan
             self._schedule_tokens(request, num_new, step)
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int, step: _Step) -> list[int] | None:
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, step: _Step) -> list[BlockSpan] | None:
         """Allocates blocks for a running request, pre-empting the lowest-priority, latest-arrived
         running request until they fit. Returns None if the request itself was the victim.
 
         The running list is in (priority, arrival) order and served front to back, so the victim
         (its tail) has not been served in this step yet, or is the request itself.
         """
-        while (new_block_ids := self.kv_cache_manager.allocate_slots(request, num_tokens)) is None:
+        while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_tokens)) is None:
             victim = self._running[-1]
             if victim is not request and self._num_tokens_wanted(victim):
                 step.unserved -= 1
             self._preempt(victim, step)
             if victim is request:
                 return None
-        return new_block_ids
+        return new_blocks
 
     def _start_queued(self, step: _Step) -> None:
         """Starts swapped-out and waiting requests, in one (priority, arrival) order, while budget
@@ -290,11 +294,10 @@ class Scheduler:
             if request is None or request.num_pending_outputs or request.seq_id in step.preempted:
                 break  # a victim awaiting its last output, or pre-empted in this very step
             if request.status is RequestStatus.SWAPPED:
-                num_blocks_short, keep = self._swap_in(request, step), ()
+                num_blocks_short, keep = self._swap_in(request, step), NO_HIT
             else:
-                cached_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                num_blocks_short = self._admit(request, cached_blocks, num_cached_tokens, step)
-                keep = cached_blocks
+                keep = self.kv_cache_manager.get_computed_blocks(request)
+                num_blocks_short = self._admit(request, keep, step)
             if num_blocks_short and not self._preempt_lower_priority(request, num_blocks_short, keep, step):
                 break
 
@@ -315,15 +318,14 @@ class Scheduler:
         self._start_running(request, num_new, step)
         return 0
 
-    def _admit(
-        self, request: Request, cached_blocks: Sequence[Block], num_cached_tokens: int, step: _Step
-    ) -> int:
+    def _admit(self, request: Request, hit: PrefixHit, step: _Step) -> int:
         """Admits a waiting request on top of its cached prefix blocks; returns the blocks it lacks
         (0 once it runs)."""
+        num_cached_tokens = hit.num_tokens
         num_new = min(request.num_tokens - num_cached_tokens, step.budget)
         num_tokens = num_cached_tokens + num_new
-        if self.kv_cache_manager.allocate_slots(request, num_tokens, cached_blocks) is None:
-            return self.kv_cache_manager.num_blocks_short(request, num_tokens, cached_blocks)
+        if self.kv_cache_manager.allocate_slots(request, num_tokens, hit) is None:
+            return self.kv_cache_manager.num_blocks_short(request, num_tokens, hit)
         self._waiting.remove(request)
         self._forget_queued_prefix(request.seq_id)
         if self.config.enable_prefix_caching:
@@ -336,7 +338,7 @@ class Scheduler:
         return 0
 
     def _preempt_lower_priority(
-        self, request: Request, num_blocks_short: int, keep: Sequence[Block], step: _Step
+        self, request: Request, num_blocks_short: int, keep: PrefixHit, step: _Step
     ) -> bool:
         """Pre-empts the lowest-priority, latest-arrived running request if its priority is strictly
         lower than ``request``'s (a larger number) and it was not started in this step, provided
@@ -373,7 +375,7 @@ class Scheduler:
                 token_ids=request.all_token_ids,
                 num_computed_tokens=request.num_computed_tokens,
                 num_new_tokens=num_new,
-                block_ids=self.kv_cache_manager.block_ids(request.seq_id),
+                block_tables=self.kv_cache_manager.block_tables(request.seq_id),
                 sampling=request.sampling,
             )
         )
@@ -493,16 +495,14 @@ class Scheduler:
             self._running.remove(request)
 
     def _slot_utilization(self) -> float:
-        """Only a request's last block can be partly filled, and shared blocks are full, so the
-        empty slots are the per-request tails."""
-        in_use = self.kv_cache_manager.block_pool.num_blocks_in_use
+        """Only a request's last block (per group) can be partly filled, and shared blocks are full,
+        so the empty slots are the per-request tails."""
+        manager = self.kv_cache_manager
+        in_use = manager.block_pool.num_blocks_in_use
         if in_use == 0:
             return 0.0
-        size = self.config.block_size
-        empty = sum(
-            self.kv_cache_manager.num_blocks(r.seq_id) * size - r.num_computed_tokens for r in self._running
-        )
-        return 1.0 - empty / (in_use * size)
+        empty = sum(manager.num_empty_slots(r) for r in self._running)
+        return 1.0 - empty / (in_use * self.config.block_size)
 
     @property
     def stats(self) -> SchedulerStats:

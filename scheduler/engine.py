@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 
 from pagedserve.protos import executor_pb2
+from pagedserve.protos.executor_pb2 import BlockTable
 from pagedserve.scheduler.completion import Completion, Delta, StopConditions
 from pagedserve.scheduler.core import SchedulerStats, StepPlan
 from pagedserve.scheduler.discovery import parse_executor_target, resolve_all
@@ -98,7 +99,7 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
             token_ids=r.token_ids,
             num_computed_tokens=r.num_computed_tokens,
             num_new_tokens=r.num_new_tokens,
-            block_ids=r.block_ids,
+            block_tables=[BlockTable(first_index=first, block_ids=ids) for first, ids in r.block_tables],
             num_prompt_tokens=request.num_prompt_tokens,
             sampling=executor_pb2.Sampling(
                 temperature=s.temperature,
@@ -123,8 +124,9 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
     # build them at a third of the cost of constructing each message.
     add_running = message.running.add
     for r in plan.running:
-        if r.new_block_ids:
-            add_running(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens, new_block_ids=r.new_block_ids)
+        if r.new_blocks:
+            new_blocks = [BlockTable(first_index=first, block_ids=ids) for first, ids in r.new_blocks]
+            add_running(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens, new_blocks=new_blocks)
         else:
             add_running(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens)
     return message

@@ -10,28 +10,81 @@ layer reads the cache, so a request admitted later in the same step may already 
 in vLLM V1, requests that arrive together with a common prefix compute it once. The scheduler calls
 ``cache_full_blocks`` right after it schedules a request's tokens, and never un-schedules a request
 whose blocks it registered in the step being built (see ``Scheduler._preempt_lower_priority``).
+
+KV-cache groups (sliding windows). The executor splits a model's layers into groups of one
+attention kind each (full attention, or a sliding window of W positions) and reports each group's
+window on attach (`executor.kv_groups`). Every block of the pool serves any group (each group's
+layers fill the same layer slots of a block), so the pool keeps one free queue and one count, and
+each request has one block table per group. Tables are positional: entry i covers positions
+[i * block_size, (i + 1) * block_size). A sliding-window layer reads only the last W positions
+before each query, so a sliding group's table keeps blocks from the first one its next query can
+see (``_first_needed``) and releases the earlier ones as the request advances: its entries before
+``first`` are None. A model with one full-attention group (the common case) has one table that is
+exactly the old single block table.
+
+Prefix caching with groups: every group has the same hash chain (the same tokens) and registers its
+own blocks under it (``BlockPool`` keeps one hash map per group). A hit of L blocks needs all of
+blocks [0, L) in each full group, but only blocks [first_needed(L * block_size), L) in each sliding
+group, which is what the next query reads: the hit is the longest L every group can serve (what
+vLLM's hybrid KV-cache manager does). Out-of-window blocks a sliding group released stay in the
+prefix cache's LRU, so a later request with the same prefix can still find them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from pagedserve.scheduler.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 from pagedserve.scheduler.request import Request, SeqId
+
+# A group's span of a block table on the wire: (table index of the first id, the ids).
+BlockSpan = tuple[int, list[int]]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(slots=True)
+class _Table:
+    """One group's blocks of a request: entry i covers positions [i * bs, (i + 1) * bs); entries
+    before `first` are None (out of the group's sliding window, released)."""
+
+    blocks: list[Block | None]
+    first: int = 0
+
+    def held(self) -> list[Block]:
+        return self.blocks[self.first :]  # type: ignore[return-value]  # no None from `first` on
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Cached blocks a waiting request can start from (``get_computed_blocks``): per group, the
+    first entries of its table (None before a sliding group's window), covering `num_tokens`."""
+
+    tables: tuple[tuple[Block | None, ...], ...] = ()
+    num_tokens: int = 0
+
+    @property
+    def blocks(self) -> Iterator[Block]:
+        """Every cached block of the hit, over all groups."""
+        return (block for table in self.tables for block in table if block is not None)
+
+
+NO_HIT = PrefixHit()
+
+
 class KVCacheManager:
-    """Owns each request's GPU block table (and CPU block table while swapped out).
+    """Owns each request's GPU block tables (and CPU tables while swapped out).
 
     Args:
         block_size: tokens per block.
         num_gpu_blocks: size of the GPU pool.
         num_cpu_blocks: size of the executor's CPU swap pool.
         enable_prefix_caching: look up and register full blocks by hash.
+        sliding_windows: one entry per KV-cache group, in the executor's order: None for full
+            attention, else the window (the positions a query sees, itself included).
     """
 
     def __init__(
@@ -40,38 +93,72 @@ class KVCacheManager:
         num_gpu_blocks: int,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
+        sliding_windows: Sequence[int | None] = (None,),
     ) -> None:
+        if not sliding_windows or any(w is not None and w < 1 for w in sliding_windows):
+            raise ValueError(
+                f"sliding_windows must list each group's window (None or >= 1): {sliding_windows}"
+            )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_gpu_blocks, enable_prefix_caching)
+        self.sliding_windows = tuple(sliding_windows)
+        self.num_groups = len(self.sliding_windows)
+        self._full_groups = [g for g, w in enumerate(self.sliding_windows) if w is None]
+        self._sliding_groups = [g for g, w in enumerate(self.sliding_windows) if w is not None]
+        # One full-attention table: the per-step fast path of allocate_slots applies.
+        self._one_full_table = self.sliding_windows == (None,)
+        self.block_pool = BlockPool(num_gpu_blocks, enable_prefix_caching, self.num_groups)
         self.num_cpu_blocks = num_cpu_blocks
-        self._tables: dict[SeqId, list[Block]] = {}
-        # Leading blocks of each table that are already in the prefix cache (registered by it, or
-        # found there at admission): registration resumes after them.
+        self._tables: dict[SeqId, list[_Table]] = {}
+        # Leading blocks of each request's tables that are already in the prefix cache (registered
+        # by it, or found there at admission): registration resumes after them.
         self._num_cached_blocks: dict[SeqId, int] = {}
         # Hash chain of each live request's full known blocks, kept across preemptions (the tokens
         # never change) and dropped by forget().
         self._hashes: dict[SeqId, list[BlockHash]] = {}
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))  # pop() hands out 0 first
-        self._cpu_tables: dict[SeqId, list[int]] = {}
+        self._cpu_tables: dict[SeqId, list[BlockSpan]] = {}  # per group, while swapped out
         # CPU blocks read by this step's swap_in: the executor runs swap_out before swap_in, so they
         # must not be handed to a swap_out of the same step.
         self._cpu_release_after_step: list[int] = []
 
+    def _first_needed(self, group: int, num_computed: int) -> int:
+        """The first table entry a query at position `num_computed` can read in `group` (0 for
+        full attention): a sliding window W sees positions > num_computed - W."""
+        window = self.sliding_windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed - window + 1) // self.block_size
+
     # ---- queries -------------------------------------------------------------------------------
 
-    def block_ids(self, seq_id: SeqId) -> list[int]:
-        """The request's whole GPU block table (empty if it holds none)."""
-        return [block.block_id for block in self._tables.get(seq_id, ())]
+    def block_ids(self, seq_id: SeqId, group: int = 0) -> list[int]:
+        """The ids of the blocks the request holds in `group` (empty if it holds none)."""
+        tables = self._tables.get(seq_id)
+        return [] if tables is None else [block.block_id for block in tables[group].held()]
 
-    def blocks(self, seq_id: SeqId) -> Sequence[Block]:
-        return self._tables.get(seq_id, ())
+    def block_tables(self, seq_id: SeqId) -> list[BlockSpan]:
+        """The request's whole tables, per group: (index of the first held entry, the held ids)."""
+        return [(t.first, [block.block_id for block in t.held()]) for t in self._tables.get(seq_id, ())]
+
+    def blocks(self, seq_id: SeqId, group: int = 0) -> Sequence[Block | None]:
+        """The request's table in `group`, None before its first held entry."""
+        tables = self._tables.get(seq_id)
+        return () if tables is None else tables[group].blocks
 
     def num_blocks(self, seq_id: SeqId) -> int:
-        return len(self._tables.get(seq_id, ()))
+        """Blocks the request holds, over all groups."""
+        return sum(len(t.blocks) - t.first for t in self._tables.get(seq_id, ()))
+
+    def num_empty_slots(self, request: Request) -> int:
+        """Slots of the request's held blocks that hold no computed token's KV (its tables' tails:
+        a sliding group's released head is no slot of it)."""
+        end = request.num_computed_tokens
+        return sum(len(t.blocks) * self.block_size - end for t in self._tables.get(request.seq_id, ()))
 
     def cpu_block_ids(self, seq_id: SeqId) -> list[int]:
-        return list(self._cpu_tables.get(seq_id, ()))
+        """The CPU blocks of a swapped-out request, over all groups."""
+        return [cpu for _, ids in self._cpu_tables.get(seq_id, ()) for cpu in ids]
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -93,26 +180,62 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, request.token_ids(i * size, (i + 1) * size)))
         return hashes[index]
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
-        """The longest chain of cached blocks matching the request's known tokens.
+    def _longest_hit(self, hash_of: Callable[[int], BlockHash], max_blocks: int) -> PrefixHit:
+        """The longest prefix of at most `max_blocks` blocks that every group can serve from the
+        cache (see the module doc), with each group's blocks. A pure lookup: no ref count or LRU
+        position changes."""
+        get = self.block_pool.get_cached_block
+        length = max_blocks
+        chains: dict[int, list[Block]] = {}
+        for group in self._full_groups:  # the whole chain from the first block
+            chain: list[Block] = []
+            for index in range(length):
+                block = get(hash_of(index), group)
+                if block is None:
+                    break
+                chain.append(block)
+            chains[group] = chain
+            length = len(chain)
+        # A sliding group needs the blocks its window reaches at the hit's end; a missing one means
+        # the hit must end at or before it. `length` only shrinks, so this ends.
+        found: dict[tuple[int, int], Block | None] = {}
+        settled = False
+        while not settled and length > 0:
+            settled = True
+            for group in self._sliding_groups:
+                for index in range(length - 1, self._first_needed(group, length * self.block_size) - 1, -1):
+                    if (group, index) not in found:
+                        found[group, index] = get(hash_of(index), group)
+                    if found[group, index] is None:
+                        length, settled = index, False
+                        break
+                if not settled:
+                    break
+        if length == 0:
+            return NO_HIT
+        tables: list[tuple[Block | None, ...]] = []
+        for group in range(self.num_groups):
+            if group in chains:
+                tables.append(tuple(chains[group][:length]))
+            else:
+                first = self._first_needed(group, length * self.block_size)
+                tables.append((None,) * first + tuple(found[group, i] for i in range(first, length)))
+        return PrefixHit(tuple(tables), length * self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """The longest prefix of the request's known tokens the cache can serve.
 
         At least one token is always left to compute (its forward pass produces the next token), so
         the block holding the last known token is never reused: with the whole prompt cached, that
         block is computed again in a fresh block, and no shared block is ever written.
 
         Returns:
-            The cached blocks (not yet held) and the number of tokens they cover.
+            The cached blocks (not yet held) per group, and the number of tokens they cover.
         """
         if not self.enable_prefix_caching:
-            return [], 0
+            return NO_HIT
         max_blocks = (request.num_known_tokens - 1) // self.block_size
-        hits: list[Block] = []
-        for index in range(max_blocks):
-            block = self.block_pool.get_cached_block(self._block_hash(request, index))
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        return self._longest_hit(lambda index: self._block_hash(request, index), max_blocks)
 
     def prompt_block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """The hash chain of the full blocks `get_computed_blocks` could reuse for a request whose
@@ -125,102 +248,134 @@ class KVCacheManager:
         return hashes
 
     def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of the chain `block_hashes` are in this pool's prefix cache: the
-        exact hit a request with this chain would get now. A pure lookup: no ref count, no LRU
+        """How many leading blocks of the chain `block_hashes` this pool's prefix cache can serve:
+        the exact hit a request with this chain would get now. A pure lookup: no ref count, no LRU
         position changes."""
         if not self.enable_prefix_caching:
             return 0
-        get = self.block_pool.get_cached_block
-        for index, block_hash in enumerate(block_hashes):
-            if get(block_hash) is None:
-                return index
-        return len(block_hashes)
+        return self._longest_hit(block_hashes.__getitem__, len(block_hashes)).num_tokens // self.block_size
 
     def cache_full_blocks(self, request: Request) -> bool:
         """Registers the request's blocks that are full of known, scheduled tokens in the prefix
         cache (``num_computed_tokens`` counts the tokens of the plan being built: see the module's
-        safety rule). Returns whether it registered any."""
+        safety rule), in every group. Returns whether it registered any."""
         if not self.enable_prefix_caching:
             return False
         num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_size
         start = self._num_cached_blocks.get(request.seq_id, 0)
         if num_full <= start:
             return False  # the usual case: checked first, it is on every request's every step
-        table = self._tables.get(request.seq_id)
-        if not table:
+        tables = self._tables.get(request.seq_id)
+        if not tables:
             return False
+        cache_block = self.block_pool.cache_block
         for index in range(start, num_full):
-            self.block_pool.cache_block(table[index], self._block_hash(request, index))
+            block_hash = self._block_hash(request, index)
+            for group, table in enumerate(tables):
+                block = table.blocks[index]
+                if block is not None:  # (a released block was registered before it was released)
+                    cache_block(block, block_hash, group)
         self._num_cached_blocks[request.seq_id] = num_full
         return True
 
     # ---- GPU blocks ----------------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_tokens: int, cached_blocks: Sequence[Block] = ()
-    ) -> list[int] | None:
-        """Grows the request's table to hold ``num_tokens`` tokens.
+        self, request: Request, num_tokens: int, hit: PrefixHit = NO_HIT
+    ) -> list[BlockSpan] | None:
+        """Grows the request's tables to hold ``num_tokens`` tokens.
+
+        A running request's sliding groups first release the blocks its next query can no longer
+        see (whether or not the growth fits: no query of the request reads them again).
 
         Args:
-            request: the request; its table may be empty (admission) or not (a running request).
-            num_tokens: tokens the table must cover after this step (computed + scheduled).
-            cached_blocks: prefix-cache hits from ``get_computed_blocks``, which become the first
-                blocks of an empty table.
+            request: the request; its tables may be empty (admission) or not (a running request).
+            num_tokens: tokens the tables must cover after this step (computed + scheduled).
+            hit: prefix-cache hits from ``get_computed_blocks``, which become the first blocks of
+                empty tables.
 
         Returns:
-            The ids of the newly allocated blocks (not the cached ones), or None if the free blocks
-            (counting evictable cached ones) are too few; then nothing changed.
+            The newly allocated blocks per group as (table index of the first, ids) — an empty
+            list when no group got one — or None if the free blocks (counting evictable cached
+            ones) are too few; then nothing else changed.
         """
-        table = self._tables.get(request.seq_id)
-        if table and not cached_blocks and num_tokens <= len(table) * self.block_size:
-            if request.seq_id not in self._cpu_tables:
-                return []  # the common decode step: the last block still has room
-        if cached_blocks and table:
+        tables = self._tables.get(request.seq_id)
+        if tables is not None and hit.tables:
             raise ValueError(f"seq {request.seq_id}: cached blocks can only start an empty table")
-        num_needed = self._num_new_blocks(request, num_tokens, cached_blocks)
-        if num_needed == 0 and not cached_blocks:
+        if tables is not None and self._one_full_table and request.seq_id not in self._cpu_tables:
+            if num_tokens <= len(tables[0].blocks) * self.block_size:
+                return []  # the common decode step: the last block still has room
+        if tables is not None:
+            self._release_out_of_window(request, tables)
+        num_needed = self._num_new_blocks(request, num_tokens, hit)
+        if num_needed == 0 and not hit.tables and tables is not None:
             return []
-        if num_needed > self._num_allocatable_blocks(cached_blocks):
+        if num_needed > self._num_allocatable_blocks(hit):
             return None
-        self.block_pool.touch(cached_blocks)
-        new_blocks = self.block_pool.allocate(num_needed)
-        if table is None:
-            table = self._tables[request.seq_id] = []
-        if cached_blocks:
-            table.extend(cached_blocks)
-            self._num_cached_blocks[request.seq_id] = len(cached_blocks)
-        table.extend(new_blocks)
-        return [block.block_id for block in new_blocks]
+        self.block_pool.touch(hit.blocks)
+        if tables is None:
+            if hit.tables:
+                tables = [_Table(list(t), _first_held(t)) for t in hit.tables]
+                self._num_cached_blocks[request.seq_id] = hit.num_tokens // self.block_size
+            else:
+                tables = [_Table([]) for _ in range(self.num_groups)]
+            self._tables[request.seq_id] = tables
+        end = _cdiv(num_tokens, self.block_size)
+        spans: list[BlockSpan] = []
+        for table in tables:
+            first = len(table.blocks)
+            new = self.block_pool.allocate(max(0, end - first))
+            table.blocks.extend(new)
+            spans.append((first, [block.block_id for block in new]))
+        return spans if num_needed else []
 
-    def num_blocks_short(self, request: Request, num_tokens: int, cached_blocks: Sequence[Block] = ()) -> int:
+    def _release_out_of_window(self, request: Request, tables: list[_Table]) -> None:
+        """Releases each sliding group's blocks before the first one a query at the request's next
+        position can read (registered ones stay findable in the prefix cache's LRU)."""
+        for group in self._sliding_groups:
+            table = tables[group]
+            first = min(self._first_needed(group, request.num_computed_tokens), len(table.blocks))
+            if first > table.first:
+                released = table.blocks[table.first : first]
+                table.blocks[table.first : first] = [None] * (first - table.first)
+                table.first = first
+                self.block_pool.free(reversed(released))  # type: ignore[arg-type]
+
+    def num_blocks_short(self, request: Request, num_tokens: int, hit: PrefixHit = NO_HIT) -> int:
         """How many more free blocks ``allocate_slots`` (or ``swap_in``, for a swapped-out request)
         would need to grow the request to ``num_tokens`` tokens; 0 if it fits."""
-        num_needed = self._num_new_blocks(request, num_tokens, cached_blocks)
-        return max(0, num_needed - self._num_allocatable_blocks(cached_blocks))
+        num_needed = self._num_new_blocks(request, num_tokens, hit)
+        return max(0, num_needed - self._num_allocatable_blocks(hit))
 
-    def num_reclaimable_blocks(self, seq_ids: Sequence[SeqId], keep: Sequence[Block] = ()) -> int:
+    def num_reclaimable_blocks(self, seq_ids: Sequence[SeqId], keep: PrefixHit = NO_HIT) -> int:
         """Blocks that releasing all of ``seq_ids`` would make allocatable: those no other request
-        holds, except ``keep`` (prefix-cache hits the caller is about to take)."""
+        holds, except the blocks of ``keep`` (prefix-cache hits the caller is about to take)."""
         holders: dict[Block, int] = {}
         for seq_id in seq_ids:
-            for block in self._tables.get(seq_id, ()):
-                holders[block] = holders.get(block, 0) + 1
-        kept = set(keep)
+            for table in self._tables.get(seq_id, ()):
+                for block in table.held():
+                    holders[block] = holders.get(block, 0) + 1
+        kept = set(keep.blocks)
         return sum(1 for block, count in holders.items() if count == block.ref_count and block not in kept)
 
-    def _num_new_blocks(self, request: Request, num_tokens: int, cached_blocks: Sequence[Block] = ()) -> int:
-        """Blocks to allocate for the request to hold ``num_tokens`` tokens: beyond its table and
-        ``cached_blocks`` or, swapped out, a whole new table at least as long as its CPU one."""
-        cpu_ids = self._cpu_tables.get(request.seq_id)
-        if cpu_ids is not None:
-            return max(_cdiv(num_tokens, self.block_size), len(cpu_ids))
-        num_held = len(self._tables.get(request.seq_id, ()))
-        return max(0, _cdiv(num_tokens, self.block_size) - num_held - len(cached_blocks))
+    def _num_new_blocks(self, request: Request, num_tokens: int, hit: PrefixHit = NO_HIT) -> int:
+        """Blocks to allocate for the request to hold ``num_tokens`` tokens: beyond its tables and
+        ``hit`` or, swapped out, whole new tables at least as long as its CPU ones."""
+        end = _cdiv(num_tokens, self.block_size)
+        cpu_tables = self._cpu_tables.get(request.seq_id)
+        if cpu_tables is not None:
+            return sum(max(end, first + len(ids)) - first for first, ids in cpu_tables)
+        tables = self._tables.get(request.seq_id)
+        if tables is not None:
+            return sum(max(0, end - len(t.blocks)) for t in tables)
+        if hit.tables:
+            return sum(max(0, end - len(t)) for t in hit.tables)
+        return end * self.num_groups
 
-    def _num_allocatable_blocks(self, cached_blocks: Sequence[Block] = ()) -> int:
+    def _num_allocatable_blocks(self, hit: PrefixHit = NO_HIT) -> int:
         """Free blocks, less the prefix-cache hits sitting in the free queue: they stop being
         allocatable once the request holds them."""
-        return self.block_pool.num_free_blocks - sum(1 for block in cached_blocks if block.ref_count == 0)
+        return self.block_pool.num_free_blocks - sum(1 for block in hit.blocks if block.ref_count == 0)
 
     def free(self, request: Request) -> None:
         """Releases the request's GPU blocks; its full, computed blocks stay in the prefix cache.
@@ -228,10 +383,10 @@ class KVCacheManager:
         Blocks are released last first, so the chain's tail is evicted before its prefix.
         """
         self.cache_full_blocks(request)
-        table = self._tables.pop(request.seq_id, None)
+        tables = self._tables.pop(request.seq_id, None)
         self._num_cached_blocks.pop(request.seq_id, None)
-        if table:
-            self.block_pool.free(reversed(table))
+        for table in tables or ():
+            self.block_pool.free(reversed(table.held()))
 
     def forget(self, seq_id: SeqId) -> None:
         """Drops what is kept for a request across preemptions (its hash chain); on finish."""
@@ -240,44 +395,62 @@ class KVCacheManager:
     # ---- swap ----------------------------------------------------------------------------------
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
-        """Moves the KV of the request's computed tokens to CPU blocks and frees its GPU blocks.
+        """Moves the KV of the request's computed tokens (in each sliding group, those its next
+        query can see) to CPU blocks and frees its GPU blocks.
 
         Returns:
             (gpu_block_id, cpu_block_id) pairs for the plan's swap_out, or None (nothing changed)
             when the CPU pool is too small.
         """
-        table = self._tables[request.seq_id]
-        num_blocks = _cdiv(request.num_computed_tokens, self.block_size)
-        if num_blocks > len(self._cpu_free):
+        tables = self._tables[request.seq_id]
+        computed = request.num_computed_tokens
+        end = _cdiv(computed, self.block_size)
+        starts = [max(t.first, self._first_needed(g, computed)) for g, t in enumerate(tables)]
+        if sum(max(0, end - start) for start in starts) > len(self._cpu_free):
             return None
-        cpu_ids = [self._cpu_free.pop() for _ in range(num_blocks)]
-        moves = [(block.block_id, cpu_id) for block, cpu_id in zip(table, cpu_ids, strict=False)]
-        self._cpu_tables[request.seq_id] = cpu_ids
+        moves: list[tuple[int, int]] = []
+        cpu_tables: list[BlockSpan] = []
+        for table, start in zip(tables, starts, strict=True):
+            cpu_ids = [self._cpu_free.pop() for _ in range(start, end)]
+            held = table.blocks[start:end]
+            moves += [(block.block_id, cpu) for block, cpu in zip(held, cpu_ids, strict=True)]  # type: ignore[union-attr]
+            cpu_tables.append((start, cpu_ids))
+        self._cpu_tables[request.seq_id] = cpu_tables
         self.free(request)
         return moves
 
     def swap_in(self, request: Request, num_tokens: int) -> list[tuple[int, int]] | None:
-        """Gives a swapped-out request a new GPU table for ``num_tokens`` tokens and copies its KV back.
+        """Gives a swapped-out request new GPU tables for ``num_tokens`` tokens and copies its KV back.
 
         Returns:
             (cpu_block_id, gpu_block_id) pairs for the plan's swap_in, or None (nothing changed)
             when the free GPU blocks are too few.
         """
-        cpu_ids = self._cpu_tables[request.seq_id]
-        num_needed = self._num_new_blocks(request, num_tokens)
-        if num_needed > self.block_pool.num_free_blocks:
+        cpu_tables = self._cpu_tables[request.seq_id]
+        if self._num_new_blocks(request, num_tokens) > self.block_pool.num_free_blocks:
             return None
-        gpu_blocks = self.block_pool.allocate(num_needed)
-        self._tables[request.seq_id] = gpu_blocks
+        end = _cdiv(num_tokens, self.block_size)
+        tables, moves = [], []
+        for first, cpu_ids in cpu_tables:
+            gpu_blocks = self.block_pool.allocate(max(end, first + len(cpu_ids)) - first)
+            tables.append(_Table([None] * first + gpu_blocks, first))  # type: ignore[operator]
+            moves += [(cpu, block.block_id) for cpu, block in zip(cpu_ids, gpu_blocks, strict=False)]
+        self._tables[request.seq_id] = tables
         del self._cpu_tables[request.seq_id]
-        self._cpu_release_after_step.extend(cpu_ids)
-        return [(cpu_id, block.block_id) for cpu_id, block in zip(cpu_ids, gpu_blocks, strict=False)]
+        self._cpu_release_after_step.extend(cpu for _, ids in cpu_tables for cpu in ids)
+        return moves
 
     def free_swapped(self, request: Request) -> None:
         """Releases the CPU blocks of a swapped-out request (aborted while swapped)."""
-        self._cpu_free.extend(reversed(self._cpu_tables.pop(request.seq_id, [])))
+        for _, cpu_ids in reversed(self._cpu_tables.pop(request.seq_id, [])):
+            self._cpu_free.extend(reversed(cpu_ids))
 
     def end_step(self) -> None:
         """Called once a plan is complete: CPU blocks read by its swap_in become free."""
         self._cpu_free.extend(reversed(self._cpu_release_after_step))
         self._cpu_release_after_step.clear()
+
+
+def _first_held(table: Sequence[Block | None]) -> int:
+    """Index of a hit table's first block (None entries lead a sliding group's table)."""
+    return next((i for i, block in enumerate(table) if block is not None), len(table))

@@ -78,6 +78,8 @@ class ExecutorInfo:
     eos_token_ids: tuple[int, ...]
     device: str
     lease_timeout_ms: int = 0
+    # Per KV-cache group (executor.kv_groups): None for full attention, else its sliding window.
+    sliding_windows: tuple[int | None, ...] = (None,)
 
     def mismatch(self, other: ExecutorInfo) -> str | None:
         """Why an executor reporting `other` cannot serve beside this one (None: it can). Requests
@@ -340,6 +342,7 @@ class ExecutorReplica:
             eos_token_ids=tuple(reply.eos_token_ids),
             device=reply.device,
             lease_timeout_ms=reply.lease_timeout_ms,
+            sliding_windows=tuple(g.sliding_window or None for g in reply.kv_cache_groups) or (None,),
         )
 
     def _start_core(self, reply: executor_pb2.AttachResponse, info: ExecutorInfo) -> None:
@@ -356,6 +359,7 @@ class ExecutorReplica:
                 max_num_batched_tokens=_within(config.max_num_batched_tokens, reply.max_num_batched_tokens),
                 enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=config.preemption_mode,
+                sliding_windows=info.sliding_windows,
             )
         )
         self._heartbeats = True

@@ -13,6 +13,14 @@ def ids(blocks) -> list[int]:
     return [b.block_id for b in blocks]
 
 
+def new_ids(spans) -> list[int] | None:
+    """The ids allocate_slots handed out to a one-group model (None when it did not fit)."""
+    if spans is None:
+        return None
+    assert len(spans) <= 1
+    return spans[0][1] if spans else []
+
+
 def make_request(seq_id: int, prompt: list[int], max_tokens: int = 4) -> Request:
     return Request(seq_id=SeqId(seq_id), prompt_token_ids=prompt, max_tokens=max_tokens)
 
@@ -125,11 +133,11 @@ def test_cache_block_keeps_the_first_copy_and_respects_disabled_caching() -> Non
 def test_allocate_slots_grows_the_table_block_by_block() -> None:
     kv = KVCacheManager(block_size=4, num_gpu_blocks=4)
     req = make_request(1, list(range(6)))
-    assert kv.allocate_slots(req, 6) == [0, 1]
+    assert new_ids(kv.allocate_slots(req, 6)) == [0, 1]
     req.num_computed_tokens = 6
-    assert kv.allocate_slots(req, 7) == []  # still fits in block 1
-    assert kv.allocate_slots(req, 9) == [2]
-    assert kv.allocate_slots(req, 17) is None  # 5 blocks > 4: nothing changes
+    assert new_ids(kv.allocate_slots(req, 7)) == []  # still fits in block 1
+    assert new_ids(kv.allocate_slots(req, 9)) == [2]
+    assert new_ids(kv.allocate_slots(req, 17)) is None  # 5 blocks > 4: nothing changes
     assert kv.block_ids(req.seq_id) == [0, 1, 2]
     assert kv.block_pool.num_free_blocks == 1
 
@@ -137,26 +145,28 @@ def test_allocate_slots_grows_the_table_block_by_block() -> None:
 def test_prefix_hit_reuses_the_hash_chain_and_shares_blocks() -> None:
     kv = KVCacheManager(block_size=4, num_gpu_blocks=8)
     a = make_request(1, list(range(10)))  # blocks [0..3] [4..7] [8, 9]
-    assert kv.allocate_slots(a, 10) == [0, 1, 2]
+    assert new_ids(kv.allocate_slots(a, 10)) == [0, 1, 2]
     a.num_computed_tokens = 10
     kv.cache_full_blocks(a)  # two full blocks get hashes; the partial one does not
     assert kv.block_pool.num_cached_blocks == 2
 
     b = make_request(2, [*range(8), 99, 98, 97])  # same first two blocks, different tail
-    hits, num_cached = kv.get_computed_blocks(b)
-    assert ids(hits) == [0, 1]
+    hits = kv.get_computed_blocks(b)
+    num_cached = hits.num_tokens
+    assert ids(hits.tables[0]) == [0, 1]
     assert num_cached == 8
-    assert kv.allocate_slots(b, 11, hits) == [3]
+    assert new_ids(kv.allocate_slots(b, 11, hits)) == [3]
     assert kv.block_ids(b.seq_id) == [0, 1, 3]
     assert [blk.ref_count for blk in kv.block_pool.blocks[:4]] == [2, 2, 1, 1]
 
     c = make_request(3, [0, 1, 2, 3, 9, 9, 9, 9, 9])  # diverges in the second block
-    hits, num_cached = kv.get_computed_blocks(c)
-    assert ids(hits) == [0]
+    hits = kv.get_computed_blocks(c)
+    num_cached = hits.num_tokens
+    assert ids(hits.tables[0]) == [0]
     assert num_cached == 4
 
     d = make_request(4, [5, *range(1, 8)])  # same second block, different first: chain breaks
-    assert kv.get_computed_blocks(d) == ([], 0)
+    assert kv.get_computed_blocks(d).num_tokens == 0
 
 
 def test_at_least_one_token_is_computed_when_the_whole_prompt_is_cached() -> None:
@@ -166,13 +176,15 @@ def test_at_least_one_token_is_computed_when_the_whole_prompt_is_cached() -> Non
     a.num_computed_tokens = 8
     kv.cache_full_blocks(a)
     b = make_request(2, list(range(8)))  # the same 8 tokens: the last block is recomputed
-    hits, num_cached = kv.get_computed_blocks(b)
-    assert ids(hits) == [0]
+    hits = kv.get_computed_blocks(b)
+    num_cached = hits.num_tokens
+    assert ids(hits.tables[0]) == [0]
     assert num_cached == 4
-    assert kv.allocate_slots(b, 8, hits) == [2]
+    assert new_ids(kv.allocate_slots(b, 8, hits)) == [2]
     c = make_request(3, list(range(9)))  # one more token: both full blocks are reused
-    hits, num_cached = kv.get_computed_blocks(c)
-    assert ids(hits) == [0, 1]
+    hits = kv.get_computed_blocks(c)
+    num_cached = hits.num_tokens
+    assert ids(hits.tables[0]) == [0, 1]
     assert num_cached == 8
 
 
@@ -209,10 +221,11 @@ def test_free_keeps_full_blocks_cached_and_evicts_the_chain_tail_first() -> None
     assert kv.block_pool.num_cached_free_blocks == 3
     assert kv.block_pool.num_blocks_in_use == 0
     b = make_request(2, [9] * 8)
-    assert kv.allocate_slots(b, 8) == [3, 4, 5, 2]  # evicts the chain's last block first
+    assert new_ids(kv.allocate_slots(b, 8)) == [3, 4, 5, 2]  # evicts the chain's last block first
     c = make_request(3, [1, 2, 3, 4, 0])
-    hits, num_cached = kv.get_computed_blocks(c)
-    assert ids(hits) == [0, 1]
+    hits = kv.get_computed_blocks(c)
+    num_cached = hits.num_tokens
+    assert ids(hits.tables[0]) == [0, 1]
     assert num_cached == 4
 
 
@@ -223,11 +236,11 @@ def test_allocate_counts_cached_free_hits_against_the_free_blocks() -> None:
     a.num_computed_tokens = 4
     kv.free(a)  # blocks 0, 1 cached free, block 2 free
     b = make_request(2, [1, 2, 3, 4, 5, 6, 7])  # 2 hits + needs 2 more blocks, only 1 left
-    hits, num_cached = kv.get_computed_blocks(b)
-    assert ids(hits) == [0, 1]
-    assert kv.allocate_slots(b, 7, hits) is None
+    hits = kv.get_computed_blocks(b)
+    assert ids(hits.tables[0]) == [0, 1]
+    assert new_ids(kv.allocate_slots(b, 7, hits)) is None
     assert [blk.ref_count for blk in kv.block_pool.blocks] == [0, 0, 0]  # untouched
-    assert kv.allocate_slots(b, 5, hits) == [2]
+    assert new_ids(kv.allocate_slots(b, 5, hits)) == [2]
 
 
 def test_swap_out_and_in_with_deferred_cpu_release() -> None:
@@ -263,8 +276,8 @@ def test_blocks_short_and_reclaimable_count_only_what_release_would_free() -> No
     a.num_computed_tokens = 5
     kv.cache_full_blocks(a)  # blocks 0, 1 cached
     b = make_request(2, [1, 2, 3, 4, 9])
-    hits, num_cached = kv.get_computed_blocks(b)
-    assert ids(hits) == [0, 1]
+    hits = kv.get_computed_blocks(b)
+    assert ids(hits.tables[0]) == [0, 1]
     kv.allocate_slots(b, 5, hits)  # shares 0, 1 with a and takes 3; blocks 4, 5 are free
     assert kv.num_blocks_short(a, 9) == 0
     assert kv.num_blocks_short(a, 11) == 1
@@ -272,7 +285,7 @@ def test_blocks_short_and_reclaimable_count_only_what_release_would_free() -> No
     assert kv.num_reclaimable_blocks([a.seq_id, b.seq_id]) == 4
     assert kv.num_reclaimable_blocks([a.seq_id, b.seq_id], keep=hits) == 2  # hits stay with their taker
     c = make_request(3, [1, 2, 3, 4, 7, 7, 7, 7, 7])
-    c_hits, _ = kv.get_computed_blocks(c)
+    c_hits = kv.get_computed_blocks(c)
     assert kv.num_blocks_short(c, 9, c_hits) == 1  # 3 new blocks beyond the 2 hits, 2 free
     b.num_computed_tokens = 5
     assert kv.swap_out(b) == [(0, 0), (1, 1), (3, 2)]

@@ -199,8 +199,9 @@ def test_serve_exits_with_the_code_of_the_scheduler(monkeypatch):
 
 
 def test_services_report_startup_errors_in_one_line(tiny_model_dir):
-    """A port in use or a --max-model-len the model cannot take: exit 1 with one line that says
-    what to change, not a traceback (nor, for the executor, a port silently shared with another)."""
+    """A port in use or a --max-model-len the model cannot take: one line that says what to change,
+    not a traceback (nor, for the executor, a port silently shared with another); exit 1, or 78
+    (os.EX_CONFIG) where no restart can help (serve then stops instead of restarting)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     executor = ("executor", f"--model={tiny_model_dir}", "--device=cpu")
     scheduler = ("scheduler", f"--model={tiny_model_dir}", "--executor=127.0.0.1:1")
@@ -215,7 +216,8 @@ def test_services_report_startup_errors_in_one_line(tiny_model_dir):
     too_long = "--max-model-len=99999"
     runs["executor, max-model-len"] = cli(*executor, f"--port={free_port()}", too_long, env=env)
     for name, run in runs.items():
-        assert run.returncode == 1, (name, run.stderr[-2000:])
+        expected = os.EX_CONFIG if name == "executor, max-model-len" else 1
+        assert run.returncode == expected, (name, run.stderr[-2000:])
         assert "Traceback" not in run.stderr, (name, run.stderr[-2000:])
     assert "is --port in use?" in runs["executor, port in use"].stderr
     assert "is --port in use?" in runs["scheduler, port in use"].stderr

@@ -80,7 +80,7 @@ def test_bad_flag_values_exit_as_argparse_does_naming_the_flags(capsys):
     assert "--max-num-batched-tokens (32) must be >= --max-num-seqs" in err
 
 
-LAYOUT = KVCacheLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+LAYOUT = KVCacheLayout(layers_per_block=2, block_size=16, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
 def test_pool_sizing():

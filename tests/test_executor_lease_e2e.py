@@ -107,7 +107,12 @@ def test_a_second_scheduler_waits_for_the_lease_and_the_first_is_fenced(executor
         info = a.attach()
         assert info.lease_timeout_ms == LEASE_TIMEOUT_S * 1000
         a.open_stream()
-        prompt = executor_pb2.NewRequest(seq_id=1, token_ids=[5, 6, 7], num_new_tokens=3, block_ids=[0])
+        prompt = executor_pb2.NewRequest(
+            seq_id=1,
+            token_ids=[5, 6, 7],
+            num_new_tokens=3,
+            block_tables=[executor_pb2.BlockTable(block_ids=[0])],
+        )
         assert list(a.step(executor_pb2.StepPlan(step_id=1, new_requests=[prompt])).seq_ids) == [1]
 
         # While A heartbeats, B is refused, told who holds the executor, past the timeout.

@@ -150,7 +150,12 @@ def _bad(runner: ModelRunner, plan: executor_pb2.StepPlan, match: str) -> None:
 @pytest.mark.parametrize("model_dir", ["llama_gqa"], indirect=True)
 def test_bad_plans_are_rejected_whole(runner):
     runner.reset()
-    ok = executor_pb2.NewRequest(seq_id=1, token_ids=[5] * 20, num_new_tokens=20, block_ids=[3, 4])
+    ok = executor_pb2.NewRequest(
+        seq_id=1,
+        token_ids=[5] * 20,
+        num_new_tokens=20,
+        block_tables=[executor_pb2.BlockTable(block_ids=[3, 4])],
+    )
     runner.execute(executor_pb2.StepPlan(new_requests=[ok]))
     new = executor_pb2.NewRequest
     running = executor_pb2.RunningRequest
@@ -160,14 +165,28 @@ def test_bad_plans_are_rejected_whole(runner):
     _bad(
         runner,
         executor_pb2.StepPlan(
-            new_requests=[new(seq_id=2, token_ids=[5] * 17, num_new_tokens=17, block_ids=[8])]
+            new_requests=[
+                new(
+                    seq_id=2,
+                    token_ids=[5] * 17,
+                    num_new_tokens=17,
+                    block_tables=[executor_pb2.BlockTable(block_ids=[8])],
+                )
+            ]
         ),
         "cannot hold",
     )
     _bad(
         runner,
         executor_pb2.StepPlan(
-            new_requests=[new(seq_id=2, token_ids=[5], num_new_tokens=1, block_ids=[NUM_BLOCKS])]
+            new_requests=[
+                new(
+                    seq_id=2,
+                    token_ids=[5],
+                    num_new_tokens=1,
+                    block_tables=[executor_pb2.BlockTable(block_ids=[NUM_BLOCKS])],
+                )
+            ]
         ),
         "out of range",
     )
@@ -175,13 +194,28 @@ def test_bad_plans_are_rejected_whole(runner):
     _bad(
         runner,
         executor_pb2.StepPlan(
-            new_requests=[new(seq_id=2, token_ids=[10**6], num_new_tokens=1, block_ids=[8])]
+            new_requests=[
+                new(
+                    seq_id=2,
+                    token_ids=[10**6],
+                    num_new_tokens=1,
+                    block_tables=[executor_pb2.BlockTable(block_ids=[8])],
+                )
+            ]
         ),
         "vocab_size",
     )
     # A valid follow-up still works: the rejected plans left no trace.
     out = runner.execute(
-        executor_pb2.StepPlan(running=[running(seq_id=1, num_new_tokens=1, new_block_ids=[9])])
+        executor_pb2.StepPlan(
+            running=[
+                running(
+                    seq_id=1,
+                    num_new_tokens=1,
+                    new_blocks=[executor_pb2.BlockTable(first_index=2, block_ids=[9])],
+                )
+            ]
+        )
     )
     assert list(out.seq_ids) == [1]
 

@@ -68,7 +68,7 @@ def _check_tables(runner: ModelRunner, sched: ToyScheduler) -> None:
         if seq.held:
             state = runner._requests[seq.seq_id]
             slots.add(state.slot)
-            assert runner.slots.table_host[state.slot, : len(seq.block_ids)].tolist() == seq.block_ids
+            assert runner.slots.table_host[0, state.slot, : len(seq.block_ids)].tolist() == seq.block_ids
     assert len(slots) == runner.num_requests  # no two requests share a slot
 
 
@@ -102,7 +102,10 @@ def test_slots_are_limited_to_max_num_seqs(runner):
 
     runner.reset()
     new = [
-        executor_pb2.NewRequest(seq_id=i, token_ids=[5], num_new_tokens=1, block_ids=[i]) for i in range(9)
+        executor_pb2.NewRequest(
+            seq_id=i, token_ids=[5], num_new_tokens=1, block_tables=[executor_pb2.BlockTable(block_ids=[i])]
+        )
+        for i in range(9)
     ]
     with pytest.raises(PlanError, match="max_num_seqs"):
         runner.execute(executor_pb2.StepPlan(new_requests=new))
@@ -161,7 +164,7 @@ def test_padded_decode_batch_equals_eager(runner):
     assert sample_rows.tolist() == [st.slot for st in states]
     # Only the blocks holding each sequence's newest position changed: the padding row wrote nothing.
     bs = runner.block_size
-    expected = {int(runner.slots.table_host[st.slot, st.num_computed // bs]) for st in states}
+    expected = {int(runner.slots.table_host[0, st.slot, st.num_computed // bs]) for st in states}
     assert 0 not in expected  # so a stray write of the padding row (to block 0) would show
     assert _written_blocks(runner, pool_before) == expected
     runner.kv_cache.device_pool.copy_(pool_before)

@@ -143,7 +143,10 @@ def test_stale_or_missing_epoch_is_refused(stub):
             executor_pb2.StepPlan(
                 new_requests=[
                     executor_pb2.NewRequest(
-                        seq_id=3, token_ids=[4, 5], num_new_tokens=2, block_ids=[NUM_BLOCKS]
+                        seq_id=3,
+                        token_ids=[4, 5],
+                        num_new_tokens=2,
+                        block_tables=[executor_pb2.BlockTable(block_ids=[NUM_BLOCKS])],
                     )
                 ]
             ),
@@ -159,7 +162,9 @@ def test_bad_plan_is_invalid_argument_and_server_keeps_serving(stub, plan, messa
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
     stream = StepStream(stub, epoch)  # same lease, new stream
-    ok = executor_pb2.NewRequest(seq_id=3, token_ids=[4, 5], num_new_tokens=2, block_ids=[0])
+    ok = executor_pb2.NewRequest(
+        seq_id=3, token_ids=[4, 5], num_new_tokens=2, block_tables=[executor_pb2.BlockTable(block_ids=[0])]
+    )
     out = stream.step(executor_pb2.StepPlan(step_id=2, new_requests=[ok]))
     assert list(out.seq_ids) == [3]
     assert out.step_seconds > 0

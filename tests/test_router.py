@@ -122,7 +122,7 @@ def test_exact_hit_lookup_does_not_touch_the_pool():
     assert manager.num_cached_blocks(manager.prompt_block_hashes([1] * 70)) == 0
     # The same figure admission would get.
     probe = Request(SeqId(2), other, max_tokens=4)
-    assert manager.get_computed_blocks(probe)[1] == 2 * BS
+    assert manager.get_computed_blocks(probe).num_tokens == 2 * BS
     assert [b.block_id for b in manager.block_pool.free_queue()] == queue_before
     assert [b.ref_count for b in manager.block_pool.blocks] == refs_before
     assert KVCacheManager(BS, 16, enable_prefix_caching=False).num_cached_blocks(hashes) == 0

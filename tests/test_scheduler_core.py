@@ -87,7 +87,7 @@ def test_prefill_then_decode_one_step_ahead_and_max_tokens() -> None:
     assert p0.step_id == 0
     assert p0.running == []
     assert p0.removed_seq_ids == []
-    assert p0.new_requests == [NewRequestPlan(1, [1, 2, 3, 4, 5, 6], 0, 6, [0, 1], SamplingOptions())]
+    assert p0.new_requests == [NewRequestPlan(1, [1, 2, 3, 4, 5, 6], 0, 6, [(0, [0, 1])], SamplingOptions())]
     assert p0.sampling_seq_ids == [1]
     assert p0.num_scheduled_tokens == 6
     assert r.num_pending_outputs == 1
@@ -149,14 +149,14 @@ def test_prefix_hit_reuses_blocks_of_a_running_request() -> None:
     a = add(s, 1, [1, 2, 3, 4, 5], max_tokens=4)
     b = add(s, 2, [1, 2, 3, 4, 5], max_tokens=4)  # same step as a: it shares what a's part writes
     p0 = step(s)
-    assert [p.block_ids for p in p0.new_requests] == [[0, 1, 2], [0, 1, 3]]
+    assert [p.block_tables for p in p0.new_requests] == [[(0, [0, 1, 2])], [(0, [0, 1, 3])]]
     assert [p.num_computed_tokens for p in p0.new_requests] == [0, 4]
     assert a.num_cached_prompt_tokens == 0
     assert b.num_cached_prompt_tokens == 4
     c = add(s, 3, [1, 2, 3, 4, 9, 9])
     p1 = step(s)
     (new_c,) = p1.new_requests
-    assert new_c == NewRequestPlan(3, [1, 2, 3, 4, 9, 9], 4, 2, [0, 1, 4], SamplingOptions())
+    assert new_c == NewRequestPlan(3, [1, 2, 3, 4, 9, 9], 4, 2, [(0, [0, 1, 4])], SamplingOptions())
     assert c.num_cached_prompt_tokens == 4
     blocks = s.kv_cache_manager.block_pool.blocks
     assert [blocks[i].ref_count for i in range(5)] == [3, 3, 1, 1, 1]
@@ -225,8 +225,8 @@ def test_finished_blocks_stay_cached_and_whole_prompt_hit_recomputes_last_block(
     (new,) = p.new_requests
     assert new.num_computed_tokens == 2
     assert new.num_new_tokens == 2
-    assert new.block_ids[0] == 0
-    assert new.block_ids[1] != 1
+    assert new.block_tables[0][1][0] == 0
+    assert new.block_tables[0][1][1] != 1
     assert r.num_cached_prompt_tokens == 2
 
 
@@ -242,7 +242,7 @@ def test_lru_eviction_of_cached_free_blocks() -> None:
     assert pool.num_cached_free_blocks == 2
     add(s, 3, [5, 6, 7, 8, 9], max_tokens=1)  # 3 blocks: the 2 uncached ones, then evicts LRU block 0
     p = s.schedule()
-    assert p.new_requests[0].block_ids == [2, 3, 0]
+    assert p.new_requests[0].block_tables == [(0, [2, 3, 0])]
     assert [b.block_id for b in pool.free_queue()] == [1]
     assert pool.num_cached_free_blocks == 1
     deliver(s, p)
@@ -326,7 +326,7 @@ def test_admission_by_priority_then_arrival() -> None:
 def test_higher_priority_arrival_preempts_lower_priority_running() -> None:
     s = make_scheduler(block_size=2, num_gpu_blocks=4, max_model_len=8)
     low = add(s, 1, [1, 2, 3, 4, 5, 6], max_tokens=2, priority=5)
-    assert step(s).new_requests[0].block_ids == [0, 1, 2]
+    assert step(s).new_requests[0].block_tables == [(0, [0, 1, 2])]
     high = add(s, 2, [7, 8, 9], max_tokens=2, priority=0)
     with capture_logs() as logs:
         p = step(s)
@@ -338,7 +338,7 @@ def test_higher_priority_arrival_preempts_lower_priority_running() -> None:
     assert low.num_computed_tokens == 0
     assert low.num_pending_outputs == 0
     # low's freed blocks: 3 (empty) to the head, its cached chain 2, 1, 0 to the tail.
-    assert p.new_requests == [NewRequestPlan(2, [7, 8, 9], 0, 3, [3, 2], SamplingOptions())]
+    assert p.new_requests == [NewRequestPlan(2, [7, 8, 9], 0, 3, [(0, [3, 2])], SamplingOptions())]
     assert [(e["event"], e["seq_id"], e["mode"]) for e in logs] == [("preempt", 1, "recompute")]
     assert s.stats.num_preemptions == 1
     # low cannot come back while high holds the blocks (and high never yields to it).
@@ -400,7 +400,7 @@ def _two_growing_requests(**overrides) -> tuple[Scheduler, Request, Request]:
     a = add(s, 1, [1, 2, 3], max_tokens=5)
     b = add(s, 2, [4, 5, 6], max_tokens=5)
     p0 = step(s)
-    assert [p.block_ids for p in p0.new_requests] == [[0, 1], [2, 3]]
+    assert [p.block_tables for p in p0.new_requests] == [[(0, [0, 1])], [(0, [2, 3])]]
     assert tokens_by_seq(step(s)) == {1: 1, 2: 1}  # position 3 fits in each one's block 1
     return s, a, b
 
@@ -411,7 +411,7 @@ def test_recompute_preemption_of_the_latest_arrival() -> None:
     assert p2.removed_seq_ids == [2]
     assert p2.new_requests == []
     # b's blocks 2, 3 were full and known: cached, freed tail first, so 3 is evicted first.
-    assert p2.running == [RunningPlan(1, 1, [3])]
+    assert p2.running == [RunningPlan(1, 1, [(2, [3])])]
     assert b.status is RequestStatus.WAITING
     assert b.num_computed_tokens == 0
     assert b.num_preemptions == 1
@@ -442,7 +442,7 @@ def test_swap_preemption_and_resume() -> None:
         p2 = step(s)
     assert p2.removed_seq_ids == [2]
     assert p2.swap_out == [(2, 0), (3, 1)]
-    assert p2.running == [RunningPlan(1, 1, [3])]
+    assert p2.running == [RunningPlan(1, 1, [(2, [3])])]
     assert [(e["seq_id"], e["mode"]) for e in logs] == [(2, "swap")]
     assert b.status is RequestStatus.SWAPPED
     assert b.num_computed_tokens == 4
@@ -456,7 +456,9 @@ def test_swap_preemption_and_resume() -> None:
     # a's free queue: its partial last block (2) at the head, then its cached chain 3, 1, 0.
     assert plan.swap_in == [(0, 2), (1, 3)]
     assert plan.new_requests == [
-        NewRequestPlan(2, [4, 5, 6, token_for(2, 0), token_for(2, 1)], 4, 1, [2, 3, 1], SamplingOptions())
+        NewRequestPlan(
+            2, [4, 5, 6, token_for(2, 0), token_for(2, 1)], 4, 1, [(0, [2, 3, 1])], SamplingOptions()
+        )
     ]
     assert b.status is RequestStatus.RUNNING
     assert s.kv_cache_manager.num_free_cpu_blocks == 4
@@ -503,7 +505,7 @@ def test_preempted_request_waits_for_its_pending_output(mode: str) -> None:
     deliver(s, p0)
     p2 = s.schedule()  # step 1's output still in flight: a needs a block, b is pre-empted
     assert p2.removed_seq_ids == [2]
-    assert p2.running == [RunningPlan(1, 1, [3])]
+    assert p2.running == [RunningPlan(1, 1, [(2, [3])])]
     assert b.num_pending_outputs == 1
     s.abort_request(a.seq_id)
     p3 = s.schedule()  # every block is free, but b's sampled token has not arrived
@@ -519,11 +521,11 @@ def test_preempted_request_waits_for_its_pending_output(mode: str) -> None:
         assert b.num_preemptions == 1
         assert p4.swap_in == []
         # Block 2 ([4, 5]) is still cached; block 3 ([6, t0]) was evicted when a took it.
-        assert p4.new_requests == [NewRequestPlan(2, tokens, 2, 3, [2, 3, 1], SamplingOptions())]
+        assert p4.new_requests == [NewRequestPlan(2, tokens, 2, 3, [(0, [2, 3, 1])], SamplingOptions())]
     else:
         # Its KV (4 tokens) comes back from the CPU; only the late token is computed.
         assert p4.swap_in == [(0, 3), (1, 2)]
-        assert p4.new_requests == [NewRequestPlan(2, tokens, 4, 1, [3, 2, 1], SamplingOptions())]
+        assert p4.new_requests == [NewRequestPlan(2, tokens, 4, 1, [(0, [3, 2, 1])], SamplingOptions())]
 
 
 def test_swapped_and_waiting_requests_start_in_one_priority_order() -> None:

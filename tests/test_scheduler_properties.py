@@ -1,14 +1,16 @@
 """Stateful property test: random arrivals, steps (outputs on time or one step late), aborts and
-preemptions against a fake executor that stores each token id in its KV slot.
+preemptions against a fake executor that stores each token id in its KV slot, for models of one
+full-attention KV-cache group and of several groups with sliding windows (whose blocks the scheduler
+releases once no query can see them).
 
 The fake executor applies plans exactly as the protocol says (swap_out, removed, swap_in, then the
 forward pass: every scheduled token's KV written before any is read, then sampling) and checks that
 every token it is asked to compute has a slot, that a write into a block another live sequence holds
 puts there the very token that sequence has at that position (a request admitted in the step that
-computes a shared prefix reads it, as in the real executor), and that every computed position of
-every live sequence (prefix-cache hits, shared in the same step or earlier, and swapped-in blocks
-included) holds the right token. The scheduler's
-block bookkeeping is checked after every rule.
+computes a shared prefix reads it, as in the real executor), and that every position a query of
+every live sequence can see (prefix-cache hits, shared in the same step or earlier, and swapped-in
+blocks included; within the window, in a sliding group) holds the right token, in every group. The
+scheduler's block bookkeeping is checked after every rule.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedserve.common.kv_sizing import blocks_per_sequence
 from pagedserve.scheduler.block_pool import BlockHash, hash_block_tokens
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.core import Scheduler, StepPlan
@@ -43,10 +46,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# KV-cache groups: one per entry, None for full attention, else the sliding window.
+GROUPS = ((None,), (None,), (2,), (3,), (None, 2), (None, 3, 3), (5, None))
+
+
 @dataclass
 class _Seq:
     tokens: list[int]
-    blocks: list[int]
+    tables: list[list[int | None]]  # per group, positional: None before a sliding group's window
     computed: int
 
 
@@ -55,6 +62,7 @@ class FakeExecutor:
 
     def __init__(self, config: SchedulerConfig, truth: dict[int, list[int]], prompt_lens: dict[int, int]):
         self.block_size = config.block_size
+        self.windows = config.sliding_windows
         self.gpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_cpu_blocks)]
         self.seqs: dict[int, _Seq] = {}
@@ -63,8 +71,21 @@ class FakeExecutor:
         self.max_tokens: dict[int, int] = {}
         self.prompt_tokens_computed = 0  # prompt tokens of every plan executed (recomputes count again)
 
-    def slot(self, seq: _Seq, position: int) -> int | None:
-        return self.gpu[seq.blocks[position // self.block_size]][position % self.block_size]
+    def slot(self, seq: _Seq, group: int, position: int) -> int | None:
+        block = seq.tables[group][position // self.block_size]
+        assert block is not None, f"position {position} of group {group} has no block"
+        return self.gpu[block][position % self.block_size]
+
+    def first_visible(self, group: int, position: int) -> int:
+        """The first position a query at `position` sees in `group`."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, position - window + 1)
+
+    def check_visible(self, seq_id: int, seq: _Seq, query_start: int, end: int) -> None:
+        """Queries at positions [query_start, end) read the right tokens in every group."""
+        for group in range(len(self.windows)):
+            for p in range(self.first_visible(group, query_start), end):
+                assert self.slot(seq, group, p) == seq.tokens[p], f"seq {seq_id} group {group} position {p}"
 
     def execute(self, plan: StepPlan) -> tuple[list[int], list[int]]:
         num_gpu, num_cpu = len(self.gpu), len(self.cpu)
@@ -75,7 +96,11 @@ class FakeExecutor:
         for seq_id in plan.removed_seq_ids:
             assert seq_id in self.seqs, f"removing seq {seq_id} the executor does not hold"
             del self.seqs[seq_id]
-        held = Counter(b for seq in self.seqs.values() for b in seq.blocks)
+        for seq in self.seqs.values():  # table entries no query reads again may be stale: forget them
+            for group, table in enumerate(seq.tables):
+                for i in range(self.first_visible(group, seq.computed) // self.block_size):
+                    table[i] = None
+        held = Counter(b for seq in self.seqs.values() for t in seq.tables for b in t if b is not None)
         for src, dst in plan.swap_in:
             assert 0 <= src < num_cpu, (src, dst)
             assert 0 <= dst < num_gpu, (src, dst)
@@ -89,43 +114,54 @@ class FakeExecutor:
             assert 0 <= new.num_computed_tokens < len(new.token_ids)
             assert new.num_new_tokens >= 1
             assert new.num_computed_tokens + new.num_new_tokens <= len(new.token_ids)
-            assert all(0 <= b < num_gpu for b in new.block_ids)
-            seq = _Seq(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            assert len(new.block_tables) == len(self.windows)
+            tables = [[None] * first + list(ids) for first, ids in new.block_tables]
+            assert all(0 <= b < num_gpu for t in tables for b in t if b is not None)
+            seq = _Seq(list(new.token_ids), tables, new.num_computed_tokens)
             self.seqs[new.seq_id] = seq
             scheduled.append((new.seq_id, seq, new.num_new_tokens))
         for running in plan.running:
             seq = self.seqs[running.seq_id]
-            assert all(0 <= b < num_gpu for b in running.new_block_ids)
-            seq.blocks.extend(running.new_block_ids)
+            if running.new_blocks:
+                assert len(running.new_blocks) == len(self.windows)
+            for table, (first, ids) in zip(seq.tables, running.new_blocks, strict=False):
+                assert first == len(table), "new blocks are appended at the table's end"
+                assert all(0 <= b < num_gpu for b in ids)
+                table.extend(ids)
             assert running.num_new_tokens >= 1
             assert seq.computed + running.num_new_tokens <= len(seq.tokens), "computing an unknown token"
             scheduled.append((running.seq_id, seq, running.num_new_tokens))
         assert len({seq_id for seq_id, _, _ in scheduled}) == len(scheduled)
 
-        holders: dict[int, list[_Seq]] = {}
+        holders: dict[int, list[tuple[_Seq, int]]] = {}
         for seq_id, seq in self.seqs.items():
-            assert len(set(seq.blocks)) == len(seq.blocks), f"seq {seq_id} holds a block twice"
-            for b in seq.blocks:
-                holders.setdefault(b, []).append(seq)
+            held_ids = [b for t in seq.tables for b in t if b is not None]
+            assert len(set(held_ids)) == len(held_ids), f"seq {seq_id} holds a block twice"
+            for group, table in enumerate(seq.tables):
+                for b in table:
+                    if b is not None:
+                        holders.setdefault(b, []).append((seq, group))
         for seq_id, seq, num_new in scheduled:  # write_kv: every new token, before any read
             end = seq.computed + num_new
-            assert len(seq.blocks) == cdiv(end, self.block_size), (
-                f"seq {seq_id}: blocks do not fit its tokens"
-            )
-            for p in range(seq.computed, end):
-                block = seq.blocks[p // self.block_size]
-                for other in holders[block]:  # a shared block only ever receives its own tokens
-                    q = other.blocks.index(block) * self.block_size + p % self.block_size
-                    assert other is seq or q >= len(other.tokens) or other.tokens[q] == seq.tokens[p], (
-                        f"seq {seq_id} writes into block {block} a token another sequence does not have"
-                    )
-                self.gpu[block][p % self.block_size] = seq.tokens[p]
+            for group, table in enumerate(seq.tables):
+                assert len(table) == cdiv(end, self.block_size), f"seq {seq_id}: blocks do not fit its tokens"
+                for p in range(seq.computed, end):
+                    block = table[p // self.block_size]
+                    assert block is not None, f"seq {seq_id} group {group}: no block for new position {p}"
+                    for other, other_group in holders[block]:  # a shared block gets only its own tokens
+                        assert other_group == group, f"block {block} shared by two groups"
+                        q = other.tables[group].index(block) * self.block_size + p % self.block_size
+                        assert other is seq or q >= len(other.tokens) or other.tokens[q] == seq.tokens[p], (
+                            f"seq {seq_id} writes into block {block} a token another sequence does not have"
+                        )
+                    self.gpu[block][p % self.block_size] = seq.tokens[p]
+        for seq_id, seq, num_new in scheduled:  # attention of this step's queries
+            self.check_visible(seq_id, seq, seq.computed, seq.computed + num_new)
         for seq_id, seq, num_new in scheduled:
             self.prompt_tokens_computed += max(0, min(self.prompt_lens[seq_id] - seq.computed, num_new))
             seq.computed += num_new
-        for seq_id, seq in self.seqs.items():  # attention: every computed position, shared ones too
-            for p in range(seq.computed):
-                assert self.slot(seq, p) == seq.tokens[p], f"seq {seq_id} position {p} not in its KV"
+        for seq_id, seq in self.seqs.items():  # what the next query will see, shared blocks too
+            self.check_visible(seq_id, seq, seq.computed, seq.computed)
 
         out_ids, out_tokens = [], []
         for seq_id, seq, _ in scheduled:
@@ -153,12 +189,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_batched_tokens=st.integers(1, 20),
         enable_prefix_caching=st.booleans(),
         preemption_mode=st.sampled_from(["recompute", "swap"]),
+        sliding_windows=st.sampled_from(GROUPS),
     )
-    def setup(self, block_size, max_model_len, extra_blocks, **rest) -> None:
+    def setup(self, block_size, max_model_len, extra_blocks, sliding_windows, max_num_batched_tokens, **rest):
+        needed = blocks_per_sequence(max_model_len, block_size, sliding_windows, max_num_batched_tokens)
         self.config = SchedulerConfig(
             block_size=block_size,
             max_model_len=max_model_len,
-            num_gpu_blocks=cdiv(max_model_len, block_size) + extra_blocks,
+            num_gpu_blocks=needed + extra_blocks,
+            sliding_windows=sliding_windows,
+            max_num_batched_tokens=max_num_batched_tokens,
             **rest,
         )
         self.scheduler = Scheduler(self.config)
@@ -266,17 +306,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         free_ids = {b.block_id for b in free}
         holders: Counter[int] = Counter()
         for request in s.running:
-            table = kv.blocks(request.seq_id)
-            assert len(table) == cdiv(request.num_computed_tokens, size)
-            holders.update(b.block_id for b in table)
-            for i, block in enumerate(table):
-                if block.block_hash is not None:  # only full, known blocks, under their own chain hash
-                    assert (i + 1) * size <= request.num_known_tokens
-                    tokens = request.all_token_ids[: (i + 1) * size]
-                    parent = None
-                    for j in range(i + 1):
-                        parent = hash_block_tokens(parent, tokens[j * size : (j + 1) * size])
-                    assert block.block_hash == parent
+            for group, window in enumerate(self.config.sliding_windows):
+                table = kv.blocks(request.seq_id, group)
+                assert len(table) == cdiv(request.num_computed_tokens, size)
+                held = [b for b in table if b is not None]
+                assert table[len(table) - len(held) :] == held, "only a table's head is released"
+                if window is not None:  # at most the window and the last step's chunk
+                    chunk = self.config.max_num_batched_tokens
+                    assert len(held) <= blocks_per_sequence(request.num_tokens, size, (window,), chunk)
+                holders.update(b.block_id for b in held)
+                for i, block in enumerate(table):
+                    if block is not None and block.block_hash is not None:  # full, known, its own hash
+                        assert block.group == group
+                        assert (i + 1) * size <= request.num_known_tokens
+                        tokens = request.all_token_ids[: (i + 1) * size]
+                        parent = None
+                        for j in range(i + 1):
+                            parent = hash_block_tokens(parent, tokens[j * size : (j + 1) * size])
+                        assert block.block_hash == parent
         # Reference counts equal holders; free means unheld; the counts add up.
         for block in pool.blocks:
             assert block.ref_count == holders[block.block_id], block
@@ -284,7 +331,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if holders[block.block_id] > 1:
                 assert block.block_hash is not None, "blocks are shared only through the prefix cache"
             if block.block_hash is not None:
-                assert pool.get_cached_block(block.block_hash) is block
+                assert pool.get_cached_block(block.block_hash, block.group) is block
         assert len(free) + pool.num_blocks_in_use == pool.num_blocks
         assert pool.num_cached_free_blocks == sum(1 for b in free if b.block_hash is not None)
         assert pool.num_cached_blocks == sum(1 for b in pool.blocks if b.block_hash is not None)
@@ -305,7 +352,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert request.status is RequestStatus.SWAPPED
             assert kv.num_blocks(request.seq_id) == 0
             cpu = kv.cpu_block_ids(request.seq_id)
-            assert len(cpu) == cdiv(request.num_computed_tokens, size)
+            computed = request.num_computed_tokens
+            visible = [self.executor.first_visible(g, computed) // size for g in range(kv.num_groups)]
+            assert len(cpu) == sum(cdiv(computed, size) - first for first in visible)
             cpu_held += cpu
         assert len(set(cpu_held)) == len(cpu_held)
         assert len(cpu_held) + kv.num_free_cpu_blocks == self.config.num_cpu_blocks

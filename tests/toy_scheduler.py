@@ -107,10 +107,12 @@ class ToyScheduler:
             seq = self.seqs[seq_id]
             needed = -(-(seq.num_computed + n) // self.block_size) - len(seq.block_ids)
             fresh = [self.free_gpu.pop() for _ in range(max(needed, 0))]
+            first = len(seq.block_ids)
             seq.block_ids.extend(fresh)
             if seq.held:
+                tables = [executor_pb2.BlockTable(first_index=first, block_ids=fresh)] if fresh else []
                 running.append(
-                    executor_pb2.RunningRequest(seq_id=seq_id, num_new_tokens=n, new_block_ids=fresh)
+                    executor_pb2.RunningRequest(seq_id=seq_id, num_new_tokens=n, new_blocks=tables)
                 )
             else:
                 new.append(
@@ -119,7 +121,7 @@ class ToyScheduler:
                         token_ids=seq.token_ids,
                         num_computed_tokens=seq.num_computed,
                         num_new_tokens=n,
-                        block_ids=seq.block_ids,
+                        block_tables=[executor_pb2.BlockTable(block_ids=seq.block_ids)],
                         sampling=seq.sampling,
                     )
                 )

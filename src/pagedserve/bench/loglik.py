@@ -79,8 +79,9 @@ def score_windows(runner, requests: list[list[int]]) -> tuple[float, int]:
             held[seq_id] = blocks
             budget -= len(ids)
             plan.new_requests.add(
-                seq_id=seq_id, token_ids=ids, num_new_tokens=len(ids), block_ids=blocks,
-                sampling=sampling, num_prompt_tokens=len(ids),
+                seq_id=seq_id, token_ids=ids, num_new_tokens=len(ids),
+                block_tables=[executor_pb2.BlockTable(block_ids=blocks)], sampling=sampling,
+                num_prompt_tokens=len(ids),
             )  # fmt: skip
         if pending and not held and not plan.removed_seq_ids:
             raise ValueError(f"a window of {len(pending[0][1])} tokens does not fit the executor's limits")
