@@ -24,9 +24,10 @@ from scripts import docs_reference  # noqa: E402
 def on_files(files: Files, config) -> Files:
     for page, render in docs_reference.PAGES.items():
         files.append(File.generated(config, page, content=render()))
-    files.append(
-        File.generated(config, "benchmarks/README.md", abs_src_path=str(ROOT / "benchmarks" / "README.md"))
-    )
+    # The index links into docs/ from the repository's root (../docs/x.md); in the site it sits
+    # beside those pages (../x.md).
+    index = (ROOT / "benchmarks" / "README.md").read_text().replace("](../docs/", "](../")
+    files.append(File.generated(config, "benchmarks/README.md", content=index))
     for path in sorted((ROOT / "benchmarks" / "results").rglob("*")):
         if path.is_file():
             # The result folders' READMEs are pages reached from the index, not from the nav.
