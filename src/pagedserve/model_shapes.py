@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shape",
         default="llama-8b",
         choices=(*SHAPES, "tiny"),
-        help="llama-8b: the README's llama-8b-shape (16 GB, bf16); llama-8b-mini: the same "
+        help="llama-8b: the llama-8b-shape (docs/performance/index.md; 16 GB, bf16); llama-8b-mini: the same "
         "topology scaled down; tiny: a small random-weight Llama (pagedserve.tiny_model, for tests)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")

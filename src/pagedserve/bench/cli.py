@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workload",
         choices=tuple(PRESETS),
-        help="a preset of the README's Workloads; explicit flags override it",
+        help="a preset of the workloads in docs/performance/index.md; explicit flags override it",
     )
     p.add_argument(
         "--dataset", choices=("random", "shared-prefix"), help="random token ids, or prompts sharing prefixes"
