@@ -402,3 +402,36 @@ def test_every_architecture_the_loader_accepts_has_a_row():
     page = (DOCS / "models.md").read_text()
     rows = set(re.findall(r"^\| `(\w+ForCausalLM)` \|", page, re.M))
     assert rows == set(SUPPORTED_ARCHITECTURES)
+
+
+# Flags of other tools the pages show (docker, kubectl, kubernetes-validate, mkdocs, the stub
+# generator), and `--ssl-*` / `--executor-ssl-*` written as families.
+OTHER_TOOLS_FLAGS = {
+    "--build-arg", "--force-recreate", "--from-literal", "--replicas", "--scale", "--profile", "--strict",
+    "--check", "--ssl", "--executor-ssl",
+}  # fmt: skip
+
+
+def test_every_flag_the_docs_mention_exists():
+    """A flag named in the README, the guide or the benchmark READMEs is one of a pagedserve
+    command's, one of the checkout's tools (benchmarks/, scripts/), or another tool's listed above."""
+    from pagedserve.cli import command_parsers
+
+    known = {s for parser in command_parsers().values() for a in parser._actions for s in a.option_strings}
+    for tool in (*BENCHMARKS.glob("*.py"), *(REPO / "scripts").glob("*.py")):
+        known |= set(re.findall(r'"(--[a-z][a-z0-9-]*)"', tool.read_text()))
+    pages = [*READMES, *DOCS.rglob("*.md")]
+    for page in pages:
+        mentioned = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*[a-z0-9])", page.read_text()))
+        unknown = sorted(mentioned - known - OTHER_TOOLS_FLAGS)
+        assert not unknown, f"{page.relative_to(REPO)} mentions flags nothing defines: {unknown}"
+
+
+def test_every_metric_the_docs_mention_exists():
+    from scripts.docs_reference import metric_docs
+
+    names = {m.name for docs in metric_docs().values() for m in docs}
+    for page in [*READMES, *DOCS.rglob("*.md")]:
+        for name in re.findall(r"\b(pagedserve(?::|_gateway_)[a-z]+_[a-z_]+)", page.read_text()):
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            assert name in names or base in names, f"{page.relative_to(REPO)}: {name}"
