@@ -1,8 +1,13 @@
-# One image for every pagedserve service: the executor uses its CUDA PyTorch and Triton (or the CPU
-# with --device=cpu); the scheduler and the OpenAI gateway run on the CPU in the same image (one
-# build, one set of pinned dependencies).
-#   docker build -t pagedserve:latest .      (docker compose builds it as well)
-FROM pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# One Dockerfile for every pagedserve service. By default a CPU image: python:3.11-slim with
+# PyTorch's CPU wheels (no CUDA libraries, nothing NVIDIA to pull), which runs the scheduler, the
+# OpenAI gateway and a CPU executor (--device=cpu). The GPU executor's image takes a CUDA base with
+# its own CUDA PyTorch (TORCH_INDEX_URL empty: keep the base's torch):
+#   docker build -t pagedserve:latest .                                         (CPU; docker compose up)
+#   docker build -t pagedserve:cuda --build-arg BASE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime \
+#       --build-arg TORCH_INDEX_URL= .                                           (docker-compose.gpu.yml)
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -16,6 +21,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
         > /tmp/requirements.txt \
+    && if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" torch; fi \
     && pip install -r /tmp/requirements.txt
 COPY src src
 COPY protos protos

@@ -1,6 +1,7 @@
 # `make serve`: set up a virtual environment and serve the built-in model: gRPC on :50051 and the
 # OpenAI-compatible gateway on :8000 (executor + scheduler + gateway).
-# `make test`: the whole test suite (what CI runs, through .ci/run).
+# `make test`: lint, the documentation build and the whole test suite (what CI runs, through .ci/run).
+# `make docs`: the documentation site (MkDocs + Material) into site/.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0 triton==3.7.1
@@ -13,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $@
 
-.PHONY: install serve test lint
+.PHONY: install serve test lint docs
 install: $(VENV)/.installed
 
 serve: install
@@ -25,5 +26,9 @@ lint: install
 	scripts/lint-imports.sh $(PY)
 	$(PY) -m pagedserve.protos.generate --check
 
-test: lint
+# --strict: a broken link or anchor, or a page missing from the nav, fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
+test: lint docs
 	$(PY) -m pytest

@@ -1,4 +1,5 @@
-"""Where a step's GPU time goes, on CUDA: the numbers behind the README's W1 analysis.
+"""Where a step's GPU time goes, on CUDA: the numbers behind the W1 analysis
+(benchmarks/results/2026-11-29-h200-s4/README.md).
 
     python -m benchmarks.breakdown                 # all three parts, about a minute on an H200
 

@@ -3,7 +3,7 @@ is driven the way the service drives it (step N+1 launched before step N is fini
 
     python -m benchmarks.step --layers 4 --batches 64,256 --context 512 --steps 30
 
-The model is the README's "llama-8b-shape" (Workloads) with `--layers` layers and random bf16 weights,
+The model is the "llama-8b-shape" of docs/performance/index.md with `--layers` layers and random bf16 weights,
 written as a checkpoint and loaded through the real loader, or with --init-on-device generated on
 the GPU (no disk, for all 32 layers). For each batch size, `batch` prompts of `context` tokens are
 prefilled, then decode steps are timed:
@@ -45,7 +45,7 @@ from pagedserve.executor.runner import ModelRunner
 from pagedserve.model_shapes import INIT_STD, SHAPES
 from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
 
-COPY_BYTES_PER_S = 4.28e12  # README, Workloads: device-to-device copy on the H200
+COPY_BYTES_PER_S = 4.28e12  # shared/bench/WORKLOADS.md: device-to-device copy on the H200
 
 
 def _init_(name: str, t: torch.Tensor, generator: torch.Generator) -> None:

@@ -23,9 +23,13 @@ from pagedserve.executor.loader import UnsupportedModelError
 CONFIG_ERRORS = (UnsupportedModelError, KVCacheTooSmallError, FileNotFoundError, TokenError, TlsConfigError)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """`pagedserve executor`'s flags (the documentation's flag reference is generated from it)."""
+    return add_cli_args(argparse.ArgumentParser(prog="pagedserve executor", description=__doc__))
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pagedserve executor", description=__doc__)
-    add_cli_args(parser)
+    parser = build_parser()
     config = ExecutorConfig.from_args(parser.parse_args(argv))
     configure_logging("executor")
     if config.tensor_parallel_size > 1:  # a size the model or the machine cannot take is a bad flag

@@ -202,18 +202,43 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
         group.add_argument(
             "--ssl-ca-certs", default=None, help="require client certificates signed by these PEM CAs (mTLS)"
         )
-    group.add_argument("--dtype", choices=DTYPES, default="auto")
-    group.add_argument("--device", choices=DEVICES, default="auto")
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    group.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    group.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights and activations (auto: float32 on the CPU, bfloat16 on CUDA)",
+    )
+    group.add_argument(
+        "--device", choices=DEVICES, default="auto", help="auto: CUDA when a GPU is visible, else the CPU"
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + completion in tokens (default: the model's)",
+    )
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.90,
+        help="this executor's share of GPU memory for weights, activations and the KV pool (0..1)",
+    )  # fmt: skip
+    group.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="a fixed KV pool size in blocks instead of sizing it",
+    )
     group.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap pool")
     group.add_argument(
         "--cpu-kv-cache-space", type=float, default=4.0, help="GiB of KV pool when running on the CPU"
     )
-    group.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="tokens per step (the chunked-prefill budget)",
+    )
+    group.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step (the running batch)")
     group.add_argument("--enforce-eager", action="store_true", help="never capture or replay CUDA graphs")
     group.add_argument("--step-trace", default=None, help="write per-step timing (JSON lines) to this file")
     group.add_argument(

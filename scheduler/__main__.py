@@ -11,9 +11,15 @@ from pagedserve.scheduler.service import serve
 from pagedserve.scheduler.service_config import ServiceConfig
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """`pagedserve scheduler`'s flags (the documentation's flag reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="pagedserve scheduler", description=__doc__)
     ServiceConfig.add_cli_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     config = ServiceConfig.from_args(parser.parse_args(argv))
     configure_logging("scheduler")
     try:

@@ -127,17 +127,33 @@ class ServiceConfig:
                 "--model", type=resolve_model, default="",
                 help="model directory, for its tokenizer (default or empty: the built-in model)",
             )  # fmt: skip
-            group.add_argument("--host", default="127.0.0.1")
+            group.add_argument("--host", default="127.0.0.1", help="address to bind")
             group.add_argument("--port", type=int, default=50051, help="public gRPC port")
-            group.add_argument("--max-model-len", type=int, default=None)
-            group.add_argument("--max-num-seqs", type=int, default=256)
-            group.add_argument("--max-num-batched-tokens", type=int, default=8192)
+            group.add_argument(
+                "--max-model-len", type=int, default=None,
+                help="longest prompt + completion (default: the executors')",
+            )  # fmt: skip
+            group.add_argument(
+                "--max-num-seqs",
+                type=int,
+                default=256,
+                help="running sequences per step (within the executor's)",
+            )
+            group.add_argument(
+                "--max-num-batched-tokens",
+                type=int,
+                default=8192,
+                help="tokens per step (the chunked-prefill budget)",
+            )
             group.add_argument(
                 "--executor", dest="executors", action="append", default=None, metavar="ADDR",
                 help="executor host:port, or dns:///name:port for every address the name resolves to; "
                 f"repeatable (default: {DEFAULT_EXECUTOR})",
             )  # fmt: skip
-            group.add_argument("--attach-timeout", type=float, default=600.0)
+            group.add_argument(
+                "--attach-timeout", type=float, default=600.0,
+                help="seconds one Attach waits for its executor to come up before it is retried",
+            )  # fmt: skip
             group.add_argument(
                 "--internal-token-file",
                 default=None,
@@ -165,10 +181,22 @@ class ServiceConfig:
             help="how a request picks its executor: exact prefix-cache hit against load (default), "
             "round_robin, or least_loaded",
         )  # fmt: skip
-        group.add_argument("--served-model-name", default=None)
-        group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        group.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-        group.add_argument("--max-queue-len", type=int, default=4096)
+        group.add_argument(
+            "--served-model-name", default=None,
+            help="the model name GetModelInfo and the metrics report (default: the model directory)",
+        )  # fmt: skip
+        group.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+            help="reuse the KV blocks of common prompt prefixes",
+        )  # fmt: skip
+        group.add_argument(
+            "--preemption-mode", choices=("recompute", "swap"), default="recompute",
+            help="a pre-empted sequence's KV: freed and recomputed later, or swapped to the CPU pool",
+        )  # fmt: skip
+        group.add_argument(
+            "--max-queue-len", type=int, default=4096,
+            help="requests held before new ones get RESOURCE_EXHAUSTED (also a client's rate-limit backlog)",
+        )  # fmt: skip
         group.add_argument(
             "--stream-interval", type=int, default=1,
             help="tokens per streamed message (first and last token are sent at once)",

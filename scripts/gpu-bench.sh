@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every number of the README's performance section, on one GPU machine: writes the llama-8b-shape
+# Every GPU figure of the documentation (docs/performance/results.md), on one GPU machine: writes the llama-8b-shape
 # model, then runs the selected stages (default: all):
 #   kernels    python -m benchmarks.kernels (K1 decode shapes and the prefill case vs SDPA)
 #   step       python -m benchmarks.step (decode and mixed steps, graphs vs eager, GPU idle)
@@ -33,7 +33,7 @@ MODEL=${MODEL:-/tmp/llama-8b-shape}
 SHAPE=${SHAPE:-llama-8b}
 STAGES=${STAGES:-kernels step breakdown w1 w1-default w2 w3 pressure}
 # W1 is offline throughput: all 512 requests run at once, and a message per request every 4 tokens
-# (first and last at once) keeps the scheduler ahead of the GPU (see the README's W1 analysis).
+# (first and last at once) keeps the scheduler ahead of the GPU (see benchmarks/results/2026-11-29-h200-s3/README.md).
 W1_EXECUTOR_FLAGS="--max-num-seqs 512"
 W1_SCHEDULER_FLAGS="--max-num-seqs 512 --stream-interval 4"
 mkdir -p "$OUT"

@@ -76,8 +76,8 @@ def compose_config(
     return json.loads(result.stdout)
 
 
-BASE = ("docker-compose.yml",)
-CPU = ("docker-compose.yml", "docker-compose.cpu.yml")
+BASE = ("docker-compose.yml",)  # CPU only: what `docker compose up` runs on a fresh clone
+GPU = ("docker-compose.yml", "docker-compose.gpu.yml")
 GPUS = ("docker-compose.yml", "docker-compose.gpus.yml")
 TP = ("docker-compose.yml", "docker-compose.tp.yml")
 TP_GPUS = ("docker-compose.yml", "docker-compose.tp.yml", "docker-compose.tp-gpus.yml")
@@ -91,7 +91,7 @@ def scale_override(tmp_path: Path, replicas: int) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("files", [BASE, CPU, GPUS, TP, TP_GPUS], ids=["gpu", "cpu", "gpus", "tp", "tp-gpus"])
+@pytest.mark.parametrize("files", [BASE, GPU, GPUS, TP, TP_GPUS], ids=["cpu", "gpu", "gpus", "tp", "tp-gpus"])
 @pytest.mark.parametrize("model_dir", [False, True], ids=["builtin-model", "MODEL_DIR"])
 @pytest.mark.parametrize("profiles", [(), ("openai",)], ids=["", "openai"])
 def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles):
@@ -117,19 +117,30 @@ def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles
         assert service["depends_on"]["internal-token"]["condition"] == "service_completed_successfully"
         assert service["restart"] == "unless-stopped"
         assert any(arg.startswith("--metrics-port=") for arg in service["command"])
-    # One image, built from this checkout by whichever service Compose starts with.
-    assert {(s["image"], s["build"]["context"]) for s in services.values()} == {
-        ("pagedserve:latest", str(REPO))
-    }
+    # The CPU image (the Dockerfile's defaults), built from this checkout by whichever service
+    # Compose starts with; GPU executors get the CUDA image, built with a CUDA base.
+    for name, service in services.items():
+        assert service["build"]["context"] == str(REPO)
+        if name.startswith("executor") and files != BASE:
+            assert service["image"] == "pagedserve:cuda"
+            assert "cuda" in service["build"]["args"]["BASE"]
+            assert service["build"]["args"]["TORCH_INDEX_URL"] == ""
+        else:
+            assert service["image"] == "pagedserve:latest"
+            assert not service["build"].get("args")
     if "gateway" in services:  # it loads the tokenizer from the path the scheduler names
         assert services["gateway"]["volumes"] == services["scheduler"]["volumes"][:1]
     for executor in executors:
         devices = executor.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices")
-        if files == CPU:
+        if files == BASE:
             assert devices is None
             assert "--device=cpu" in executor["command"]
+            assert "ipc" not in executor
         else:
             assert devices[0]["capabilities"] == ["gpu"]
+            cpu_flags = ("--device=", "--cpu-kv-cache-space=")
+            assert not [a for a in executor["command"] if a.startswith(cpu_flags)]
+            assert executor["ipc"] == "host"
         # Scalable: no fixed name, no host port (each replica would need its own).
         assert "container_name" not in executor
         assert "ports" not in executor
@@ -137,9 +148,9 @@ def test_every_compose_combination_is_valid(tmp_path, files, model_dir, profiles
 
 
 def test_compose_files_gpu_assignment(tmp_path):
-    """One GPU per executor: `count: 1` in the base file; docker-compose.gpus.yml pins four devices,
-    each copy under the network alias the scheduler resolves."""
-    base = compose_config(tmp_path, BASE)["services"]["executor"]
+    """One GPU per executor: `count: 1` in docker-compose.gpu.yml; docker-compose.gpus.yml pins four
+    devices, each copy under the network alias the scheduler resolves."""
+    base = compose_config(tmp_path, GPU)["services"]["executor"]
     assert base["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 1
     services = compose_config(tmp_path, GPUS)["services"]
     device_ids = {}
@@ -153,7 +164,7 @@ def test_compose_files_gpu_assignment(tmp_path):
     assert sorted(map(tuple, device_ids.values())) == [("0",), ("1",), ("2",), ("3",)]
 
 
-@pytest.mark.parametrize("files", [BASE, CPU], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("files", [BASE, GPU], ids=["cpu", "gpu"])
 def test_compose_scales_executors(tmp_path, files):
     config = compose_config(tmp_path, (*files, scale_override(tmp_path, 3)))
     assert config["services"]["executor"]["deploy"]["replicas"] == 3
@@ -181,14 +192,27 @@ def test_compose_scheduler_and_gateway(tmp_path):
     assert "--max-executors=2" in scaled["command"]
 
 
-def test_cpu_override_is_the_base_executor_command_on_the_cpu():
-    """docker-compose.cpu.yml must repeat the executor's command (Compose replaces a command as a
-    whole): the same flags less the GPU-only one, plus the CPU ones."""
-    base, cpu = compose_commands(BASE)["executor"], compose_commands(CPU)["executor"]
-    gpu_only = [a for a in base if a.startswith("--gpu-memory-utilization")]
+def test_gpu_override_is_the_base_executor_command_on_a_gpu():
+    """docker-compose.gpu.yml must repeat the executor's command (Compose replaces a command as a
+    whole): docker-compose.yml's flags less the CPU ones, plus the GPU one."""
+    cpu, gpu = compose_commands(BASE)["executor"], compose_commands(GPU)["executor"]
     cpu_only = [a for a in cpu if a.startswith(("--device=", "--cpu-kv-cache-space="))]
-    assert [a for a in base if a not in gpu_only] == [a for a in cpu if a not in cpu_only]
-    assert "--device=cpu" in cpu_only
+    gpu_only = [a for a in gpu if a.startswith("--gpu-memory-utilization")]
+    assert [a for a in cpu if a not in cpu_only] == [a for a in gpu if a not in gpu_only]
+    assert "--device=cpu" in cpu_only and gpu_only
+
+
+def test_the_default_image_is_cpu_only():
+    """`docker compose up` builds the Dockerfile's defaults: a slim Python base and PyTorch's CPU
+    wheels, so a machine without an NVIDIA runtime pulls no CUDA base; docker-compose.gpu.yml's
+    build arguments swap in a CUDA base that keeps its own torch."""
+    text = (REPO / "Dockerfile").read_text()
+    base = re.search(r"^ARG BASE=(\S+)$", text, re.M).group(1)
+    index = re.search(r"^ARG TORCH_INDEX_URL=(\S+)$", text, re.M).group(1)
+    assert "cuda" not in base.lower() and "python" in base
+    assert index.endswith("/cpu")
+    assert re.search(r"^FROM \$\{BASE\}$", text, re.M)
+    assert 'pip install --index-url "$TORCH_INDEX_URL" torch' in text
 
 
 def tensor_parallel_size(command: list[str]) -> int:
@@ -246,7 +270,7 @@ def tensor_parallel_problems(services: dict) -> list[str]:
         (TP, {}, {"executor": [0, 1]}),
         (TP, {"TENSOR_PARALLEL_SIZE": "4"}, {"executor": [0, 1, 2, 3]}),
         (TP_GPUS, {}, {"executor": [0, 1], "executor-tp1": [2, 3]}),
-        (BASE, {}, {"executor": [0]}),
+        (GPU, {}, {"executor": [0]}),
         (GPUS, {}, {f"executor{s}": [i] for i, s in enumerate(["", "-gpu1", "-gpu2", "-gpu3"])}),
     ],
     ids=["tp", "tp-4", "tp-gpus", "gpu", "gpus"],
@@ -255,11 +279,11 @@ def test_compose_tensor_parallel_groups(tmp_path, files, env, groups):
     """docker-compose.tp.yml: the executor is one group of TENSOR_PARALLEL_SIZE (default 2) GPUs with
     the matching flag, NCCL_NVLS_ENABLE=0 and the host's shared memory; docker-compose.tp-gpus.yml:
     two such groups on disjoint GPUs, both found as `executor`. Apart from the command, the
-    environment and the GPUs, the executors are docker-compose.yml's executor."""
+    environment and the GPUs, the executors are docker-compose.gpu.yml's executor."""
     services = compose_config(tmp_path, files, env)["services"]
     assert executor_gpus(services) == groups
     assert tensor_parallel_problems(services) == []
-    base = compose_config(tmp_path, BASE, env)["services"]
+    base = compose_config(tmp_path, GPU, env)["services"]
     for name in groups:
         service = services[name]
         assert tensor_parallel_size(service["command"]) == len(groups[name])
@@ -280,10 +304,9 @@ def test_compose_tensor_parallel_groups(tmp_path, files, env, groups):
     "files, scale, problem",
     [
         ((*GPUS, "docker-compose.tp.yml"), 1, "GPU 1 in"),  # group 0,1 and executor-gpu1 on GPU 1
-        ((*TP, "docker-compose.gpus.yml"), 1, "executor: --tensor-parallel-size=2 on GPUs [0]"),
         (TP, 2, "GPU 0 in"),  # --scale executor=2: both replicas on GPUs 0,1
     ],
-    ids=["gpus+tp", "tp+gpus", "tp-scaled"],
+    ids=["gpus+tp", "tp-scaled"],
 )
 def test_compose_tensor_parallel_invalid_combinations(tmp_path, files, scale, problem):
     """Combinations docker-compose.tp.yml's header rules out, which Compose itself accepts: with
@@ -295,27 +318,28 @@ def test_compose_tensor_parallel_invalid_combinations(tmp_path, files, scale, pr
     assert any(p.startswith(problem) for p in problems), problems
 
 
-def test_compose_tensor_parallel_is_not_for_the_cpu_override(tmp_path):
-    """docker-compose.cpu.yml and docker-compose.tp.yml each replace the executor's command and
-    GPUs, so the later file wins whole: tp.yml after cpu.yml is back on GPUs, cpu.yml after tp.yml
-    has no tensor parallelism. (Tensor parallelism on the CPU is for tests:
-    tests/test_tensor_parallel*.py.)"""
-    cpu_then_tp = compose_config(tmp_path, (*CPU, "docker-compose.tp.yml"))["services"]["executor"]
-    assert "--device=cpu" not in cpu_then_tp["command"]
-    assert executor_gpus({"executor": cpu_then_tp}) == {"executor": [0, 1]}
-    tp_then_cpu = compose_config(tmp_path, (*TP, "docker-compose.cpu.yml"))["services"]["executor"]
-    assert tensor_parallel_size(tp_then_cpu["command"]) == 1
-    assert "--device=cpu" in tp_then_cpu["command"]
+def test_compose_gpu_files_need_not_be_stacked(tmp_path):
+    """docker-compose.gpus.yml and docker-compose.tp.yml extend docker-compose.gpu.yml's executor,
+    so naming docker-compose.gpu.yml as well changes nothing."""
+    for files in (GPUS, TP):
+        alone = compose_config(tmp_path, files)["services"]
+        stacked = compose_config(tmp_path, (*GPU, *files[1:]))["services"]
+        assert alone == stacked
+    # docker-compose.gpus.yml after docker-compose.tp.yml replaces the executor's command and GPUs:
+    # one GPU per executor, no tensor parallelism (tp.yml's NCCL setting stays, unused).
+    tp_then_gpus = compose_config(tmp_path, (*TP, "docker-compose.gpus.yml"))["services"]
+    tp_then_gpus["executor"].pop("environment")
+    assert tp_then_gpus == compose_config(tmp_path, GPUS)["services"]
 
 
 def test_tp_override_is_the_base_executor_command_plus_the_flag():
     """docker-compose.tp.yml must repeat the executor's command (Compose replaces a command as a
-    whole): docker-compose.yml's, plus --tensor-parallel-size from TENSOR_PARALLEL_SIZE."""
-    base = compose_commands(BASE)["executor"]
+    whole): docker-compose.gpu.yml's, plus --tensor-parallel-size from TENSOR_PARALLEL_SIZE."""
+    base = compose_commands(GPU)["executor"]
     assert compose_commands(TP)["executor"] == [*base, "--tensor-parallel-size=2"]
     env = {"TENSOR_PARALLEL_SIZE": "8", "MODEL_DIR": "/m", "GPU_MEMORY_UTILIZATION": "0.8"}
     assert compose_commands(TP, env)["executor"] == [
-        *compose_commands(BASE, env)["executor"],
+        *compose_commands(GPU, env)["executor"],
         "--tensor-parallel-size=8",
     ]
 
@@ -325,7 +349,7 @@ def test_compose_flags_exist_in_the_cli():
     exists). Flags that the scale-out and production branches add are a skip until they are
     merged; any other unknown flag fails."""
     pending, wrong = {}, {}
-    for files in (CPU, GPUS, TP, TP_GPUS):
+    for files in (BASE, GPU, GPUS, TP, TP_GPUS):
         for name, command in compose_commands(files).items():
             if command[0] != "pagedserve":
                 continue
@@ -418,7 +442,8 @@ def test_dockerfile_context_builds_the_package(tmp_path):
     )  # fmt: skip
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     for package in project["packages"]:
-        assert (build / package.replace(".", "/") / "__init__.py").exists(), package
+        # Data folders are listed as packages too (pyproject: no warnings), without an __init__.py.
+        assert (build / package.replace(".", "/")).is_dir(), package
     for package, globs in project.get("package-data", {}).items():
         for pattern in globs:
             assert list((build / package.replace(".", "/")).glob(pattern)), f"{package}: {pattern}"
@@ -743,7 +768,7 @@ def test_kubernetes_topology():
 
 
 @pytest.mark.parametrize(
-    "overlay, files", [(".", BASE), ("overlays/tensor-parallel", TP)], ids=["base", "tensor-parallel"]
+    "overlay, files", [(".", GPU), ("overlays/tensor-parallel", TP)], ids=["base", "tensor-parallel"]
 )
 def test_kubernetes_and_compose_pass_the_same_service_flags(overlay, files):
     """The manifests run compose's commands: same flags (values aside from the endpoints); the
@@ -792,7 +817,7 @@ def wait_healthy(
 
 @pytest.mark.slow
 def test_compose_topology_two_executors_with_token(tiny_model_dir, hf_model, tmp_path):
-    """`docker compose -f docker-compose.yml -f docker-compose.cpu.yml up --scale executor=2`, as
+    """`docker compose up --scale executor=2` (the CPU default), as
     processes: the token service, two executors (one found as dns:///localhost:P, as the scheduler
     finds compose's replicas, the other as 127.0.0.1:P: this host's localhost has one address), the
     scheduler; compose's health checks pass, the executors refuse a caller without the token, both
@@ -812,8 +837,8 @@ def test_compose_topology_two_executors_with_token(tiny_model_dir, hf_model, tmp
     from pagedserve.client import generate, make_request
     from pagedserve.protos import admin_pb2, admin_pb2_grpc, executor_pb2, executor_pb2_grpc
 
-    services = compose_config(tmp_path, CPU)["services"] if compose_binary() else None
-    commands = compose_commands(CPU)
+    services = compose_config(tmp_path, BASE)["services"] if compose_binary() else None
+    commands = compose_commands(BASE)
     token_dir = tmp_path / "run"
     token_dir.mkdir()
     subprocess.run(token_command(token_dir), check=True, env=_env())

@@ -366,7 +366,10 @@ def executors(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `pagedserve` command's parser. `serve`, `generate`, `health` and `executors` are parsed
+    here; the other commands own their parsers (see `command_parsers`) and only have a stub here,
+    so that `pagedserve -h` lists them."""
     parser = argparse.ArgumentParser(
         prog="pagedserve", description="LLM serving with PagedAttention over gRPC"
     )
@@ -383,29 +386,65 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     gen = sub.add_parser("generate", help="stream one completion from a running server")
-    gen.add_argument("prompt")
-    gen.add_argument("--host", default="127.0.0.1")
-    gen.add_argument("--port", type=int, default=50051)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--timeout", type=float, default=None)
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--host", default="127.0.0.1", help="the scheduler's address")
+    gen.add_argument("--port", type=int, default=50051, help="the scheduler's public port")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument(
+        "--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)"
+    )
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling: in (0, 1]")
+    gen.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0: off)")
+    gen.add_argument(
+        "--seed", type=int, default=None, help="seed of the request's sampler (repeatable output)"
+    )
+    gen.add_argument("--stop", action="append", default=None, help="a stop string; repeatable")
+    gen.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token"
+    )
+    gen.add_argument("--timeout", type=float, default=None, help="the call's deadline in seconds")
 
     hc = sub.add_parser("health", help="grpc.health.v1 check: exit 0 if the service is SERVING")
-    hc.add_argument("--host", default="127.0.0.1")
-    hc.add_argument("--port", type=int, default=50051)
+    hc.add_argument("--host", default="127.0.0.1", help="the service's address")
+    hc.add_argument("--port", type=int, default=50051, help="its gRPC port (an executor's: 50061)")
     hc.add_argument("--executor", action="store_true", help="probe an executor instead of a scheduler")
-    hc.add_argument("--timeout", type=float, default=5.0)
+    hc.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
 
     ex = sub.add_parser("executors", help="list a scheduler's executors (attached or not) as a table")
-    ex.add_argument("--host", default="127.0.0.1")
+    ex.add_argument("--host", default="127.0.0.1", help="the scheduler's address")
     ex.add_argument("--port", type=int, default=50051, help="the scheduler's public port")
-    ex.add_argument("--timeout", type=float, default=5.0)
+    ex.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    return parser
 
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Each command's own parser, by the words that run it (what `pagedserve WORDS --help` prints).
+    The documentation's flag reference is generated from these (scripts/docs_reference.py)."""
+    from pagedserve.bench.cli import build_parser as bench_parser
+    from pagedserve.bench.loglik import build_parser as loglik_parser
+    from pagedserve.entrypoints.openai.api_server import build_parser as openai_parser
+    from pagedserve.executor.__main__ import build_parser as executor_service_parser
+    from pagedserve.model_shapes import build_parser as make_model_parser
+    from pagedserve.scheduler.__main__ import build_parser as scheduler_service_parser
+
+    top = build_parser()
+    (sub,) = (a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    return {
+        "serve": sub.choices["serve"],
+        "scheduler": scheduler_service_parser(),
+        "executor": executor_service_parser(),
+        "openai": openai_parser(),
+        "generate": sub.choices["generate"],
+        "health": sub.choices["health"],
+        "executors": sub.choices["executors"],
+        "bench": bench_parser(),
+        "bench --log-likelihood": loglik_parser(),
+        "make-model": make_model_parser(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         from pagedserve.bench import main as bench_main
@@ -431,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parser.parse_args(argv)
     if args.command == "serve":
-        check_serve_args(serve_parser, args)
+        (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        check_serve_args(sub.choices["serve"], args)
     return {"serve": serve, "generate": generate, "health": health, "executors": executors}[args.command](
         args
     )

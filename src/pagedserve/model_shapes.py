@@ -212,7 +212,8 @@ def write_shape_model(
     return directory
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """`pagedserve make-model`'s flags (the documentation's flag reference is generated from it)."""
     parser = argparse.ArgumentParser(
         prog="pagedserve make-model", description="write a benchmark model directory with random weights"
     )
@@ -220,15 +221,22 @@ def main(argv: list[str] | None = None) -> int:
         "--shape",
         default="llama-8b",
         choices=(*SHAPES, "tiny"),
-        help="llama-8b: the README's llama-8b-shape (16 GB, bf16); llama-8b-mini: the same "
-        "topology scaled down; tiny: the built-in default model",
+        help="llama-8b: the llama-8b-shape (docs/performance/index.md; 16 GB, bf16); llama-8b-mini: the same "
+        "topology scaled down; tiny: a small random-weight Llama (pagedserve.tiny_model, for tests)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--device", default="cpu", help="where to draw the random numbers (cpu or cuda)")
-    parser.add_argument("directory", type=Path)
+    parser.add_argument(
+        "directory", type=Path, help="where to write config.json, the tokenizer and the weights"
+    )
     parser.add_argument(
         "--force", action="store_true", help="overwrite the model files of a directory that has weights"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     # The files are written in place: refuse to clobber a checkpoint (or mix stale shards of one
     # into the new model) unless asked; a directory without weights (an interrupted run) is fine.

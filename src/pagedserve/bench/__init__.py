@@ -3,7 +3,7 @@
 It streams token-id prompts through the public gRPC API from its own process (one asyncio event
 loop, one channel, many concurrent streams), measures latency per request on the client and
 reads the scheduler's counters (Admin.GetStats) before and after each pass. The presets W1, W2
-and W3 generate the README's workloads (Performance, Workloads) exactly.
+and W3 generate the workloads of docs/performance/index.md exactly.
 
     pagedserve bench --workload W1 --port 50051
     pagedserve bench --launch --model DIR --workload W2 --compare-prefix-caching

@@ -88,15 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedserve bench", description="benchmark a pagedserve server over gRPC (or in-process)"
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="127.0.0.1", help="the scheduler's address (not with --launch)")
+    p.add_argument("--port", type=int, default=50051, help="the scheduler's public port")
     p.add_argument(
         "--workload",
         choices=tuple(PRESETS),
-        help="a preset of the README's Workloads; explicit flags override it",
+        help="a preset of the workloads in docs/performance/index.md; explicit flags override it",
     )
-    p.add_argument("--dataset", choices=("random", "shared-prefix"))
-    p.add_argument("--num-prompts", type=_positive_int)
+    p.add_argument(
+        "--dataset", choices=("random", "shared-prefix"), help="random token ids, or prompts sharing prefixes"
+    )
+    p.add_argument("--num-prompts", type=_positive_int, help="requests per pass")
     p.add_argument(
         "--input-len", type=_length_text(0), help="prompt tokens (suffix for shared-prefix): N or MIN:MAX"
     )
@@ -117,9 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=_flag_type(f"comma-separated rates, each {_RATE}", _rates_text),
         help="comma-separated rates: one pass per rate, tabled together",
     )
-    p.add_argument("--max-concurrency", type=_positive_int, default=None)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--max-concurrency",
+        type=_positive_int,
+        default=None,
+        help="requests in flight at most (default: no limit)",
+    )
+    p.add_argument("--seed", type=int, default=1, help="seed of the generated prompts and lengths")
+    p.add_argument(
+        "--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+        help="generate every request's full output length",
+    )  # fmt: skip
     p.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument(
         "--num-warmups",
@@ -128,9 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="short unrelated requests sent before measuring",
     )
     p.add_argument("--request-timeout", type=_positive_float, default=None, help="seconds per request")
-    p.add_argument("--result-file", type=Path, default=Path("bench-results/bench.json"))
+    p.add_argument(
+        "--result-file",
+        type=Path,
+        default=Path("bench-results/bench.json"),
+        help="JSON of every pass and request",
+    )
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: the result file with .png)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="write no plot")
     launch = p.add_argument_group("launched services")
     launch.add_argument("--launch", action="store_true", help="start executor + scheduler on loopback")
     launch.add_argument("--model", help="model directory (--launch and baselines)")
@@ -149,7 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --launch: executors behind the one scheduler, placed on GPUs as `pagedserve serve "
         "--data-parallel-size` places them (compare routing with --scheduler-args)",
     )
-    launch.add_argument("--launch-timeout", type=_positive_float, default=900.0)
+    launch.add_argument(
+        "--launch-timeout",
+        type=_positive_float,
+        default=900.0,
+        help="seconds the launched services may take to serve",
+    )
     launch.add_argument("--log-dir", type=Path, default=None, help="default: next to the result file")
     launch.add_argument(
         "--compare-prefix-caching",
@@ -195,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-concurrency)",
     )
     base = p.add_argument_group("Hugging Face baselines (run after the pagedserve pass)")
-    base.add_argument("--baseline", action="append", choices=("hf-static", "hf-cb"), default=[])
+    base.add_argument(
+        "--baseline", action="append", choices=("hf-static", "hf-cb"), default=[],
+        help="Hugging Face generate in static batches, or its continuous batching; repeatable",
+    )  # fmt: skip
     base.add_argument(
         "--baseline-num-prompts", type=_positive_int, default=None, help="the first N requests (default all)"
     )

@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible HTTP gateway in front of pagedserve schedulers",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
     p.add_argument(
         "--scheduler", action="append", default=None, metavar="ADDR",
         help="a scheduler's public address host:port, or dns:///name:port (every address of the "

@@ -4,9 +4,14 @@ their Admin.GetStats."""
 
 from __future__ import annotations
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedserve.protos import generation_pb2
+
+# No `*_created` series beside each counter and histogram, as in the scheduler's registry
+# (scheduler/metrics.py): noise on every dashboard.
+prometheus_client.disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
