@@ -275,23 +275,79 @@ def openai_gateway_command(args: argparse.Namespace, model: Path) -> list[str] |
     ]  # fmt: skip
 
 
-def generate(args: argparse.Namespace) -> int:
-    """Streams one completion to stdout as its deltas arrive."""
+# `generate`'s own defaults for request fields (the service's default for max_tokens is "up to
+# max_model_len": too long to stream to a terminal by surprise).
+GENERATE_DEFAULTS = {"max_tokens": "64"}
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+    """`generate`'s flags: the endpoint, the prompt, and one flag per request field that has one
+    (declared with the field, pagedserve.common.validation). The flags take words, which the one
+    validation reads as values (`Rule.from_text`), so what is refused is refused with the message
+    every door gives."""
+    from pagedserve.common.validation import FIELDS
+
+    parser.add_argument("prompt", nargs="?", default=None, help="the prompt text")
+    parser.add_argument(
+        "--prompt-token-ids", default=None, metavar="IDS",
+        help="the prompt as token ids (comma-separated), instead of a text",
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--timeout", type=float, default=None)
+    for name, spec in FIELDS.items():
+        if spec.flag is None:
+            continue
+        rule = spec.rule
+        help_text = f"{spec.doc} ({rule.describe()})".replace("%", "%%")
+        if rule.cli_action == "store_true":
+            parser.add_argument(spec.flag, dest=name, action="store_true", help=help_text)
+        else:
+            default = GENERATE_DEFAULTS.get(name)
+            if default is not None:
+                help_text += f"; default {default}"
+            if rule.cli_action == "append":
+                help_text += "; the flag may be repeated"
+            parser.add_argument(spec.flag, dest=name, action=rule.cli_action, default=default, help=help_text)
+
+
+def generate_request(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The GenerateRequest `generate`'s flags spell; a refusal is a usage error (exit status 2)."""
+    from pagedserve.common.validation import FIELDS, InvalidRequest, to_proto, validate_request
+
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        parser.error("give the prompt as a text or as --prompt-token-ids (one of them)")
+    values = {name: getattr(args, name) for name, spec in FIELDS.items() if spec.flag is not None}
+    if args.prompt is not None:
+        values["prompt"] = args.prompt
+    else:  # read as token ids here: the text rule would take the words for a text prompt
+        values["prompt"] = FIELDS["stop_token_ids"].rule.from_text(args.prompt_token_ids)
+    try:
+        return to_proto(validate_request(values, from_text=True))
+    except InvalidRequest as exc:
+        parser.error(f"{_flag(exc.field, args)}: {exc.reason}")
+
+
+def _flag(field: str, args: argparse.Namespace) -> str:
+    """How the command line named a request field."""
+    from pagedserve.common.validation import FIELDS
+
+    if field == "prompt":
+        return "prompt" if args.prompt is not None else "--prompt-token-ids"
+    spec = FIELDS.get(field)
+    return spec.flag if spec is not None and spec.flag else field
+
+
+def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Streams one completion to stdout as its deltas arrive. A request the scheduler refuses
+    (INVALID_ARGUMENT) is a usage error as the flags' own are (exit 2); other failures exit 1."""
     import grpc
 
-    from pagedserve.client import make_request, stream
+    from pagedserve.client import stream
+    from pagedserve.common.validation import field_named
     from pagedserve.protos import generation_pb2
 
-    request = make_request(
-        args.prompt,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+    request = generate_request(parser, args)
     with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
         try:
             for response in stream(channel, request, timeout=args.timeout):
@@ -308,7 +364,11 @@ def generate(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            details = exc.details() or ""
+            field = field_named(details)
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and field is not None:
+                parser.error(f"{_flag(field, args)}{details[len(field) :]}")
+            print(f"\nerror: {exc.code().name}: {details}", file=sys.stderr)
             return 1
     return 0
 
@@ -383,17 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     gen = sub.add_parser("generate", help="stream one completion from a running server")
-    gen.add_argument("prompt")
-    gen.add_argument("--host", default="127.0.0.1")
-    gen.add_argument("--port", type=int, default=50051)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--timeout", type=float, default=None)
+    add_generate_args(gen)
 
     hc = sub.add_parser("health", help="grpc.health.v1 check: exit 0 if the service is SERVING")
     hc.add_argument("--host", default="127.0.0.1")
@@ -432,9 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         check_serve_args(serve_parser, args)
-    return {"serve": serve, "generate": generate, "health": health, "executors": executors}[args.command](
-        args
-    )
+    if args.command == "generate":
+        return generate(args, gen)
+    return {"serve": serve, "health": health, "executors": executors}[args.command](args)
 
 
 if __name__ == "__main__":
