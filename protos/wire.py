@@ -78,6 +78,14 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024  # distinct ids
 # A request_id is echoed in every streamed message.
 MAX_REQUEST_ID_CHARS = 512
+# A prompt's size before the model's max_model_len is known: a text of up to 4 Mi characters (16
+# MiB of UTF-8 at most; about a million tokens) or up to 1 Mi token ids (also the most stop token
+# ids a list may hold, repeats included). With the limits above, every request these allow fits in
+# MAX_REQUEST_BYTES, which the scheduler's public port accepts (grpc's default is 4 MiB): a request
+# too large is refused by the validation, naming its field, never by the transport.
+MAX_PROMPT_CHARS = 4 << 20
+MAX_TOKEN_IDS = 1 << 20
+MAX_REQUEST_BYTES = 32 << 20
 
 
 def bad_utf8_field(data: bytes, descriptor) -> str | None:

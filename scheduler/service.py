@@ -339,7 +339,9 @@ def public_server(
     if throttle is not None:
         interceptors.append(ThrottleInterceptor(throttle))
     # so_reuseport off: a second scheduler on a port in use fails instead of sharing it.
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    # A request the validation allows always fits in MAX_REQUEST_BYTES (grpc's default is 4 MiB).
+    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", wire.MAX_REQUEST_BYTES)]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     services = [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
     if admin is not None:

@@ -315,12 +315,11 @@ def generate_request(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """The GenerateRequest `generate`'s flags spell; a refusal is a usage error (exit status 2)."""
     from pagedserve.common.validation import FIELDS, InvalidRequest, to_proto, validate_request
 
-    if (args.prompt is None) == (args.prompt_token_ids is None):
-        parser.error("give the prompt as a text or as --prompt-token-ids (one of them)")
+    if args.prompt is not None and args.prompt_token_ids is not None:
+        parser.error("prompt: give it as a text or as --prompt-token-ids, not both")
     values = {name: getattr(args, name) for name, spec in FIELDS.items() if spec.flag is not None}
-    if args.prompt is not None:
-        values["prompt"] = args.prompt
-    else:  # read as token ids here: the text rule would take the words for a text prompt
+    values["prompt"] = args.prompt  # None (neither given) is refused in its turn
+    if args.prompt_token_ids is not None:  # read as ids here: the prompt's rule would take a text
         values["prompt"] = FIELDS["stop_token_ids"].rule.from_text(args.prompt_token_ids)
     try:
         return to_proto(validate_request(values, from_text=True))
@@ -348,19 +347,22 @@ def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from pagedserve.protos import generation_pb2
 
     request = generate_request(parser, args)
+    logprob = 0.0
     with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
         try:
             for response in stream(channel, request, timeout=args.timeout):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
+                logprob += sum(response.logprobs)
                 if response.finish_reason:
                     u = response.usage
                     reason = generation_pb2.FinishReason.Name(response.finish_reason)
+                    logprobs = f" cumulative_logprob={logprob:.4f}" if request.return_logprobs else ""
                     print(
                         f"\n[finish={reason.removeprefix('FINISH_REASON_').lower()} "
                         f"prompt_tokens={u.prompt_tokens} "
                         f"completion_tokens={u.completion_tokens} "
-                        f"cached_prompt_tokens={u.cached_prompt_tokens}]",
+                        f"cached_prompt_tokens={u.cached_prompt_tokens}{logprobs}]",
                         file=sys.stderr,
                     )
         except grpc.RpcError as exc:

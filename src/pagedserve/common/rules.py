@@ -19,7 +19,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.protos.wire import FLOAT32_MAX, INT32_MAX, INT32_MIN, UINT32_MAX, UINT64_MAX
+from pagedserve.protos.wire import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    INT32_MIN,
+    MAX_PROMPT_CHARS,
+    MAX_TOKEN_IDS,
+    UINT32_MAX,
+    UINT64_MAX,
+)
 
 # How many offending values a message lists, and how long a shown value may be: a message is
 # echoed in a gRPC status (16 KiB of metadata at most) and in HTTP bodies.
@@ -32,6 +40,8 @@ _BOUND_NAMES = {
     UINT32_MAX: "2^32-1",
     UINT64_MAX: "2^64-1",
     FLOAT32_MAX: "3.4e38",
+    MAX_PROMPT_CHARS: "4 Mi",
+    MAX_TOKEN_IDS: "1 Mi",
 }
 
 
@@ -249,11 +259,14 @@ class IntList(Rule):
     hi: int = UINT32_MAX
     max_distinct: int | None = None
     non_empty: bool = False
+    max_items: int = MAX_TOKEN_IDS
     cli_action = "append"
 
     def check(self, value: Any) -> tuple[int, ...]:
         if not isinstance(value, list | tuple):
             raise RuleError(f"must be {self.describe()}, got {shown(value)}")
+        if len(value) > self.max_items:
+            raise RuleError(f"has {len(value)} ids; at most {self.max_items} are allowed")
         if not all(type(i) is int for i in value):  # the fast path: plain ints
             bad = [i for i in value if not _is_integer(i)]
             if bad:
@@ -283,6 +296,7 @@ class IntList(Rule):
 
     def json_schema(self) -> dict[str, Any]:
         schema: dict[str, Any] = {
+            "maxItems": self.max_items,
             "type": "array",
             "items": {"type": "integer", "minimum": self.lo, "maximum": self.hi},
         }
@@ -296,15 +310,21 @@ class Prompt(Rule):
     """A non-empty UTF-8 text, or a non-empty list of token ids. Whitespace-only text is a prompt
     (it tokenizes to tokens); the empty one is refused, as vLLM's OpenAI server refuses it."""
 
+    text: Text = Text(max_chars=MAX_PROMPT_CHARS, non_empty=True)
+    token_ids: IntList = IntList(non_empty=True)
+
     def check(self, value: Any) -> str | tuple[int, ...]:
         if isinstance(value, str):
-            return Text(non_empty=True).check(value)
+            return self.text.check(value)
         if isinstance(value, list | tuple):
-            return IntList(non_empty=True).check(value)
+            return self.token_ids.check(value)
         raise RuleError(f"must be {self.describe()}, got {shown(value)}")
 
     def describe(self) -> str:
-        return "a non-empty string, or a non-empty list of token ids (integers in [0, 2^32-1])"
+        return (
+            f"a non-empty string of at most {_bound(MAX_PROMPT_CHARS)} characters, or a non-empty list "
+            f"of at most {_bound(MAX_TOKEN_IDS)} token ids (integers in [0, 2^32-1])"
+        )
 
     def json_schema(self) -> dict[str, Any]:
-        return {"anyOf": [Text(non_empty=True).json_schema(), IntList(non_empty=True).json_schema()]}
+        return {"anyOf": [self.text.json_schema(), self.token_ids.json_schema()]}

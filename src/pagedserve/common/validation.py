@@ -6,10 +6,12 @@ exit status 2, ValueError); docs/input-validation.md states the rules.
 The fields are declared once, as the attributes of `RequestParams`: each with its rule (the kind
 and range of its value, `pagedserve.common.rules`), its default, what it means, where it travels in
 a `GenerateRequest` and its `pagedserve generate` flag. To add a field (a JSON schema, a grammar, a
-speculation setting), add one `declare(...)` line below, and a `CROSS_FIELD_CHECKS` entry if it
-constrains another field; the doors that map fields by name (the wire, the command line, the
-gateway's body) pick it up from the declaration, and tests/test_input_validation.py checks that
-the docs table and `SamplingParams` keep up.
+speculation setting): one `declare(...)` line in `RequestParams`, where in the order of checks it
+belongs, and a `CROSS_FIELD_CHECKS` entry if it constrains another field. The wire (`to_proto`,
+`values_from_proto`) and the command line (`wire=`, `flag=`) follow from the declaration; the
+gateway takes a body field of the same name declared `checked("name")` (entrypoints/openai/
+protocol.py), `SamplingParams` an attribute in `request_values`; tests/test_input_validation.py
+fails until the docs' table and the doors keep up.
 
 What needs the model (a prompt longer than max_model_len, token ids beyond the vocabulary) is not
 here: the scheduler, which every door reaches, checks it (`pagedserve.scheduler.admission`) and
@@ -163,16 +165,16 @@ def declare(
     return field(default=default, metadata={_SPEC: spec})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestParams:
     """A request that passed the validation. Unset optional fields are None: the server's default
-    (temperature 1, top_p 1, top_k off, max_tokens up to max_model_len, a random seed)."""
+    (temperature 1, top_p 1, top_k off, max_tokens up to max_model_len, a random seed).
 
-    prompt: str | tuple[int, ...] = declare(
-        Prompt(),
-        doc="the text (whitespace alone is a prompt: it tokenizes to tokens), or its token ids",
-        wire=PromptWire(),
-    )
+    The order of the fields is the order of the checks, so that every door reports the same field
+    of a request with several bad ones: `SamplingParams`' fields first (`LLM` checks them when
+    they are made, before it sees a prompt), then the others.
+    """
+
     max_tokens: int | None = declare(
         Integer(1, UINT32_MAX),
         None,
@@ -238,8 +240,9 @@ class RequestParams:
     logprobs: int | None = declare(
         Integer(0, 1, hint=" (only the sampled token's logprob is returned)"),
         None,
-        doc="0 or 1: return the sampled token's logprob with each token",
+        doc="0 or 1: return the sampled token's logprob with each token (`generate` prints their sum)",
         wire=LogprobsWire(),
+        flag="--logprobs",
     )
     n: int = declare(
         Integer(1, 1, hint=" (one completion per request is supported)"), 1, doc="completions per prompt"
@@ -250,6 +253,11 @@ class RequestParams:
         doc="lower runs sooner; ties go by arrival",
         wire="priority",
         flag="--priority",
+    )
+    prompt: str | tuple[int, ...] = declare(
+        Prompt(),
+        doc="the text (whitespace alone is a prompt: it tokenizes to tokens), or its token ids",
+        wire=PromptWire(),
     )
     request_id: str = declare(
         Text(max_chars=MAX_REQUEST_ID_CHARS),
@@ -278,18 +286,21 @@ def _min_tokens_within_max_tokens(values: Mapping[str, Any]) -> None:
         raise InvalidRequest("min_tokens", f"({min_tokens}) exceeds max_tokens ({max_tokens})")
 
 
-CROSS_FIELD_CHECKS: tuple[Callable[[Mapping[str, Any]], None], ...] = (_min_tokens_within_max_tokens,)
-"""Rules over several fields, run after each field's own; each skips fields it was not given."""
+CROSS_FIELD_CHECKS: dict[str, tuple[Callable[[Mapping[str, Any]], None], ...]] = {
+    "min_tokens": (_min_tokens_within_max_tokens,),
+}
+"""Rules over several fields, by the field after whose own check they run (the last one they
+read, so that the order of checks stays the order of the fields); each skips fields not given."""
 
 
 # ---- the validation ----------------------------------------------------------------------------
 
 
 def check_fields(values: Mapping[str, Any], *, from_text: bool = False) -> dict[str, Any]:
-    """Checks the fields in `values` (None: the field's default), in declaration order; returns them
-    normalized. `from_text`: the values are command-line words (`Rule.from_text`). Raises
-    InvalidRequest naming the first bad field; TypeError for a name that is no field (a door's bug:
-    doors pass only the fields they know)."""
+    """Checks the fields in `values` (None: the field's default; a required one is refused), in
+    declaration order; returns them normalized. `from_text`: the values are command-line words
+    (`Rule.from_text`). Raises InvalidRequest naming the first bad field; TypeError for a name that
+    is no field (a door's bug: doors pass only the fields they know)."""
     unknown = sorted(values.keys() - FIELDS.keys())
     if unknown:
         raise TypeError(f"not request fields: {', '.join(unknown)}")
@@ -302,25 +313,24 @@ def check_fields(values: Mapping[str, Any], *, from_text: bool = False) -> dict[
             if spec.required:
                 raise InvalidRequest(name, "must be given")
             checked[name] = spec.default
-            continue
-        if from_text:
-            value = spec.rule.from_text(value)
-        try:
-            value = spec.rule.check(value)
-        except RuleError as exc:
-            raise InvalidRequest(name, str(exc)) from None
-        checked[name] = spec.normalize(value) if spec.normalize is not None else value
-    for check in CROSS_FIELD_CHECKS:
-        check(checked)
+        else:
+            if from_text:
+                value = spec.rule.from_text(value)
+            try:
+                value = spec.rule.check(value)
+            except RuleError as exc:
+                raise InvalidRequest(name, str(exc)) from None
+            checked[name] = spec.normalize(value) if spec.normalize is not None else value
+        for check in CROSS_FIELD_CHECKS.get(name, ()):
+            check(checked)
     return checked
 
 
 def validate_request(values: Mapping[str, Any], *, from_text: bool = False) -> RequestParams:
-    """A whole request: `check_fields`, then the defaults of the fields not given (a missing prompt
-    is refused)."""
-    if values.get("prompt") is None:
-        raise InvalidRequest("prompt", "must be given")
-    return RequestParams(**check_fields(values, from_text=from_text))
+    """A whole request: `check_fields` (a required field left out is refused in its turn), then the
+    defaults of the fields not given."""
+    required = {name: None for name, spec in FIELDS.items() if spec.required}
+    return RequestParams(**check_fields(required | dict(values), from_text=from_text))
 
 
 def field_named(message: str) -> str | None:
