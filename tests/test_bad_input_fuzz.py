@@ -269,11 +269,12 @@ class Drawn:
 
 @st.composite
 def drawn_requests(draw) -> Drawn:
-    """Each field valid 9 times in 10, else extreme (left out or null, for optional ones, among the
-    valid); one request in WILD_ONE_IN gives one or two fields a wild value."""
+    """Each field valid 9 times in 10 (the prompt 2 in 3), else extreme (left out or null, for
+    optional ones, among the valid); one request in WILD_ONE_IN gives one or two fields a wild value."""
     fields: dict[str, Any] = {}
     for name, space in SPACE.items():
-        value = draw(mostly(space.valid, space.extreme))
+        # A bad prompt (checked last) one time in 3: valid requests, which run, are the slow ones.
+        value = draw(mostly(space.valid, space.extreme, one_in=3 if name == "prompt" else 10))
         if value is not ABSENT:
             fields[name] = value
     if draw(st.integers(0, 19)) == 7:  # max_tokens unset: up to max_model_len, so a prompt near it
@@ -683,7 +684,7 @@ def test_gateway_refuses_integers_beyond_the_wire_with_400(gateway, name):
     assert info.value.status_code == 400
     assert error["param"] == name
     assert error["type"] == "invalid_request_error"
-    assert "2^32-1" in error["message"]
+    assert FIELDS[name].rule.describe() in error["message"]
 
 
 def test_cli_refuses_a_negative_max_tokens_in_one_line(services):
@@ -720,8 +721,8 @@ def test_empty_prompt_is_refused_at_every_door(services, channel, http, llm):
 
 
 def test_cli_processes_serve_refuse_and_name_bad_bytes(services):
-    """A few real `pagedserve generate` processes: served (exit 0); refused by the scheduler, which
-    knows the model (exit 2, naming the flag); an argument that is not UTF-8 (exit 2)."""
+    """Real `pagedserve generate` processes: served (exit 0); refused by the scheduler, which knows
+    the model (exit 2, naming the flag); an argument that is not UTF-8 (exit 2, naming the prompt)."""
 
     def run(*args: str | bytes):
         cmd = [
@@ -794,7 +795,7 @@ def test_grpc_names_the_field_that_is_not_utf8(channel):
         (dict(request_id="r" * (MAX_REQUEST_ID_CHARS + 1)), "request_id"),
         # Found by the first fuzz: the message once listed every id, and 50,000 of them made a status
         # too large for grpc's metadata (the client saw RESOURCE_EXHAUSTED "Stream removed").
-        (dict(stop_token_ids=[VOCAB + i for i in range(50_000)]), "outside the vocabulary"),
+        (dict(stop_token_ids=[VOCAB + i % 1000 for i in range(50_000)]), "outside the vocabulary"),
     ],
     ids=["many-stop-strings", "long-stop-string", "long-request-id", "50k-bad-stop-ids"],
 )

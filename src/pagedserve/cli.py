@@ -434,8 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    argv = sys.argv[1:] if argv is None else argv
     serve_parser = sub.add_parser("serve", help="executor + scheduler on loopback (the embedded default)")
-    add_serve_args(serve_parser)
+    if argv[:1] == ["serve"]:  # its flags come from the executor's config, which imports torch (seconds)
+        add_serve_args(serve_parser)
     sub.add_parser("scheduler", help="the scheduler service alone", add_help=False)
     sub.add_parser("executor", help="the executor service alone", add_help=False)
     sub.add_parser("bench", help="benchmark a server over gRPC (see `pagedserve bench -h`)", add_help=False)
@@ -458,7 +460,6 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--port", type=int, default=50051, help="the scheduler's public port")
     ex.add_argument("--timeout", type=float, default=5.0)
 
-    argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         from pagedserve.bench import main as bench_main
 
