@@ -332,7 +332,7 @@ def _flag(field: str, args: argparse.Namespace) -> str:
     from pagedserve.common.validation import FIELDS
 
     if field == "prompt":
-        return "prompt" if args.prompt is not None else "--prompt-token-ids"
+        return "--prompt-token-ids" if args.prompt_token_ids is not None else "prompt"
     spec = FIELDS.get(field)
     return spec.flag if spec is not None and spec.flag else field
 

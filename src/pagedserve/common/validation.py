@@ -371,7 +371,12 @@ def reference_table() -> str:
     """The fields as a markdown table (docs/input-validation.md carries it; a test keeps it current)."""
     rows = ["| Field | Value | Default | Meaning |", "|---|---|---|---|"]
     for name, spec in FIELDS.items():
-        default = "required" if spec.required else "unset" if spec.default is None else f"`{spec.default!r}`"
+        if spec.required:
+            default = "required"
+        elif spec.default is None or spec.default == ():
+            default = "unset" if spec.default is None else "none"
+        else:
+            default = f"`{spec.default!r}`"
         flag = f" (`{spec.flag}`)" if spec.flag else ""
         rows.append(f"| `{name}`{flag} | {spec.rule.describe()} | {default} | {spec.doc} |")
     return "\n".join(rows)
