@@ -162,7 +162,7 @@ def test_chat_plain_and_streamed_equal_grpc(stack, client, chat_model_dir):
     ("kwargs", "param", "words"),
     [
         ({"temperature": -1}, "temperature", "must be a number >= 0"),
-        ({"n": 2}, "n", "only n=1"),
+        ({"n": 2}, "n", "must be 1 (one completion per request is supported)"),
         ({"max_tokens": 5000}, "max_tokens", "max_model_len"),  # the scheduler's INVALID_ARGUMENT
         ({"extra_body": {"stop_token_ids": [99999]}}, "stop_token_ids", "vocabulary"),
         ({"extra_body": {"top_k": -5}}, "top_k", "must be an integer in [-1, 2^31-1]"),
