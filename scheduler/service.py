@@ -3,13 +3,13 @@
 Every bad input is refused with INVALID_ARGUMENT and a message that starts with the field it names
 (`max_tokens: ...`): the one validation every door runs (pagedserve.common.validation), then what
 needs the model (scheduler/admission.py); bytes that do not parse as the request message are
-refused too (a string that is not UTF-8 named as its field). UNAVAILABLE before any executor has attached (the
-model's limits are unknown), while the scheduler drains and when it stops; RESOURCE_EXHAUSTED when
-the engine holds --max-queue-len requests. While executors come and go, requests wait in the engine
-for one (scheduler/engine.py). A client that cancels its stream, or whose deadline passes (grpc.aio
-cancels the handler then), aborts its request, whose blocks return to the pool at once. The public
-port serves TLS with --ssl-certfile/--ssl-keyfile (mTLS with --ssl-ca-certs), and
---client-rate-limit throttles each client (scheduler/throttle.py).
+refused too (a string that is not UTF-8 named as its field). UNAVAILABLE before any executor has
+attached (the model's limits are unknown), while the scheduler drains and when it stops;
+RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. While executors come and go,
+requests wait in the engine for one (scheduler/engine.py). A client that cancels its stream, or
+whose deadline passes (grpc.aio cancels the handler then), aborts its request, whose blocks return
+to the pool at once. The public port serves TLS with --ssl-certfile/--ssl-keyfile (mTLS with
+--ssl-ca-certs), and --client-rate-limit throttles each client (scheduler/throttle.py).
 
 Beside Generation and Admin the port serves grpc.health.v1 (scheduler/monitor.py) and server
 reflection. On SIGTERM the scheduler drains: health NOT_SERVING, new streams refused, running ones

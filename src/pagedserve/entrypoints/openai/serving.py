@@ -77,6 +77,7 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, aliases: Mapping[str, str] | None 
     param = None
     if status == 400 and (name := field_named(message)) is not None:
         param = (aliases or {}).get(name, name)
+        message = param + message[len(name) :]  # chat's "messages: has 2000 tokens, more than ..."
     if status == 503:
         message = f"no scheduler is serving: {message}"
     return GatewayError(status, message, kind, param, exc.code().name)
