@@ -36,15 +36,11 @@ from pathlib import Path
 import grpc
 import structlog
 
+from pagedserve.common.validation import validate_request, values_from_proto
 from pagedserve.protos import executor_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.scheduler.admission import sampling_options, stop_conditions
 from pagedserve.scheduler.engine import Engine
-from pagedserve.scheduler.service import (
-    GenerationService,
-    load_tokenizer,
-    public_server,
-    sampling_options,
-    stop_conditions,
-)
+from pagedserve.scheduler.service import GenerationService, load_tokenizer, public_server
 from pagedserve.scheduler.service_config import ServiceConfig
 from pagedserve.scheduler.transport import StepStream
 
@@ -232,8 +228,9 @@ async def drain_in_process(service: GenerationService, args, requests) -> Digest
 
     async def client(i: int, request: generation_pb2.GenerateRequest) -> None:
         prompt = list(request.token_ids.ids)
+        params = validate_request(values_from_proto(request))
         active = engine.submit(
-            request.request_id, prompt, sampling_options(request), stop_conditions(request, len(prompt), info)
+            request.request_id, prompt, sampling_options(params), stop_conditions(params, len(prompt), info)
         )
         async for response in service._stream(active):
             digest.add(i, response.token_ids, response.text)

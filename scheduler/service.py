@@ -1,13 +1,15 @@
 """The public gRPC API (`pagedserve.v1.Generation`): validation, status codes and streaming.
 
-Every bad input is refused with INVALID_ARGUMENT and a message naming what was wrong (bytes that do
-not parse as the request message included); UNAVAILABLE before any executor has attached (the
-model's limits are unknown), while the scheduler drains and when it stops; RESOURCE_EXHAUSTED when
-the engine holds --max-queue-len requests. While executors come and go, requests wait in the engine
-for one (scheduler/engine.py). A client that cancels its stream, or whose deadline passes (grpc.aio
-cancels the handler then), aborts its request, whose blocks return to the pool at once. The public
-port serves TLS with --ssl-certfile/--ssl-keyfile (mTLS with --ssl-ca-certs), and
---client-rate-limit throttles each client (scheduler/throttle.py).
+Every bad input is refused with INVALID_ARGUMENT and a message that starts with the field it names
+(`max_tokens: ...`): the one validation every door runs (pagedserve.common.validation), then what
+needs the model (scheduler/admission.py); bytes that do not parse as the request message are
+refused too (a string that is not UTF-8 named as its field). UNAVAILABLE before any executor has
+attached (the model's limits are unknown), while the scheduler drains and when it stops;
+RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. While executors come and go,
+requests wait in the engine for one (scheduler/engine.py). A client that cancels its stream, or
+whose deadline passes (grpc.aio cancels the handler then), aborts its request, whose blocks return
+to the pool at once. The public port serves TLS with --ssl-certfile/--ssl-keyfile (mTLS with
+--ssl-ca-certs), and --client-rate-limit throttles each client (scheduler/throttle.py).
 
 Beside Generation and Admin the port serves grpc.health.v1 (scheduler/monitor.py) and server
 reflection. On SIGTERM the scheduler drains: health NOT_SERVING, new streams refused, running ones
@@ -21,11 +23,11 @@ import contextlib
 import dataclasses
 import gc
 import inspect
-import math
 import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 import structlog
@@ -36,9 +38,17 @@ from grpc_reflection.v1alpha import reflection
 from pagedserve.common.auth import warn_if_open
 from pagedserve.common.flags import listen
 from pagedserve.common.metrics_http import serve_metrics
-from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from pagedserve.common.validation import (
+    InvalidRequest,
+    RequestParams,
+    field_of_wire_path,
+    validate_request,
+    values_from_proto,
+)
+from pagedserve.protos import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc, wire
 from pagedserve.scheduler import monitor
-from pagedserve.scheduler.completion import Delta, StopConditions
+from pagedserve.scheduler.admission import check_prompt, sampling_options, stop_conditions
+from pagedserve.scheduler.completion import Delta
 from pagedserve.scheduler.engine import (
     ActiveRequest,
     Engine,
@@ -48,115 +58,11 @@ from pagedserve.scheduler.engine import (
     ExecutorStatusView,
 )
 from pagedserve.scheduler.metrics import SchedulerMetrics, StreamMetrics, read_on_loop
-from pagedserve.scheduler.request import SamplingOptions
 from pagedserve.scheduler.service_config import ServiceConfig
 from pagedserve.scheduler.throttle import ClientThrottle, ThrottleInterceptor
 from pagedserve.scheduler.transport import ChannelSecurity, GrpcTransport
 
 log = structlog.get_logger()
-
-
-# Limits of a GenerateRequest beyond the model's own (vocabulary, max_model_len). Each stop string
-# is searched for in the new text of every token, and each stop token id is banned per token
-# until min_tokens: bounded, neither can make one request slow down every other.
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 1024
-# A request_id is echoed in every streamed message.
-MAX_REQUEST_ID_CHARS = 512
-# How many offending values an error message lists.
-_SHOWN = 8
-
-
-class InvalidRequest(ValueError):
-    """A GenerateRequest that can never be served; the message says why."""
-
-
-def check_request_id(request_id: str) -> None:
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequest(f"request_id has {len(request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
-
-
-def check_prompt(ids: list[int], info: ExecutorInfo) -> None:
-    """Checks the prompt's token ids (from the text or the request) against the model."""
-    if not ids:
-        raise InvalidRequest("the prompt is empty")
-    bad = [i for i in ids if i >= info.vocab_size]  # a tokenizer larger than the model, too
-    if bad:
-        raise InvalidRequest(
-            f"prompt token ids {bad[:_SHOWN]} are outside the vocabulary (size {info.vocab_size})"
-        )
-    if len(ids) > info.max_model_len:
-        raise InvalidRequest(
-            f"the prompt has {len(ids)} tokens, more than max_model_len ({info.max_model_len})"
-        )
-
-
-def sampling_options(request: generation_pb2.GenerateRequest) -> SamplingOptions:
-    s = request.sampling
-    temperature = s.temperature if s.HasField("temperature") else 1.0
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    top_k = s.top_k if s.HasField("top_k") else 0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequest(f"temperature must be a finite number >= 0, got {temperature}")
-    if not (0 < top_p <= 1):
-        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    return SamplingOptions(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=s.seed if s.HasField("seed") else None,
-        return_logprobs=request.return_logprobs,
-    )
-
-
-def stop_conditions(
-    request: generation_pb2.GenerateRequest, num_prompt_tokens: int, info: ExecutorInfo
-) -> StopConditions:
-    st = request.stopping
-    room = info.max_model_len - num_prompt_tokens
-    if room < 1:
-        raise InvalidRequest(
-            f"the prompt has {num_prompt_tokens} tokens; max_model_len is {info.max_model_len}, "
-            "which leaves no room to generate"
-        )
-    max_tokens = st.max_tokens if st.HasField("max_tokens") else room
-    if max_tokens < 1:
-        raise InvalidRequest("max_tokens must be at least 1")
-    if max_tokens > room:
-        raise InvalidRequest(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
-            f"max_model_len ({info.max_model_len})"
-        )
-    if st.min_tokens > max_tokens:
-        raise InvalidRequest(f"min_tokens ({st.min_tokens}) exceeds max_tokens ({max_tokens})")
-    if len(st.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"{len(st.stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
-    if any(s == "" for s in st.stop):
-        raise InvalidRequest("stop strings must not be empty")
-    longest = max((len(s) for s in st.stop), default=0)
-    if longest > MAX_STOP_STRING_CHARS:
-        raise InvalidRequest(
-            f"a stop string has {longest} characters; at most {MAX_STOP_STRING_CHARS} are allowed"
-        )
-    bad_ids = [i for i in st.stop_token_ids if i >= info.vocab_size]
-    if bad_ids:
-        raise InvalidRequest(
-            f"stop_token_ids {bad_ids[:_SHOWN]} are outside the vocabulary (size {info.vocab_size})"
-        )
-    stop_ids = set(st.stop_token_ids)
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"{len(stop_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
-    if not st.ignore_eos:
-        stop_ids.update(info.eos_token_ids)
-    return StopConditions(
-        max_tokens=max_tokens,
-        min_tokens=st.min_tokens,
-        stop_strings=tuple(st.stop),
-        stop_token_ids=frozenset(stop_ids),
-    )
 
 
 def to_response(request_id: str, delta: Delta) -> generation_pb2.GenerateResponse:
@@ -234,12 +140,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         tokenizer releases the GIL meanwhile), and on the event loop it would stall every stream."""
         return list(await asyncio.to_thread(self.engine.tokenizer.encode, text))
 
-    async def _request_ids(self, request: generation_pb2.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, params: RequestParams) -> list[int]:
         """The prompt as token ids: the request's own, or its text tokenized."""
-        which = request.WhichOneof("prompt")
-        if which == "text":
-            return await self._encode(request.text)
-        return list(request.token_ids.ids) if which == "token_ids" else []
+        if isinstance(params.prompt, str):
+            return await self._encode(params.prompt)
+        return list(params.prompt)
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -247,18 +152,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         arrival = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            check_request_id(request.request_id)
+            params = validate_request(values_from_proto(request))  # the one validation every door runs
             self._check_not_draining()
-            prompt_ids = await self._request_ids(request)
+            prompt_ids = await self._prompt_ids(params)
             self._check_not_draining()  # tokenizing takes time: the drain may have begun meanwhile
             info = self._info()  # after tokenizing: the executor may have changed meanwhile
             check_prompt(prompt_ids, info)
             active = self.engine.submit(
                 request_id,
                 prompt_ids,
-                sampling_options(request),
-                stop_conditions(request, len(prompt_ids), info),
-                priority=request.priority,
+                sampling_options(params),
+                stop_conditions(params, len(prompt_ids), info),
+                priority=params.priority,
             )
         except (InvalidRequest, EngineUnavailable, EngineFull, Draining) as exc:
             await self._abort(context, exc)
@@ -350,6 +255,30 @@ def executor_status(view: ExecutorStatusView) -> admin_pb2.ExecutorStatus:
     )
 
 
+def _request_types() -> dict[str, Any]:
+    """Each public method's request type, by the method's path (`/pagedserve.v1.Generation/Generate`)."""
+    types = {}
+    for file in (generation_pb2.DESCRIPTOR, admin_pb2.DESCRIPTOR):
+        for service in file.services_by_name.values():
+            for method in service.methods:
+                types[f"/{service.full_name}/{method.name}"] = method.input_type
+    return types
+
+
+_REQUEST_TYPES = _request_types()
+
+
+def malformed_message(method: str, data: bytes, exc: DecodeError) -> str:
+    """Why request bytes did not parse. A string that is not UTF-8 is named as the field it is
+    (`prompt: is not valid UTF-8`), as every door names it; other corrupt bytes are "malformed"."""
+    descriptor = _REQUEST_TYPES.get(method)
+    path = wire.bad_utf8_field(data, descriptor) if descriptor is not None else None
+    if path is None:
+        return f"malformed request: {exc}"
+    name = field_of_wire_path(path) if descriptor is generation_pb2.GenerateRequest.DESCRIPTOR else path
+    return f"{name}: is not valid UTF-8 (the request's field {path})"
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Refuses request bytes that do not parse with INVALID_ARGUMENT; grpc itself answers UNKNOWN,
     the code for server faults. Each unary-request handler gets the raw bytes and parses them
@@ -364,12 +293,13 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
         deserialize, serialize = handler.request_deserializer, handler.response_serializer
+        method = handler_call_details.method
 
         async def parse(data: bytes, context: grpc.aio.ServicerContext):
             try:
                 return deserialize(data)
             except DecodeError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed_message(method, data, exc))
 
         if handler.unary_stream and not inspect.isasyncgenfunction(handler.unary_stream):
             writer = handler.unary_stream  # streams with context.write() (grpc.health.v1's Watch)
@@ -409,7 +339,9 @@ def public_server(
     if throttle is not None:
         interceptors.append(ThrottleInterceptor(throttle))
     # so_reuseport off: a second scheduler on a port in use fails instead of sharing it.
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    # A request the validation allows always fits in MAX_REQUEST_BYTES (grpc's default is 4 MiB).
+    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", wire.MAX_REQUEST_BYTES)]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, server)
     services = [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name]
     if admin is not None:

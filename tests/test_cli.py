@@ -67,8 +67,11 @@ def test_serve_generate_health_and_shutdown(tmp_path):
         assert "\ufffd" not in result.stdout
 
         bad = cli("generate", f"--port={port}", "x", "--temperature=-1", env=env)
-        assert bad.returncode == 1
-        assert "INVALID_ARGUMENT" in bad.stderr
+        assert bad.returncode == 2  # a usage error, as argparse's own (issue 35)
+        assert "error: --temperature: must be a number >= 0, got -1.0" in bad.stderr
+        too_long = cli("generate", f"--port={port}", "x", "--max-tokens=100000", env=env)
+        assert too_long.returncode == 2  # the scheduler's refusal, which knows max_model_len
+        assert "error: --max-tokens: prompt (" in too_long.stderr
     finally:
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=30) == 0

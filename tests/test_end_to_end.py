@@ -77,16 +77,26 @@ def test_model_info(services):
         (dict(prompt=[5], temperature=-0.5), "temperature"),
         (dict(prompt=[5], top_p=0.0), "top_p"),
         (dict(prompt=[5], top_p=1.5), "top_p"),
-        (dict(prompt=[5], top_k=-1), "top_k"),
+        (dict(prompt=[5], top_k=-2), "top_k"),
         (dict(prompt=[5], max_tokens=0), "max_tokens"),
         (dict(prompt=[5], max_tokens=4, min_tokens=5), "min_tokens"),
         (dict(prompt=[5], stop_token_ids=[9999]), "stop_token_ids"),
     ],
 )
 def test_invalid_requests_get_invalid_argument(services, kwargs, message):
+    """Sent as a raw client would: make_request itself refuses what needs no model."""
     prompt = kwargs.pop("prompt")
+    sampling = {k: kwargs.pop(k) for k in ("temperature", "top_p", "top_k") if k in kwargs}
+    request = generation_pb2.GenerateRequest(
+        sampling=generation_pb2.SamplingParams(**sampling), stopping=generation_pb2.StoppingCriteria(**kwargs)
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.SetInParent()
+        request.token_ids.ids.extend(prompt)
     with services.channel() as channel, pytest.raises(grpc.RpcError) as err:
-        generate(channel, make_request(prompt, **kwargs), timeout=30)
+        generate(channel, request, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
 

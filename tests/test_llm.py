@@ -113,14 +113,15 @@ def test_bad_prompts_raise_value_error_and_nothing_runs(llm):
     """Every prompt is checked before any is submitted; the LLM serves afterwards."""
     ok = SamplingParams(max_tokens=2)
     cases = [
-        ([{"prompt_token_ids": []}], ok, "prompt 0 is empty"),
+        ([{"prompt_token_ids": []}], ok, "prompt 0: prompt: must not be empty"),
+        ([""], ok, "prompt 0: prompt: must not be empty"),  # issue 35: once served from BOS alone
         (["fine", {"prompt_token_ids": [1, 100_000]}], ok, "prompt 1.*vocabulary"),
         (
             ["fine", {"prompt_token_ids": [5] * 1020}],
             SamplingParams(max_tokens=10),
             "prompt 1.*max_model_len",
         ),
-        ([42], ok, "prompt 0: expected a string"),
+        ([42], ok, "prompt 0: prompt: must be a non-empty string"),
         (["a", "b"], [ok], "sampling_params: 1 given for 2 prompts"),
         (["a"], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
     ]

@@ -161,11 +161,11 @@ def test_chat_plain_and_streamed_equal_grpc(stack, client, chat_model_dir):
 @pytest.mark.parametrize(
     ("kwargs", "param", "words"),
     [
-        ({"temperature": -1}, "temperature", "greater than or equal to 0"),
-        ({"n": 2}, "n", "only n=1"),
+        ({"temperature": -1}, "temperature", "must be a number >= 0"),
+        ({"n": 2}, "n", "must be 1 (one completion per request is supported)"),
         ({"max_tokens": 5000}, "max_tokens", "max_model_len"),  # the scheduler's INVALID_ARGUMENT
         ({"extra_body": {"stop_token_ids": [99999]}}, "stop_token_ids", "vocabulary"),
-        ({"extra_body": {"top_k": -5}}, "top_k", "greater than or equal to -1"),
+        ({"extra_body": {"top_k": -5}}, "top_k", "must be an integer in [-1, 2^31-1]"),
         ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ],
 )

@@ -275,40 +275,102 @@ def openai_gateway_command(args: argparse.Namespace, model: Path) -> list[str] |
     ]  # fmt: skip
 
 
-def generate(args: argparse.Namespace) -> int:
-    """Streams one completion to stdout as its deltas arrive."""
+# `generate`'s own defaults for request fields (the service's default for max_tokens is "up to
+# max_model_len": too long to stream to a terminal by surprise).
+GENERATE_DEFAULTS = {"max_tokens": "64"}
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+    """`generate`'s flags: the endpoint, the prompt, and one flag per request field that has one
+    (declared with the field, pagedserve.common.validation). The flags take words, which the one
+    validation reads as values (`Rule.from_text`), so what is refused is refused with the message
+    every door gives."""
+    from pagedserve.common.validation import FIELDS
+
+    parser.add_argument("prompt", nargs="?", default=None, help="the prompt text")
+    parser.add_argument(
+        "--prompt-token-ids", default=None, metavar="IDS",
+        help="the prompt as token ids (comma-separated), instead of a text",
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="the scheduler's address")
+    parser.add_argument("--port", type=int, default=50051, help="the scheduler's public port")
+    parser.add_argument("--timeout", type=float, default=None, help="the call's deadline in seconds")
+    for name, spec in FIELDS.items():
+        if spec.flag is None:
+            continue
+        rule = spec.rule
+        help_text = f"{spec.doc} ({rule.describe()})".replace("%", "%%")
+        if rule.cli_action == "store_true":
+            parser.add_argument(spec.flag, dest=name, action="store_true", help=help_text)
+        else:
+            default = GENERATE_DEFAULTS.get(name)
+            if default is not None:
+                help_text += f"; default {default}"
+            if rule.cli_action == "append":
+                help_text += "; the flag may be repeated"
+            parser.add_argument(spec.flag, dest=name, action=rule.cli_action, default=default, help=help_text)
+
+
+def generate_request(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The GenerateRequest `generate`'s flags spell; a refusal is a usage error (exit status 2)."""
+    from pagedserve.common.validation import FIELDS, InvalidRequest, to_proto, validate_request
+
+    if args.prompt is not None and args.prompt_token_ids is not None:
+        parser.error("prompt: give it as a text or as --prompt-token-ids, not both")
+    values = {name: getattr(args, name) for name, spec in FIELDS.items() if spec.flag is not None}
+    values["prompt"] = args.prompt  # None (neither given) is refused in its turn
+    if args.prompt_token_ids is not None:  # read as ids here: the prompt's rule would take a text
+        values["prompt"] = FIELDS["stop_token_ids"].rule.from_text(args.prompt_token_ids)
+    try:
+        return to_proto(validate_request(values, from_text=True))
+    except InvalidRequest as exc:
+        parser.error(f"{_flag(exc.field, args)}: {exc.reason}")
+
+
+def _flag(field: str, args: argparse.Namespace) -> str:
+    """How the command line named a request field."""
+    from pagedserve.common.validation import FIELDS
+
+    if field == "prompt":
+        return "--prompt-token-ids" if args.prompt_token_ids is not None else "prompt"
+    spec = FIELDS.get(field)
+    return spec.flag if spec is not None and spec.flag else field
+
+
+def generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Streams one completion to stdout as its deltas arrive. A request the scheduler refuses
+    (INVALID_ARGUMENT) is a usage error as the flags' own are (exit 2); other failures exit 1."""
     import grpc
 
-    from pagedserve.client import make_request, stream
+    from pagedserve.client import stream
+    from pagedserve.common.validation import field_named
     from pagedserve.protos import generation_pb2
 
-    request = make_request(
-        args.prompt,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+    request = generate_request(parser, args)
+    logprob = 0.0
     with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
         try:
             for response in stream(channel, request, timeout=args.timeout):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
+                logprob += sum(response.logprobs)
                 if response.finish_reason:
                     u = response.usage
                     reason = generation_pb2.FinishReason.Name(response.finish_reason)
+                    logprobs = f" cumulative_logprob={logprob:.4f}" if request.return_logprobs else ""
                     print(
                         f"\n[finish={reason.removeprefix('FINISH_REASON_').lower()} "
                         f"prompt_tokens={u.prompt_tokens} "
                         f"completion_tokens={u.completion_tokens} "
-                        f"cached_prompt_tokens={u.cached_prompt_tokens}]",
+                        f"cached_prompt_tokens={u.cached_prompt_tokens}{logprobs}]",
                         file=sys.stderr,
                     )
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            details = exc.details() or ""
+            field = field_named(details)
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and field is not None:
+                parser.error(f"{_flag(field, args)}{details[len(field) :]}")
+            print(f"\nerror: {exc.code().name}: {details}", file=sys.stderr)
             return 1
     return 0
 
@@ -366,17 +428,21 @@ def executors(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     """The `pagedserve` command's parser. `serve`, `generate`, `health` and `executors` are parsed
     here; the other commands own their parsers (see `command_parsers`) and only have a stub here,
-    so that `pagedserve -h` lists them."""
+    so that `pagedserve -h` lists them.
+
+    `serve_flags=False` leaves `serve`'s own flags out: they come from the executor's config, which
+    imports torch (seconds), and the other commands (`generate`) should start at once."""
     parser = argparse.ArgumentParser(
         prog="pagedserve", description="LLM serving with PagedAttention over gRPC"
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve_parser = sub.add_parser("serve", help="executor + scheduler on loopback (the embedded default)")
-    add_serve_args(serve_parser)
+    if serve_flags:
+        add_serve_args(serve_parser)
     sub.add_parser("scheduler", help="the scheduler service alone", add_help=False)
     sub.add_parser("executor", help="the executor service alone", add_help=False)
     sub.add_parser("bench", help="benchmark a server over gRPC (see `pagedserve bench -h`)", add_help=False)
@@ -386,23 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     gen = sub.add_parser("generate", help="stream one completion from a running server")
-    gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--host", default="127.0.0.1", help="the scheduler's address")
-    gen.add_argument("--port", type=int, default=50051, help="the scheduler's public port")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    gen.add_argument(
-        "--temperature", type=float, default=None, help="0 = greedy (default: the server's, 1.0)"
-    )
-    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling: in (0, 1]")
-    gen.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0: off)")
-    gen.add_argument(
-        "--seed", type=int, default=None, help="seed of the request's sampler (repeatable output)"
-    )
-    gen.add_argument("--stop", action="append", default=None, help="a stop string; repeatable")
-    gen.add_argument(
-        "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token"
-    )
-    gen.add_argument("--timeout", type=float, default=None, help="the call's deadline in seconds")
+    add_generate_args(gen)
 
     hc = sub.add_parser("health", help="grpc.health.v1 check: exit 0 if the service is SERVING")
     hc.add_argument("--host", default="127.0.0.1", help="the service's address")
@@ -417,6 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
     """Each command's own parser, by the words that run it (what `pagedserve WORDS --help` prints).
     The documentation's flag reference is generated from these (scripts/docs_reference.py)."""
@@ -427,16 +482,15 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     from pagedserve.model_shapes import build_parser as make_model_parser
     from pagedserve.scheduler.__main__ import build_parser as scheduler_service_parser
 
-    top = build_parser()
-    (sub,) = (a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    sub = _subparsers(build_parser())
     return {
-        "serve": sub.choices["serve"],
+        "serve": sub["serve"],
         "scheduler": scheduler_service_parser(),
         "executor": executor_service_parser(),
         "openai": openai_parser(),
-        "generate": sub.choices["generate"],
-        "health": sub.choices["health"],
-        "executors": sub.choices["executors"],
+        "generate": sub["generate"],
+        "health": sub["health"],
+        "executors": sub["executors"],
         "bench": bench_parser(),
         "bench --log-likelihood": loglik_parser(),
         "make-model": make_model_parser(),
@@ -444,8 +498,8 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(serve_flags=argv[:1] == ["serve"])
     if argv and argv[0] == "bench":
         from pagedserve.bench import main as bench_main
 
@@ -469,12 +523,12 @@ def main(argv: list[str] | None = None) -> int:
             executor_main(argv[1:])
         return 0
     args = parser.parse_args(argv)
+    commands = _subparsers(parser)
     if args.command == "serve":
-        (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        check_serve_args(sub.choices["serve"], args)
-    return {"serve": serve, "generate": generate, "health": health, "executors": executors}[args.command](
-        args
-    )
+        check_serve_args(commands["serve"], args)
+    if args.command == "generate":
+        return generate(args, commands["generate"])
+    return {"serve": serve, "health": health, "executors": executors}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pagedserve.common.validation import to_proto, validate_request
 from pagedserve.protos import generation_pb2, generation_pb2_grpc
 
 
@@ -31,7 +32,7 @@ def make_request(
     top_p: float | None = None,
     top_k: int | None = None,
     seed: int | None = None,
-    stop: list[str] | None = None,
+    stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool = False,
     min_tokens: int = 0,
@@ -39,27 +40,28 @@ def make_request(
     return_logprobs: bool = False,
     request_id: str = "",
 ) -> generation_pb2.GenerateRequest:
-    """Builds a GenerateRequest; None leaves a field unset (the server's default)."""
-    sampling = generation_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    stopping = generation_pb2.StoppingCriteria(
-        max_tokens=max_tokens,
-        stop=stop or [],
-        stop_token_ids=stop_token_ids or [],
-        ignore_eos=ignore_eos,
-        min_tokens=min_tokens,
+    """Builds a GenerateRequest; None leaves a field unset (the server's default). Raises
+    InvalidRequest (a ValueError) naming the field for a value the server would refuse, or that
+    its wire type cannot carry (the one validation, pagedserve.common.validation)."""
+    return to_proto(
+        validate_request(
+            {
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": top_k,
+                "seed": seed,
+                "stop": stop,
+                "stop_token_ids": stop_token_ids,
+                "ignore_eos": ignore_eos,
+                "min_tokens": min_tokens,
+                "priority": priority,
+                "logprobs": 0 if return_logprobs else None,
+                "request_id": request_id,
+            }
+        )
     )
-    request = generation_pb2.GenerateRequest(
-        request_id=request_id,
-        sampling=sampling,
-        stopping=stopping,
-        priority=priority,
-        return_logprobs=return_logprobs,
-    )
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.ids.extend(prompt)
-    return request
 
 
 def stream(

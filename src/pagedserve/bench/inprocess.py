@@ -32,19 +32,14 @@ from pagedserve.bench.client import (
 )
 from pagedserve.bench.workloads import BenchRequest, Workload, plan_passes
 from pagedserve.common.logs import configure_logging
+from pagedserve.common.validation import InvalidRequest, validate_request, values_from_proto
 from pagedserve.entrypoints.inprocess import InProcessTransport
 from pagedserve.executor.config import ExecutorConfig, add_cli_args
 from pagedserve.executor.runner import ModelRunner
 from pagedserve.protos import admin_pb2, generation_pb2
+from pagedserve.scheduler.admission import sampling_options, stop_conditions
 from pagedserve.scheduler.engine import Engine, EngineFull, EngineUnavailable
-from pagedserve.scheduler.service import (
-    AdminService,
-    InvalidRequest,
-    load_tokenizer,
-    next_delta,
-    sampling_options,
-    stop_conditions,
-)
+from pagedserve.scheduler.service import AdminService, load_tokenizer, next_delta
 from pagedserve.scheduler.service_config import ServiceConfig
 
 T = TypeVar("T")
@@ -71,13 +66,14 @@ async def _send_direct(engine: Engine, req: BenchRequest, options: SendOptions, 
             info = engine.model_info()
             if info is None:
                 raise EngineUnavailable("no executor has attached yet")
+            params = validate_request(values_from_proto(request))
             prompt = list(request.token_ids.ids)
             active = engine.submit(
                 request.request_id,
                 prompt,
-                sampling_options(request),
-                stop_conditions(request, len(prompt), info),
-                priority=request.priority,
+                sampling_options(params),
+                stop_conditions(params, len(prompt), info),
+                priority=params.priority,
             )
             while True:
                 item = await next_delta(active.deltas)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pagedserve.common.rules import RuleError, Text
+
 
 class ChatTemplateError(ValueError):
     """The model has no chat template, or the template refused the conversation."""
@@ -47,4 +49,8 @@ def render_chat(
         )
     except Exception as exc:  # jinja2 errors, raise_exception() in the template, bad message shapes
         raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc
+    try:
+        Text().check(text)  # as every door checks a prompt's text (a lone surrogate has no UTF-8 form)
+    except RuleError as exc:
+        raise ChatTemplateError(f"the messages' text {exc}") from None
     return text, list(tokenizer.encode(text, add_special_tokens=False))

@@ -9,8 +9,9 @@ The scheduler's `Engine` drives the executor's `ModelRunner` through `InProcessT
 no ports), on an asyncio loop in a background thread that lives as long as the `LLM` object: the
 engine, its block tables and its prefix cache carry over from one `generate` call to the next, and
 `generate` works from code that already runs an event loop (a notebook). Requests go through the
-public API's own validation (`sampling_options`, `stop_conditions`), so a request the gRPC service
-would refuse is refused here too, as a ValueError.
+validation every door runs (`pagedserve.common.validation`), then the scheduler's checks against
+the model (`pagedserve.scheduler.admission`), so a request the gRPC service or the gateway would
+refuse is refused here too, as a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -29,16 +30,19 @@ from typing import Any, TypeVar
 import structlog
 
 from pagedserve.common.logs import configure_logging
+from pagedserve.common.rules import shown
+from pagedserve.common.validation import InvalidRequest, validate_request
 from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.entrypoints.inprocess import InProcessTransport
 from pagedserve.entrypoints.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedserve.entrypoints.sampling_params import SamplingParams
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.runner import ModelRunner
+from pagedserve.scheduler.admission import check_prompt, sampling_options, stop_conditions
 from pagedserve.scheduler.completion import FinishReason, StopConditions
 from pagedserve.scheduler.engine import Engine, ExecutorInfo
 from pagedserve.scheduler.request import SamplingOptions
-from pagedserve.scheduler.service import load_tokenizer, next_delta, sampling_options, stop_conditions
+from pagedserve.scheduler.service import load_tokenizer, next_delta
 from pagedserve.scheduler.service_config import ServiceConfig
 
 T = TypeVar("T")
@@ -66,6 +70,7 @@ class _Prompt:
     token_ids: list[int]
     sampling: SamplingOptions
     stop: StopConditions
+    priority: int
     logprobs: bool
 
 
@@ -230,6 +235,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Completes every prompt; returns one RequestOutput per prompt, in the order given.
 
@@ -237,14 +243,15 @@ class LLM:
             prompts: a string, a `{"prompt_token_ids": [...]}` dict, or a list of those.
             sampling_params: one for all prompts, or one per prompt; default `SamplingParams()`.
             use_tqdm: show a progress bar.
+            priority: one per prompt (vLLM's): lower runs sooner; default 0.
         Raises:
             ValueError: a prompt or setting the engine cannot serve (the message names which).
             RuntimeError: the engine failed while running them.
         """
-        if isinstance(prompts, str | dict):
+        if isinstance(prompts, str | dict) or not isinstance(prompts, Sequence):
             prompts = [prompts]
-        parsed = [self._parse_prompt(i, p) for i, p in enumerate(prompts)]
-        return self._run(parsed, sampling_params, use_tqdm)
+        parsed = [self._parse_prompt(p) for p in prompts]
+        return self._run(parsed, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -280,25 +287,24 @@ class LLM:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _parse_prompt(self, index: int, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt))
+    @staticmethod
+    def _parse_prompt(prompt: Any) -> tuple[str | None, Any]:
+        """The prompt's text (for the output) and what the validation checks as its prompt: the
+        text, or the token ids; any other shape is handed on as it is, to be refused there."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list | tuple) or not all(isinstance(i, int) and i >= 0 for i in ids):
-                raise ValueError(f"prompt {index}: prompt_token_ids must be a list of token ids")
-            return prompt.get("prompt"), list(ids)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
-        raise ValueError(
-            f"prompt {index}: expected a string or a {{'prompt_token_ids': [...]}} dict, "
-            f"got {type(prompt).__name__}"
-        )
+            if isinstance(ids, str):  # not a text prompt under another name
+                raise ValueError(f"prompt: prompt_token_ids must be a list of token ids, got {shown(ids)}")
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], prompt["prompt"]
+        return (prompt if isinstance(prompt, str) else None), prompt
 
     def _prepare(
         self,
-        parsed: list[tuple[str | None, list[int]]],
+        parsed: list[tuple[str | None, Any]],
         params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: list[int] | None,
     ) -> list[_Prompt]:
         """Validates everything before anything is submitted: a bad prompt fails the whole call."""
         if params is None:
@@ -312,37 +318,43 @@ class LLM:
                     f"sampling_params: {len(per_prompt)} given for {len(parsed)} prompts "
                     "(give one, or one per prompt)"
                 )
+        if priority is not None and (not isinstance(priority, Sequence) or len(priority) != len(parsed)):
+            raise ValueError(f"priority: give one per prompt ({len(parsed)}), got {shown(priority)}")
         info = self._engine.info
         prepared = []
-        for i, ((text, ids), p) in enumerate(zip(parsed, per_prompt, strict=True)):
+        for i, ((text, prompt), p) in enumerate(zip(parsed, per_prompt, strict=True)):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}]: expected SamplingParams, got {type(p).__name__}")
-            if not ids:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in ids if t >= info.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {i}: token ids {bad[:8]} are outside the vocabulary ({info.vocab_size})"
-                )
             number = next(self._request_counter)
-            seed = None if self.seed is None else (self.seed * _SEED_STRIDE + number) % (1 << 63)
-            request = p.to_request(ids, seed=seed)
+            values = p.request_values() | {
+                "prompt": prompt,
+                "priority": None if priority is None else priority[i],
+            }
+            if p.seed is None and self.seed is not None:
+                values["seed"] = (self.seed * _SEED_STRIDE + number) % (1 << 63)
             try:
+                request = validate_request(values)  # the one validation every door runs
+                ids = request.prompt
+                ids = list(self.tokenizer.encode(ids)) if isinstance(ids, str) else list(ids)
+                check_prompt(ids, info)  # then what needs the model, as the scheduler checks it
                 sampling, stop = sampling_options(request), stop_conditions(request, len(ids), info)
-            except ValueError as exc:
+            except InvalidRequest as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
-            prepared.append(_Prompt(str(number), text, ids, sampling, stop, p.logprobs is not None))
+            prepared.append(
+                _Prompt(str(number), text, ids, sampling, stop, request.priority, p.logprobs is not None)
+            )
         return prepared
 
     def _run(
         self,
-        parsed: list[tuple[str | None, list[int]]],
+        parsed: list[tuple[str | None, Any]],
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM was shut down")
-        prompts = self._prepare(parsed, params)
+        prompts = self._prepare(parsed, params, priority)
         if not prompts:
             return []
         from tqdm import tqdm
@@ -368,7 +380,7 @@ class LLM:
         engine = self._engine.engine
         assert engine is not None
         request_id = prompt.request_id
-        active = engine.submit(request_id, prompt.token_ids, prompt.sampling, prompt.stop)
+        active = engine.submit(request_id, prompt.token_ids, prompt.sampling, prompt.stop, prompt.priority)
         token_ids: list[int] = []
         text: list[str] = []
         logprobs: list[float] = []

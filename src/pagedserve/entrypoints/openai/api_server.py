@@ -8,23 +8,28 @@ It is stateless: each request becomes one `Generate` stream on the public gRPC A
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
 `stream: true` as server-sent events), GET /health, GET /metrics. Errors have OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`: 400 bad request, 404 unknown model, 429 the
-scheduler's queue is full, 503 no scheduler serving.
+`{"error": {"message", "type", "param", "code"}}`: 400 bad request (FastAPI's own 422s included,
+and every refusal of the one validation, pagedserve.common.validation, naming the field as
+`param`), 404 unknown model or path, 429 the scheduler's queue is full, 503 no scheduler serving;
+500 only for a fault of the gateway itself, logged with its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import grpc
+import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.entrypoints.chat_utils import ChatTemplateError, load_chat_template
 from pagedserve.entrypoints.openai.metrics import GatewayMetrics
@@ -52,6 +57,7 @@ from pagedserve.entrypoints.openai.serving import (
     Gateway,
     GatewayError,
     Generation,
+    check_sampling,
     counted,
     from_rpc_error,
     generate_request,
@@ -59,6 +65,8 @@ from pagedserve.entrypoints.openai.serving import (
     usage_info,
 )
 from pagedserve.protos import generation_pb2
+
+log = structlog.get_logger()
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 DEFAULT_PORT = 8000
@@ -79,9 +87,24 @@ def _validation_error(exc: RequestValidationError | ValidationError) -> GatewayE
 async def _parse(raw: Request, model: type[BodyT]) -> BodyT:
     """The request body as `model`, parsed and validated in one pass by pydantic's JSON parser: for a
     prompt of token ids several times faster than FastAPI's json.loads-then-validate, which
-    dominated the gateway's time per request under load."""
+    dominated the gateway's time per request under load.
+
+    A body pydantic's parser refuses as JSON is parsed again by Python's, which takes bytes that
+    are not UTF-8 (and escaped lone surrogates) as lone surrogates in the strings: the validation
+    then names the field they are in, as every door names it, instead of "not valid JSON"."""
+    data = await raw.body()
     try:
-        return model.model_validate_json(await raw.body())
+        return model.model_validate_json(data)
+    except ValidationError as exc:
+        if not exc.errors() or exc.errors()[0].get("type") != "json_invalid":
+            raise _validation_error(exc) from None
+        first = exc
+    try:
+        parsed = json.loads(data.decode("utf-8", "surrogateescape"))
+    except (ValueError, RecursionError):
+        raise _validation_error(first) from None
+    try:
+        return model.model_validate(parsed)
     except ValidationError as exc:
         raise _validation_error(exc) from None
 
@@ -115,6 +138,21 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own errors (404 no such path, 405 wrong method) in OpenAI's shape."""
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error = GatewayError(exc.status_code, str(exc.detail), kind)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        """A fault of the gateway, never of what the client sent (that is a 4xx above): logged with
+        its traceback, answered in OpenAI's shape."""
+        log.error("unhandled error", path=request.url.path, exc_info=exc)
+        error = GatewayError(500, f"internal error: {type(exc).__name__}", "server_error")
+        return JSONResponse(error.body(), status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         error = _validation_error(exc)
@@ -146,10 +184,10 @@ def build_app(gateway: Gateway) -> FastAPI:
         endpoint = "/v1/completions"
         with counted(gateway.metrics, endpoint):
             body = await _parse(raw, CompletionRequest)
-            model = await gateway.check_model(body.model)
             request_id = new_id("cmpl")
+            request = generate_request(body, request_id)
+            model = await gateway.check_model(body.model)
             want_logprobs = body.logprobs is not None
-            request = generate_request(body, body.prompt, body.max_tokens, want_logprobs, request_id)
             if want_logprobs:
                 await gateway.tokenizer()  # fail before the request runs, not after
             generation = Generation(gateway, endpoint, raw)
@@ -179,11 +217,12 @@ def build_app(gateway: Gateway) -> FastAPI:
         endpoint = "/v1/chat/completions"
         with counted(gateway.metrics, endpoint):
             body = await _parse(raw, ChatCompletionRequest)
+            check_sampling(body)
             model = await gateway.check_model(body.model)
             request_id = new_id("chatcmpl")
             _, prompt_ids = await gateway.chat_prompt([m.as_template_input() for m in body.messages])
-            request = generate_request(body, prompt_ids, body.max_new_tokens, body.logprobs, request_id)
-            generation = Generation(gateway, endpoint, raw, prompt_param="messages")
+            request = generate_request(body, request_id, prompt_ids)
+            generation = Generation(gateway, endpoint, raw, body.aliases())
             await generation.begin(request)
         if body.stream:
             return StreamingResponse(

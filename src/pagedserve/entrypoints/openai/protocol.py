@@ -2,22 +2,33 @@
 
 Requests accept OpenAI's fields and vLLM's extras (`top_k`, `min_tokens`, `ignore_eos`, `priority`,
 `stop_token_ids`); unknown fields are ignored, as OpenAI's SDKs send some this server has no use
-for. A field whose value pagedserve cannot honour (n > 1, penalties, echo, tools, top logprobs) is
-refused by its validator, so the 400 names it as `param`.
+for. The fields a generation request has at every door (`temperature`, `max_tokens`, `prompt`, ...)
+are parsed as any JSON here and checked by the one validation (pagedserve.common.validation), so
+that their verdict is the same as over gRPC, on the command line and in `LLM`; their OpenAPI
+schema is their rule's. A field only this API has, whose value pagedserve cannot honour
+(penalties, echo, tools, top logprobs), is refused by its validator, so the 400 names it as `param`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, field_validator
 
-_MAX_SEED = (1 << 64) - 1
+from pagedserve.common.rules import Text
+from pagedserve.common.validation import FIELDS
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def checked(name: str) -> Any:
+    """The type of a body field the one validation checks: any JSON (null: the field's default),
+    described in the OpenAPI schema by the field's rule."""
+    schema = FIELDS[name].rule.json_schema()
+    return Annotated[Any, WithJsonSchema({"anyOf": [schema, {"type": "null"}]})]
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -38,37 +49,30 @@ class ErrorResponse(OpenAIModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingRequest(OpenAIModel):
     """The fields completions and chat completions share."""
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = 1
-    seed: int | None = Field(None, ge=0, le=_MAX_SEED)
-    stop: str | list[str] | None = None
-    stream: bool = False
+    temperature: checked("temperature") = None
+    top_p: checked("top_p") = None
+    n: checked("n") = None
+    seed: checked("seed") = None
+    stop: checked("stop") = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    priority: int = Field(0, ge=-(1 << 31), lt=1 << 31)
-    stop_token_ids: list[int] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_completion(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
+    top_k: checked("top_k") = None
+    min_tokens: checked("min_tokens") = None
+    ignore_eos: checked("ignore_eos") = None
+    priority: checked("priority") = None
+    stop_token_ids: checked("stop_token_ids") = None
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -84,58 +88,40 @@ class SamplingRequest(OpenAIModel):
             raise ValueError("logit_bias is not supported")
         return value
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, value: str | list[str] | None) -> list[str]:
-        stop = [value] if isinstance(value, str) else list(value or [])
-        if any(not s for s in stop):
-            raise ValueError("stop strings must not be empty")
-        if len(stop) > 16:
-            raise ValueError(f"at most 16 stop strings, got {len(stop)}")
-        return stop
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
-        if value and any(i < 0 for i in value):
-            raise ValueError("stop_token_ids must be token ids (integers >= 0)")
-        return value
-
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def request_values(self) -> dict[str, Any]:
+        """The body's fields the one validation checks, by their names there (all of them that this
+        body has under the same name; see the subclasses for the others)."""
+        return {name: getattr(self, name) for name in FIELDS if name in type(self).model_fields}
+
+    def aliases(self) -> dict[str, str]:
+        """The body's name of each validated field it gives under another name (for `param`)."""
+        return {}
 
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. One prompt per request: text, or token ids."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    prompt: checked("prompt")
+    max_tokens: checked("max_tokens") = 16
+    logprobs: checked("logprobs") = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    return_token_ids: bool = False  # vLLM's extra: each choice (and chunk) carries its token ids
+    return_token_ids: StrictBool = False  # vLLM's extra: each choice (and chunk) carries its token ids
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """OpenAI's batch forms with one prompt (`["text"]`, `[[ids]]`) are that prompt."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
             if len(prompt) != 1:
                 raise ValueError(f"one prompt per request is supported, got {len(prompt)}")
             prompt = prompt[0]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if isinstance(prompt, list) and min(prompt) < 0:
-            raise ValueError("prompt token ids must be integers >= 0")
         return prompt
-
-    @field_validator("logprobs")
-    @classmethod
-    def _sampled_logprob_only(cls, value: int | None) -> int | None:
-        if value is not None and value > 1:
-            raise ValueError("only the sampled token's logprob is available: give 0 or 1")
-        return value
 
     @field_validator("echo")
     @classmethod
@@ -169,6 +155,11 @@ class ChatMessage(OpenAIModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("role", "name")
+    @classmethod
+    def _utf8(cls, value: str | None) -> str | None:
+        return value if value is None else Text().check(value)
+
     def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates take it: text parts joined by newlines."""
         content = self.content
@@ -181,13 +172,13 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. The prompt is the messages rendered by the chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    max_tokens: checked("max_tokens") = None
+    max_completion_tokens: checked("max_tokens") = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
 
     @field_validator("top_logprobs")
@@ -204,9 +195,18 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("tools are not supported")
         return value
 
-    @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def request_values(self) -> dict[str, Any]:
+        values = super().request_values()
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            values["max_tokens"] = self.max_completion_tokens
+        values["logprobs"] = 0 if self.logprobs else None
+        return values
+
+    def aliases(self) -> dict[str, str]:
+        names = {"prompt": "messages"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
 
 # ---- responses ----------------------------------------------------------------------------------

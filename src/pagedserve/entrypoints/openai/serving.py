@@ -12,22 +12,30 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import structlog
 from starlette.requests import Request
 
-from pagedserve.client import make_request
+from pagedserve.common.validation import (
+    InvalidRequest,
+    check_fields,
+    field_named,
+    to_proto,
+    validate_request,
+)
 from pagedserve.entrypoints.chat_utils import ChatTemplateError, render_chat
 from pagedserve.entrypoints.openai.metrics import GatewayMetrics
 from pagedserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagedserve.entrypoints.openai.schedulers import NoScheduler, SchedulerPool
 from pagedserve.protos import generation_pb2
+
+log = structlog.get_logger()
 
 FINISH_REASONS = {
     generation_pb2.FINISH_REASON_LENGTH: "length",
@@ -40,16 +48,6 @@ _RPC_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-}
-_REQUEST_FIELDS = {
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "max_tokens",
-    "min_tokens",
-    "stop",
-    "stop_token_ids",
 }
 
 
@@ -70,19 +68,25 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, "invalid_request_error", param)
 
 
-def from_rpc_error(exc: grpc.aio.AioRpcError, prompt_param: str = "prompt") -> GatewayError:
+def from_rpc_error(exc: grpc.aio.AioRpcError, aliases: Mapping[str, str] | None = None) -> GatewayError:
     """The scheduler's status as the gateway's error; INVALID_ARGUMENT keeps the scheduler's message,
-    with `param` the first request field it names (else the prompt, if it names that)."""
+    whose first word names the field (`max_tokens: ...`): `param` is that field, by the name the
+    body gave it (`aliases`: chat's prompt is its `messages`)."""
     status, kind = _RPC_STATUS.get(exc.code(), (500, "server_error"))
     message = exc.details() or exc.code().name
     param = None
-    if status == 400:
-        words = re.findall(r"\w+", message)
-        named = [w for w in words if w in _REQUEST_FIELDS]
-        param = named[0] if named else prompt_param if "prompt" in words else None
+    if status == 400 and (name := field_named(message)) is not None:
+        param = (aliases or {}).get(name, name)
+        message = param + message[len(name) :]  # chat's "messages: has 2000 tokens, more than ..."
     if status == 503:
         message = f"no scheduler is serving: {message}"
     return GatewayError(status, message, kind, param, exc.code().name)
+
+
+def invalid_request(exc: InvalidRequest, aliases: Mapping[str, str] | None = None) -> GatewayError:
+    """A refusal of the one validation as OpenAI's 400, naming the field by the body's name for it."""
+    param = (aliases or {}).get(exc.field, exc.field)
+    return bad_request(f"{param}: {exc.reason}", param)
 
 
 def no_scheduler(exc: Exception) -> GatewayError:
@@ -152,24 +156,25 @@ class Gateway:
 
 
 def generate_request(
-    body: SamplingRequest, prompt: str | list[int], max_tokens: int | None, logprobs: bool, request_id: str
+    body: SamplingRequest, request_id: str, prompt: str | list[int] | None = None
 ) -> generation_pb2.GenerateRequest:
-    top_k = None if body.top_k is None else max(body.top_k, 0)  # vLLM's -1 = off
-    return make_request(
-        prompt,
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=top_k,
-        seed=body.seed,
-        stop=body.stop,
-        stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens,
-        priority=body.priority,
-        return_logprobs=logprobs,
-        request_id=request_id,
-    )
+    """The body as a GenerateRequest, through the one validation every door runs (`prompt`: the
+    chat's rendered prompt; a completion's is its body's own)."""
+    values = body.request_values() | {"request_id": request_id}
+    if prompt is not None:
+        values["prompt"] = prompt
+    try:
+        return to_proto(validate_request(values))
+    except InvalidRequest as exc:
+        raise invalid_request(exc, body.aliases()) from None
+
+
+def check_sampling(body: SamplingRequest) -> None:
+    """The body's fields other than the prompt, before the chat template renders one."""
+    try:
+        check_fields({k: v for k, v in body.request_values().items() if k != "prompt"})
+    except InvalidRequest as exc:
+        raise invalid_request(exc, body.aliases()) from None
 
 
 def new_id(prefix: str) -> str:
@@ -201,8 +206,10 @@ class Generation:
     """One request's gRPC stream, from its first message to its last, cancelled if the HTTP client
     goes away (a watcher on the ASGI receive channel) or the handler ends early."""
 
-    def __init__(self, gateway: Gateway, endpoint: str, raw: Request, prompt_param: str = "prompt") -> None:
-        self.gateway, self.endpoint, self.raw, self.prompt_param = gateway, endpoint, raw, prompt_param
+    def __init__(
+        self, gateway: Gateway, endpoint: str, raw: Request, aliases: Mapping[str, str] | None = None
+    ) -> None:
+        self.gateway, self.endpoint, self.raw, self.aliases = gateway, endpoint, raw, aliases
         self.start = time.perf_counter()
         self.created = time.time()
         self.finish_reason: str | None = None
@@ -215,7 +222,7 @@ class Generation:
         try:
             self.call, self.first = await self.gateway.pool.generate(request)
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, self.prompt_param) from None
+            raise from_rpc_error(exc, self.aliases) from None
         except NoScheduler as exc:
             raise no_scheduler(exc) from None
         self.gateway.metrics.first_token(self.endpoint, time.perf_counter() - self.start)
@@ -242,7 +249,7 @@ class Generation:
             try:
                 message = await self.call.read()
             except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc, self.prompt_param) from None
+                raise from_rpc_error(exc, self.aliases) from None
             if message is grpc.aio.EOF:
                 raise GatewayError(502, "the scheduler ended the stream early", "server_error")
 
@@ -290,6 +297,10 @@ class Generation:
         except GatewayError as exc:
             status = exc.status
             yield f"data: {json.dumps(exc.body())}\n\n"
+        except Exception as exc:  # a fault of the gateway: the headers are sent, so as an event
+            log.error("unhandled error in a stream", endpoint=self.endpoint, exc_info=exc)
+            error = GatewayError(500, f"internal error: {type(exc).__name__}", "server_error")
+            yield f"data: {json.dumps(error.body())}\n\n"
         except asyncio.CancelledError:
             status = 499
             if not self.disconnected:
