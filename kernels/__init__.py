@@ -40,11 +40,12 @@ def paged_attention(
     """See `kernels.reference.paged_attention` for the contract (k_scale/v_scale: FP8 caches;
     sliding_window, soft_cap: Mistral's and Gemma's attention)."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
-    if _use_triton(q) and sliding_window is None and soft_cap is None:
+    if _use_triton(q):
         from pagedserve.kernels import triton_attention
 
-        return triton_attention.paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
-    # TODO(issue 28): the Triton kernels with sliding_window / soft_cap.
+        return triton_attention.paged_attention(
+            *args, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )
     return reference.paged_attention(*args, k_scale, v_scale, sliding_window, soft_cap)
 
 
