@@ -1,8 +1,9 @@
-"""Paged-attention kernels: Triton on CUDA, the plain-torch reference on the CPU.
+"""Paged-attention and fused-MoE kernels: Triton on CUDA, the plain-torch reference on the CPU.
 
-`paged_attention` and `write_kv` pick their implementation per call: the Triton kernels for CUDA
-tensors, the reference (`kernels.reference`) otherwise. `PAGEDSERVE_ATTENTION=reference` forces the
-reference; `PAGEDSERVE_ATTENTION=triton` forces Triton (on CPU tensors under `TRITON_INTERPRET=1`).
+`paged_attention`, `write_kv` and `fused_moe` pick their implementation per call: the Triton
+kernels for CUDA tensors, the reference (`kernels.reference`) otherwise.
+`PAGEDSERVE_ATTENTION=reference` forces the reference; `PAGEDSERVE_ATTENTION=triton` forces Triton
+(on CPU tensors under `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ def paged_attention(
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
-    """See `kernels.reference.fused_moe` for the contract."""
-    # TODO(issue 28): the fused Triton kernel on CUDA.
+    """See `kernels.reference.fused_moe` for the contract; the Triton kernels of `kernels.fused_moe`
+    on CUDA tensors (or forced, as for attention), the reference otherwise."""
+    if _use_triton(x):
+        from pagedserve.kernels import triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
