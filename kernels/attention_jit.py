@@ -269,36 +269,54 @@ def _attend_range(
     the others run with the length mask, the causal one if CAUSAL and the window's if WINDOW. So
     the masked tiles are the first few (the window's lower edge, WINDOW only) and the last few (the
     diagonal and the end). Each tile loads its block ids in the loop, which Triton's software
-    pipeliner prefetches a stage ahead of the K/V loads they address.
+    pipeliner prefetches a stage ahead of the K/V loads they address. Without WINDOW the loops are
+    the kernels' original ones (the unmasked tiles first).
     """
     span = tl.maximum(kv_end - kv_lo, 0)
     n_total = (span + BLOCK_N - 1) // BLOCK_N
     n_full = tl.minimum(tl.maximum(full_end - kv_lo, 0) // BLOCK_N, n_total)
     if WINDOW:
+        # Masked: tiles [0, n_band) (the window's lower edge) and [max(n_band, n_full), n_total)
+        # (the diagonal and the end), in one loop so that the kernel holds one masked tile body
+        # (two made the fp32 and the tall-tile variants spill: ptxas, sm_90). The unmasked tiles
+        # come last; a row that has seen no key before one enters it with a running max of -inf,
+        # which the tile's finite scores replace (its alpha is 0).
         n_band = tl.minimum((tl.maximum(band_end - kv_lo, 0) + BLOCK_N - 1) // BLOCK_N, n_total)
-        for k0 in range(kv_lo, kv_lo + n_band * BLOCK_N, BLOCK_N):
+        n_after = tl.maximum(n_band, n_full)
+        for t in range(0, n_band + n_total - n_after):
+            k0 = kv_lo + tl.where(t < n_band, t, t - n_band + n_after) * BLOCK_N
             block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
-                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale, window,
-                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, True, SOFT_CAP, DOT_PREC, DOT_FP32, KV_FP8,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale,
+                window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, True, SOFT_CAP, DOT_PREC,
+                DOT_FP32, KV_FP8,
+            )  # fmt: skip
+        for k0 in range(kv_lo + n_band * BLOCK_N, kv_lo + n_full * BLOCK_N, BLOCK_N):
+            block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale,
+                window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, False, SOFT_CAP, DOT_PREC,
+                DOT_FP32, KV_FP8,
             )  # fmt: skip
     else:
-        n_band = n_full * 0
-    for k0 in range(kv_lo + n_band * BLOCK_N, kv_lo + n_full * BLOCK_N, BLOCK_N):
-        block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale, window,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, False, SOFT_CAP, DOT_PREC, DOT_FP32, KV_FP8,
-        )  # fmt: skip
-    for k0 in range(kv_lo + tl.maximum(n_band, n_full) * BLOCK_N, kv_end, BLOCK_N):
-        block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale, window,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, WINDOW, SOFT_CAP, DOT_PREC, DOT_FP32, KV_FP8,
-        )  # fmt: skip
+        for k0 in range(kv_lo, kv_lo + n_full * BLOCK_N, BLOCK_N):
+            block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale,
+                window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, False, SOFT_CAP, DOT_PREC,
+                DOT_FP32, KV_FP8,
+            )  # fmt: skip
+        for k0 in range(kv_lo + n_full * BLOCK_N, kv_end, BLOCK_N):
+            block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale,
+                window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, False, SOFT_CAP, DOT_PREC,
+                DOT_FP32, KV_FP8,
+            )  # fmt: skip
     return acc, m_i, l_i
 
 

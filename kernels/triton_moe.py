@@ -58,8 +58,9 @@ _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Read once: @triton.jit chose the interpreter or the compiler at import time as well.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # FP8 weights run with FP8 activations from this many assignment rows (tokens x top_k) up, widened
-# weights below (see the module docstring; `python -m benchmarks.moe` times both).
-FP8_ACTIVATIONS_MIN_ROWS = 4096
+# weights below (see the module docstring). Not measured yet: set where the products, not the weight
+# bytes, should dominate (2,048 tokens at top-8); `python -m benchmarks.moe` times both modes.
+FP8_ACTIVATIONS_MIN_ROWS = 16384
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,11 @@ def choose_config(rows: int, num_experts: int, n: int, k: int, gate_up: bool, fp
     """The tile config of one grouped GEMM from shapes only: `rows` assignments (tokens x top_k)
     over `num_experts`, n output columns (per half for the fused gate_up), k the reduction.
 
-    Seeded from vLLM's H100 table for 128 experts of width 768 (at 64 tokens: 16 x 256 x 128,
-    8 warps; at 512: 64 x 128 x 64; from 1,536: 128 x 256 x 64, 8 warps, 4 stages), with the
-    fused gate_up's two accumulators counted as one tile twice as wide.
+    Seeded from vLLM's H100 and H200 tables for 128 experts of width 768 (at 64 tokens:
+    16 x 256 x 128, 8 warps; at 512: 64 x 128 x 64; from 1,536: 128 x 256 x 64, 8 warps, 4 stages),
+    with the fused gate_up's two accumulators counted as one tile twice as wide. FP8 activations
+    (fp8) at prefill sizes take 128 x 128 x 128 tiles, 3 stages: the only candidates without
+    spills (ptxas, sm_90, Triton 3.7: 145 and 187 registers; 128 x 256 spilled 4-360 bytes).
     """
     per_expert = rows / max(1, num_experts)
     half = 2 if gate_up else 1  # gate_up holds two accumulators of block_n columns
@@ -90,8 +93,10 @@ def choose_config(rows: int, num_experts: int, n: int, k: int, gate_up: bool, fp
         cfg = MoeConfig(16, 256 // half, 128, 1, 8 if half == 1 else 4, 3)
     elif per_expert <= 48:
         cfg = MoeConfig(64, 128 // half, 64, 1, 4, 3)
+    elif fp8:
+        cfg = MoeConfig(128, 128 // half, 128, 8, 8, 3)
     else:
-        cfg = MoeConfig(128, 256 // half, 64, 8, 8, 4 if not fp8 else 3)
+        cfg = MoeConfig(128, 256 // half, 64, 8, 8, 4)
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     return MoeConfig(cfg.block_m, block_n, block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)

@@ -135,6 +135,8 @@ def test_tile_choice_follows_rows_per_expert() -> None:
     decode = tm.choose_config(64 * 8, 128, 768, 2048, True, False)
     prefill = tm.choose_config(8192 * 8, 128, 768, 2048, True, False)
     assert decode.block_m == 16 and prefill.block_m == 128
+    fp8_prefill = tm.choose_config(8192 * 8, 128, 2048, 768, False, True)
+    assert (fp8_prefill.block_n, fp8_prefill.block_k) == (128, 128)
     assert tm.choose_config(64 * 8, 128, 2048, 768, False, False).block_n == 2 * decode.block_n
     tiny = tm.choose_config(10, 8, 40, 48, True, False)  # tiles no wider than the matrices need
     assert tiny.block_n == 64 and tiny.block_k == 64
