@@ -83,6 +83,15 @@ def poison_out_of_window(batch: dict, window: int) -> int:
     return changed
 
 
+def reference_on_device(batch: dict, **variant) -> torch.Tensor:
+    """The reference in float32 on the batch's own device (CUDA tests: their scores are too big
+    for the host), returned on the CPU."""
+    return reference.paged_attention(
+        batch["q"].float(), batch["k_cache"].float(), batch["v_cache"].float(), batch["block_tables"],
+        batch["seq_lens"], batch["cu_seqlens_q"], batch["scale"], **variant,
+    ).cpu()  # fmt: skip
+
+
 def fp8_batch(batch: dict, k_scale: float = 0.02, v_scale: float = 0.005) -> tuple[dict, dict]:
     """The batch over e4m3 caches (saturated as `write_kv` stores them) and the scales."""
     device = batch["q"].device
@@ -138,6 +147,18 @@ def test_sliding_window_matches_reference(window, dtype, head_dim, num_q_heads, 
     run_both_ways(mixed, dtype, sliding_window=window)
     decode = make_batch([1] * len(DECODE_CONTEXT), DECODE_CONTEXT, *shape, seed=window + 1)
     run_both_ways(decode, dtype, sliding_window=window)
+
+
+@needs_triton
+def test_window_longer_than_every_context() -> None:
+    """A window longer than every sequence but shorter than the table still runs the windowed
+    kernels (and masks nothing); one at least as long as the table is dropped, so the result is
+    the unwindowed kernels' exactly."""
+    batch = make_batch(MIXED_Q_LENS, MIXED_CONTEXT, 8, 2, 64, 16, torch.float16, seed=4)
+    table_tokens = batch["block_tables"].shape[1] * 16
+    assert max(MIXED_CONTEXT) < 90 < table_tokens
+    run_both_ways(batch, torch.float16, sliding_window=90)
+    assert torch.equal(run_triton(batch, sliding_window=table_tokens), run_triton(batch))
 
 
 @needs_triton
@@ -325,7 +346,7 @@ def test_cuda_windowed_attention_at_model_shapes(num_q_heads, num_kv_heads, head
     batch["scale"] = 1.0 / 16 if cap else batch["scale"]
     assert poison_out_of_window(batch, window) > 100
     variant = dict(sliding_window=window, soft_cap=cap)
-    assert_matches(run_triton(batch, **variant), reference_fp32(batch, **variant), torch.bfloat16)
+    assert_matches(run_triton(batch, **variant), reference_on_device(batch, **variant), torch.bfloat16)
     rows = [0, 513, 514, 515 + window + 300]
     seqs = [0, 2, 3, 5]
     decodes = {
@@ -335,7 +356,7 @@ def test_cuda_windowed_attention_at_model_shapes(num_q_heads, num_kv_heads, head
         "block_tables": batch["block_tables"][seqs],
         "cu_seqlens_q": torch.arange(len(seqs) + 1, dtype=torch.int32, device="cuda"),
     }
-    assert_matches(run_triton(decodes, **variant), reference_fp32(decodes, **variant), torch.bfloat16)
+    assert_matches(run_triton(decodes, **variant), reference_on_device(decodes, **variant), torch.bfloat16)
 
 
 @needs_cuda
@@ -361,7 +382,7 @@ def test_cuda_graph_capture_of_windowed_decode() -> None:
         batch["block_tables"][:, :width].copy_(fresh["block_tables"])
         out.fill_(float("nan"))
         graph.replay()
-        assert_matches(out, reference_fp32(batch, **variant), torch.bfloat16)
+        assert_matches(out, reference_on_device(batch, **variant), torch.bfloat16)
 
 
 @needs_cuda
