@@ -25,6 +25,11 @@
      sdpa / contiguous floor bounds what any decode kernel, paged or not, could reach.
    * Prefill: 8 sequences x 2048 tokens, causal, 32/8 heads, head_dim 128, bf16, against SDPA's
      causal attention on contiguous tensors; TFLOP/s counts 4 * S * H * T^2 * D / 2.
+   * Sliding window (Mistral, Gemma's local layers): K1's (64, 4096) decode with a window of 1,024
+     keys against the same call without a window and against (64, 1024) (graph x20: a windowed
+     decode reads 1,024 keys per sequence, so it should take about the (64, 1024) time, ~4x less
+     than without); the prefill case with the same window against none (the window leaves 3/4 of
+     the causal score pairs).
 3. `--sweep` also times, from 20-call graphs, every decode shape with other decode configs (keys
    per tile, warps, pipeline stages) x split counts, and the prefill case with other tile configs,
    and ends with the best setting per shape next to the default's time (see `print_sweep_summary`).
@@ -601,6 +606,52 @@ def time_prefill(pool: Pool, results: dict, sweep: bool, deadline: float) -> boo
     return passed
 
 
+WINDOW = 1024
+WINDOW_DECODE = (64, 4096)
+
+
+def time_window(pool: Pool, results: dict) -> bool:
+    """Sliding-window decode and prefill against the same calls without a window (see the module
+    docstring); each windowed output checked against the reference with the window."""
+    batch, length = WINDOW_DECODE
+    case = make_decode_case(pool, batch, length, results["l2_bytes"])
+    inputs = case.inputs[0]
+    out = ta.paged_attention(**inputs, sliding_window=WINDOW)
+    ref = reference.paged_attention(**{**inputs, "q": inputs["q"].float()}, sliding_window=WINDOW)
+    err = max_error(out, ref)
+    passed = err < BF16_TOLERANCE and not out.isnan().any().item()
+    full = per_call_us(case.ours())
+    windowed = per_call_us(case.ours(sliding_window=WINDOW))
+    short = per_call_us(make_decode_case(pool, batch, WINDOW, results["l2_bytes"]).ours())
+    row = {
+        "window": WINDOW,
+        "decode": {"batch": batch, "context": length, "full_us": full, "window_us": windowed,
+                   "context_of_window_us": short, "speedup": full / windowed, "max_abs_err": err},
+    }  # fmt: skip
+    log(
+        f"window {WINDOW}: decode B={batch} L={length} graph x{GRAPH_CALLS}: full {full:.1f} us, windowed "
+        f"{windowed:.1f} us (x{full / windowed:.2f}), L={WINDOW} without window {short:.1f} us "
+        f"[err {err:.1e} {'ok' if passed else 'FAIL'}]"
+    )
+    prefill = prefill_inputs(pool)
+    prefill_out = torch.empty_like(prefill["q"])
+    ta.paged_attention(**prefill, out=prefill_out, sliding_window=WINDOW)
+    ref = reference.paged_attention(**{**prefill, "q": prefill["q"].float()}, sliding_window=WINDOW)
+    prefill_err = max_error(prefill_out, ref)
+    passed &= prefill_err < BF16_TOLERANCE and not prefill_out.isnan().any().item()
+    del ref
+    full = bench(lambda: ta.paged_attention(**prefill, out=prefill_out))
+    windowed = bench(lambda: ta.paged_attention(**prefill, out=prefill_out, sliding_window=WINDOW))
+    row["prefill"] = {"seqs": PREFILL_SEQS, "length": PREFILL_LEN, "full_us": full, "window_us": windowed,
+                      "speedup": full / windowed, "max_abs_err": prefill_err}  # fmt: skip
+    log(
+        f"window {WINDOW}: prefill {PREFILL_SEQS}x{PREFILL_LEN} eager: full {full:.1f} us, windowed "
+        f"{windowed:.1f} us (x{full / windowed:.2f}) [err {prefill_err:.1e}]"
+    )
+    results["window"] = row
+    return passed
+
+
 def chosen_prefill_config(q_lens: list[int], sm_count: int) -> ta.PrefillConfig:
     """The prefill tile `paged_attention` picks for a K1-shaped batch with these new tokens."""
     return ta.choose_prefill_config(
@@ -707,6 +758,15 @@ def print_table(results: dict) -> None:
         "max ratio = sdpa / floor, the most a kernel of this design could reach. contig: the same "
         "reads from SDPA's contiguous K/V (no block table), a bound for any kernel."
     )
+    w = results.get("window")
+    if w:
+        d, p = w["decode"], w["prefill"]
+        log(
+            f"window {w['window']}: decode B={d['batch']} L={d['context']} {d['window_us']:.1f} us vs "
+            f"{d['full_us']:.1f} us without (x{d['speedup']:.2f}; L={w['window']} without: "
+            f"{d['context_of_window_us']:.1f} us); prefill {p['seqs']}x{p['length']} {p['window_us']:.1f} us "
+            f"vs {p['full_us']:.1f} us (x{p['speedup']:.2f})"
+        )
     log(f"correctness: {'all ok' if results['correct'] else 'FAILURES'}")
 
 
@@ -775,6 +835,7 @@ def main() -> None:
     # The decode sweep gets 70% of the budget, the prefill sweep what is left.
     time_decode(pool, results, args.sweep, start + 0.7 * args.sweep_budget_s)
     correct &= time_prefill(pool, results, args.sweep, start + args.sweep_budget_s)
+    correct &= time_window(pool, results)
     results["correct"] = bool(correct)
     results["wall_s"] = time.time() - start
     path = Path(args.result_file)

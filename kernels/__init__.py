@@ -1,8 +1,9 @@
-"""Paged-attention kernels: Triton on CUDA, the plain-torch reference on the CPU.
+"""Paged-attention and fused-MoE kernels: Triton on CUDA, the plain-torch reference on the CPU.
 
-`paged_attention` and `write_kv` pick their implementation per call: the Triton kernels for CUDA
-tensors, the reference (`kernels.reference`) otherwise. `PAGEDSERVE_ATTENTION=reference` forces the
-reference; `PAGEDSERVE_ATTENTION=triton` forces Triton (on CPU tensors under `TRITON_INTERPRET=1`).
+`paged_attention`, `write_kv` and `fused_moe` pick their implementation per call: the Triton
+kernels for CUDA tensors, the reference (`kernels.reference`) otherwise.
+`PAGEDSERVE_ATTENTION=reference` forces the reference; `PAGEDSERVE_ATTENTION=triton` forces Triton
+(on CPU tensors under `TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
@@ -40,17 +41,22 @@ def paged_attention(
     """See `kernels.reference.paged_attention` for the contract (k_scale/v_scale: FP8 caches;
     sliding_window, soft_cap: Mistral's and Gemma's attention)."""
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
-    if _use_triton(q) and sliding_window is None and soft_cap is None:
+    if _use_triton(q):
         from pagedserve.kernels import triton_attention
 
-        return triton_attention.paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
-    # TODO(issue 28): the Triton kernels with sliding_window / soft_cap.
+        return triton_attention.paged_attention(
+            *args, k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap
+        )
     return reference.paged_attention(*args, k_scale, v_scale, sliding_window, soft_cap)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale=None, w2_scale=None):
-    """See `kernels.reference.fused_moe` for the contract."""
-    # TODO(issue 28): the fused Triton kernel on CUDA.
+    """See `kernels.reference.fused_moe` for the contract; the Triton kernels of `kernels.fused_moe`
+    on CUDA tensors (or forced, as for attention), the reference otherwise."""
+    if _use_triton(x):
+        from pagedserve.kernels import triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     return reference.fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 

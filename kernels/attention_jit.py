@@ -102,6 +102,13 @@ def _q_to_f16(q):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp2 (Triton has no tanh on every version and backend): 1 - 2 / (e^2x + 1),
+    which saturates to +-1 as x goes to +-inf; its absolute error stays at float32 rounding."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
 def _load_block_ids(
     block_table_ptr, k0, limit, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr
 ):
@@ -136,12 +143,16 @@ def _attend_block(
     stride_vt,
     stride_vd,
     qk_scale,
+    cap_scale,
+    window,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BOUNDS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -156,6 +167,11 @@ def _attend_block(
     KV_FP8: the caches hold e4m3; K and V are widened in registers (exact; to q's dtype or to
     float16, see WIDEN_*) and their scales are applied outside the products (k_scale inside
     qk_scale, v_scale to the result).
+    SOFT_CAP: scores become tanh(scores * cap_scale) before the softmax (the caller has folded the
+    softmax scale over the cap into cap_scale, and the cap itself into qk_scale).
+    WINDOW masks keys at or before q_pos - window for each row (a sliding window). A row can then
+    see no key of a tile while its running max is still -inf; the exponents then use 0 instead of
+    -inf, so that the row's state stays (-inf, 0, 0) rather than becoming NaN.
     """
     kpos = k0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D_PAD)
@@ -189,13 +205,21 @@ def _attend_block(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if SOFT_CAP:
+        scores = _tanh(scores * cap_scale)
     if BOUNDS:
         scores = tl.where((kpos < kv_end)[None, :], scores, float("-inf"))
     if CAUSAL:
         scores = tl.where(kpos[None, :] <= q_pos[:, None], scores, float("-inf"))
+    if WINDOW:
+        scores = tl.where(kpos[None, :] > q_pos[:, None] - window, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
+    if WINDOW:
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_exp = m_new
+    alpha = tl.math.exp2(m_i - m_exp)
+    p = tl.math.exp2(scores * qk_scale - m_exp[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
@@ -210,7 +234,8 @@ def _attend_range(
     k_ptr,
     v_ptr,
     block_table_ptr,
-    kv_start,
+    kv_lo,
+    band_end,
     full_end,
     kv_end,
     q_pos,
@@ -223,32 +248,75 @@ def _attend_range(
     stride_vt,
     stride_vd,
     qk_scale,
+    cap_scale,
+    window,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    """The keys kv_start .. kv_end - 1: whole tiles up to full_end without any mask, the rest with the
-    length mask (and the causal one if CAUSAL). Each tile loads its block ids in the loop, which
-    Triton's software pipeliner prefetches a stage ahead of the K/V loads they address."""
-    for k0 in range(kv_start, full_end, BLOCK_N):
-        block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, DOT_PREC, DOT_FP32, KV_FP8,
-        )  # fmt: skip
-    for k0 in range(full_end, kv_end, BLOCK_N):
-        block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, DOT_PREC, DOT_FP32, KV_FP8,
-        )  # fmt: skip
+    """The keys kv_lo .. kv_end - 1 in tiles of BLOCK_N from kv_lo (not necessarily a multiple of
+    BLOCK_N: a sliding window starts where it starts, and no key before kv_lo is ever loaded).
+
+    A tile runs without any mask when every key in it is at or after band_end (inside every row's
+    window; WINDOW only) and before full_end (visible to every row: causally, and before kv_end);
+    the others run with the length mask, the causal one if CAUSAL and the window's if WINDOW. So
+    the masked tiles are the first few (the window's lower edge, WINDOW only) and the last few (the
+    diagonal and the end). Each tile loads its block ids in the loop, which Triton's software
+    pipeliner prefetches a stage ahead of the K/V loads they address. Without WINDOW the loops are
+    the kernels' original ones (the unmasked tiles first).
+    """
+    span = tl.maximum(kv_end - kv_lo, 0)
+    n_total = (span + BLOCK_N - 1) // BLOCK_N
+    n_full = tl.minimum(tl.maximum(full_end - kv_lo, 0) // BLOCK_N, n_total)
+    if WINDOW:
+        # Masked: tiles [0, n_band) (the window's lower edge) and [max(n_band, n_full), n_total)
+        # (the diagonal and the end), in one loop so that the kernel holds one masked tile body
+        # (two made the fp32 and the tall-tile variants spill: ptxas, sm_90). The unmasked tiles
+        # come last; a row that has seen no key before one enters it with a running max of -inf,
+        # which the tile's finite scores replace (its alpha is 0).
+        n_band = tl.minimum((tl.maximum(band_end - kv_lo, 0) + BLOCK_N - 1) // BLOCK_N, n_total)
+        n_after = tl.maximum(n_band, n_full)
+        for t in range(0, n_band + n_total - n_after):
+            k0 = kv_lo + tl.where(t < n_band, t, t - n_band + n_after) * BLOCK_N
+            block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale,
+                window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, True, SOFT_CAP, DOT_PREC,
+                DOT_FP32, KV_FP8,
+            )  # fmt: skip
+        for k0 in range(kv_lo + n_band * BLOCK_N, kv_lo + n_full * BLOCK_N, BLOCK_N):
+            block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale,
+                window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, False, SOFT_CAP, DOT_PREC,
+                DOT_FP32, KV_FP8,
+            )  # fmt: skip
+    else:
+        for k0 in range(kv_lo, kv_lo + n_full * BLOCK_N, BLOCK_N):
+            block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, False)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale,
+                window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, False, SOFT_CAP, DOT_PREC,
+                DOT_FP32, KV_FP8,
+            )  # fmt: skip
+        for k0 in range(kv_lo + n_full * BLOCK_N, kv_end, BLOCK_N):
+            block_ids = _load_block_ids(block_table_ptr, k0, kv_end, BLOCK_N, PAGE_SIZE, True)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, k0, kv_end, q_pos, k_head_off, v_head_off,
+                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale,
+                window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, CAUSAL, False, SOFT_CAP, DOT_PREC,
+                DOT_FP32, KV_FP8,
+            )  # fmt: skip
     return acc, m_i, l_i
 
 
@@ -313,7 +381,9 @@ def write_kv_kernel(
 _VARYING = ("num_seqs", "stride_bt")
 
 
-@triton.jit(do_not_specialize=[*_VARYING, "num_splits", "tokens_per_split", "table_tokens", "part_rows"])
+@triton.jit(
+    do_not_specialize=[*_VARYING, "num_splits", "tokens_per_split", "table_tokens", "part_rows", "window"]
+)
 def decode_kernel(
     q_ptr,
     k_ptr,
@@ -326,6 +396,8 @@ def decode_kernel(
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,
+    cap_scale,
+    window,
     num_seqs,
     num_splits,
     tokens_per_split,
@@ -355,6 +427,8 @@ def decode_kernel(
     SPLIT: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
     BY_SEQ: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -368,11 +442,16 @@ def decode_kernel(
     split's block ids before the sequence length is known, assuming that the token's sequence is
     the token's index (true in a decode batch; reloaded otherwise) or knowing it (BY_SEQ), so the
     first K/V loads wait one memory round trip, not two.
+    WINDOW (a sliding window of `window` keys): the token sees only its last `window` positions, so
+    the splits partition those (tokens_per_split comes from the window, not the table) and start at
+    the window's first key; no key before it is loaded (its block may be freed or reused). The
+    window's start depends on the sequence length, so SINGLE_TILE loads its block ids after it.
+    SOFT_CAP: see `_attend_block`.
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_start = split * tokens_per_split
+    kv_start = split * tokens_per_split  # from the window's first key with WINDOW (below)
     rows = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     q_heads = kv_head * GROUP + rows
@@ -381,7 +460,7 @@ def decode_kernel(
         q_mask = row_mask[:, None]
     else:
         q_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
-    if SINGLE_TILE:
+    if SINGLE_TILE and not WINDOW:
         block_ids = _load_block_ids(
             block_tables_ptr + row.to(tl.int64) * stride_bt, kv_start, table_tokens, BLOCK_N, PAGE_SIZE, True
         )
@@ -404,7 +483,7 @@ def decode_kernel(
             q_start = tl.load(cu_seqlens_q_ptr + seq)
             q_end = tl.load(cu_seqlens_q_ptr + seq + 1)
             seq_len = tl.load(seq_lens_ptr + seq)
-            if SINGLE_TILE:
+            if SINGLE_TILE and not WINDOW:
                 block_ids = _load_block_ids(
                     block_tables_ptr + seq.to(tl.int64) * stride_bt,
                     kv_start,
@@ -421,10 +500,15 @@ def decode_kernel(
         if DOT_FP32:
             q = q.to(tl.float32)
         if KV_FP8:
-            qk_scale = qk_scale * tl.load(k_scale_ptr)
+            if SOFT_CAP:
+                cap_scale = cap_scale * tl.load(k_scale_ptr)
+            else:
+                qk_scale = qk_scale * tl.load(k_scale_ptr)
             if KV_FP8 == WIDEN_TO_F16:
                 q = _q_to_f16(q)
         context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
+        if WINDOW:
+            kv_start += tl.maximum(context_end - window, 0)
 
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -432,20 +516,23 @@ def decode_kernel(
         kv_end = tl.minimum(kv_start + tokens_per_split, context_end)
         k_head_off = kv_head.to(tl.int64) * stride_kh
         v_head_off = kv_head.to(tl.int64) * stride_vh
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         if SINGLE_TILE:
             if kv_start < kv_end:
+                if WINDOW:
+                    block_ids = _load_block_ids(table, kv_start, kv_end, BLOCK_N, PAGE_SIZE, True)
                 acc, m_i, l_i = _attend_block(
-                    acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, kv_start, kv_end, rows, k_head_off, v_head_off,
-                    stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-                    BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, False, DOT_PREC, DOT_FP32, KV_FP8,
+                    acc, m_i, l_i, q, k_ptr, v_ptr, block_ids, kv_start, kv_end, rows, k_head_off,
+                    v_head_off, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
+                    cap_scale, window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, False, False, SOFT_CAP,
+                    DOT_PREC, DOT_FP32, KV_FP8,
                 )  # fmt: skip
         else:
-            full_end = kv_start + tl.maximum(kv_end - kv_start, 0) // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _attend_range(
-                acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-                kv_start, full_end, kv_end, rows, k_head_off, v_head_off,
-                stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-                BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, DOT_PREC, DOT_FP32, KV_FP8,
+                acc, m_i, l_i, q, k_ptr, v_ptr, table, kv_start, kv_start, kv_end, kv_end, rows,
+                k_head_off, v_head_off, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                qk_scale, cap_scale, window, BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, False, False, SOFT_CAP,
+                DOT_PREC, DOT_FP32, KV_FP8,
             )  # fmt: skip
         if KV_FP8:
             acc = acc * tl.load(v_scale_ptr)
@@ -514,7 +601,7 @@ def merge_kernel(
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=[*_VARYING, "num_tiles"])
+@triton.jit(do_not_specialize=[*_VARYING, "num_tiles", "window"])
 def varlen_kernel(
     q_ptr,
     k_ptr,
@@ -526,6 +613,8 @@ def varlen_kernel(
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,
+    cap_scale,
+    window,
     num_seqs,
     num_tiles,
     stride_qt,
@@ -551,6 +640,8 @@ def varlen_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SEQS_PAD: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -562,6 +653,10 @@ def varlen_kernel(
     the rest (the diagonal, at most ceil(BLOCK_Q / BLOCK_N) + 1 tiles) run with the causal mask.
     Sequences with exactly one new token are skipped: `paged_attention` gives them to the decode
     kernel.
+    WINDOW (a sliding window of `window` keys): the tile's keys start at the first one its earliest
+    token can see (nothing before is loaded: those blocks may be freed or reused); key tiles that
+    some of its later tokens cannot see carry the window's mask, and the others none (see
+    `_attend_range`). SOFT_CAP: see `_attend_block`.
     """
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     # Late tiles of a sequence have the most keys: hand them out first for a better tail.
@@ -599,7 +694,10 @@ def varlen_kernel(
         if DOT_FP32:
             q = q.to(tl.float32)
         if KV_FP8:
-            qk_scale = qk_scale * tl.load(k_scale_ptr)
+            if SOFT_CAP:
+                cap_scale = cap_scale * tl.load(k_scale_ptr)
+            else:
+                qk_scale = qk_scale * tl.load(k_scale_ptr)
             if KV_FP8 == WIDEN_TO_F16:
                 q = _q_to_f16(q)
         q_pos = cached + q_tok
@@ -609,12 +707,18 @@ def varlen_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         first_pos = cached + tile * BLOCK_Q
         kv_end = tl.minimum(cached + (tile + 1) * BLOCK_Q, seq_len)
+        if WINDOW:
+            kv_lo = tl.maximum(first_pos - window + 1, 0)  # the first key the tile's first token sees
+            band_end = kv_end - window  # keys before this are out of the last token's window
+        else:
+            kv_lo = first_pos * 0
+            band_end = kv_lo
         acc, m_i, l_i = _attend_range(
             acc, m_i, l_i, q, k_ptr, v_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-            0, (first_pos // BLOCK_N) * BLOCK_N, kv_end, q_pos,
+            kv_lo, band_end, first_pos + 1, kv_end, q_pos,
             kv_head.to(tl.int64) * stride_kh, kv_head.to(tl.int64) * stride_vh,
-            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale,
-            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, DOT_PREC, DOT_FP32, KV_FP8,
+            stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, qk_scale, cap_scale, window,
+            BLOCK_N, PAGE_SIZE, HEAD_DIM, D_PAD, True, WINDOW, SOFT_CAP, DOT_PREC, DOT_FP32, KV_FP8,
         )  # fmt: skip
         if KV_FP8:
             acc = acc * tl.load(v_scale_ptr)

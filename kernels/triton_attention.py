@@ -72,6 +72,27 @@ and merge, its own split count (each of its warps reads one KV head with its own
 so 8 of them per SM suffice). Every Triton decode loop tried read FP8 bytes at <= 0.74x of the bf16
 kernel's rate; the CUDA kernel reads them at 0.92-0.97x at the large K1 shapes (README, FP8).
 
+Sliding windows and soft-caps
+-----------------------------
+A layer's sliding window (Mistral; Gemma's local layers) and attention soft-cap (Gemma 2) are
+launch arguments, with one constexpr flag each (`WINDOW`, `SOFT_CAP`): a model compiles at most
+one variant per flag combination it uses (2 for Gemma's local/global layers), not one per window
+size, and a CUDA graph captures the values as any other argument. An executor's warm-up forward
+runs every layer, so every variant is compiled before graphs are captured.
+No key before a query's window is loaded: the scheduler frees blocks that fall out of the window
+and another sequence may own them (NaN or inf there would survive any mask as 0 * NaN). The
+decode kernel starts each token's splits at its window's first key and splits the window, not the
+table (`_decode_plan`: a (64, 4096) decode with a 1024-key window is launched as a (64, 1024) one);
+each varlen tile starts at the first key its earliest token sees, masks the window only in the key
+tiles at the window's lower edge and runs the tiles every row sees without a mask. A window at
+least as long as the block table can exclude nothing, and is dropped (`binding_window`, shapes
+only). The soft-cap is a tanh on the scores (`attention_jit._tanh`).
+The CUDA FP8 decode kernel has neither: windowed or capped layers over FP8 caches decode on the
+Triton FP8 kernel. That costs bandwidth only where the CUDA kernel applies at all (head_dim 128:
+Mistral, Gemma-2/3-27B; Gemma's other sizes have head_dim 256), and a windowed decode reads at most
+`window` keys per sequence, so those layers are a small part of a long-context step; the global
+layers keep the CUDA kernel.
+
 All pointer offsets into the caches are computed in 64 bits (block ids are cast to int64 before
 they meet a stride), so pools of more than 2^15 blocks of any size are safe.
 """
@@ -95,7 +116,7 @@ from pagedserve.kernels.attention_jit import (
     write_kv_kernel,
 )
 
-__all__ = ["paged_attention", "write_kv", "DecodeConfig", "PrefillConfig"]
+__all__ = ["paged_attention", "write_kv", "DecodeConfig", "PrefillConfig", "ScoreOptions"]
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -189,12 +210,14 @@ def default_decode_config(head_dim_pad: int, dtype: torch.dtype) -> DecodeConfig
 def default_prefill_config(head_dim_pad: int, dtype: torch.dtype) -> PrefillConfig:
     """Prefill is matrix-bound: big tiles for 2-byte types, smaller ones where registers run short.
 
-    fp32 runs its products exactly (no tensor cores) and is a correctness path, not a fast one.
+    fp32 runs its products exactly (no tensor cores) and is a correctness path, not a fast one. Its
+    32-row tile takes 8 warps: with 4, ptxas (sm_90, Triton 3.7) gave it 188 registers, and 255 with
+    764 bytes of spills in the sliding-window variant; with 8, 73-78 and no spills in either.
     """
     if dtype == torch.float32:
         if head_dim_pad >= 256:
             return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-        return PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+        return PrefillConfig(block_m=32, block_n=16, num_warps=8, num_stages=2)
     if head_dim_pad >= 256:
         return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
     # On the H200 (8 x 2048 tokens, GQA 4:1, bf16) this ran as fast as (128, 128, 8 warps) and
@@ -344,10 +367,15 @@ def _decode_plan(
     num_splits: int | None,
     by_seq: bool,
     heads_per_program: int = 1,
+    window: int | None = None,
+    soft_cap: bool = False,
 ) -> _DecodePlan:
     """Grid, split geometry and meta-parameters of the decode kernel (and the merge) for one shape.
 
     num_rows: grid rows, one per sequence (= per token in a decode batch).
+    window: the sliding window (`_binding_window`: None where it cannot exclude a key); a token then
+    reads at most `window` keys, so the launch is chosen and split as for a context of that length.
+    soft_cap: whether the kernel applies one (its value is a launch argument).
 
     Splits are whole multiples of block_n keys; a split count that does not divide the context
     evenly is rounded so no split is empty for the longest possible sequence.
@@ -355,15 +383,14 @@ def _decode_plan(
     group = num_q_heads // num_kv_heads
     d_pad = _pow2_at_least(head_dim, 16)
     table_tokens = table_width * page_size
+    span = table_tokens if window is None else min(window, table_tokens)  # keys one token reads
     if config is None and num_splits is None:
-        config, num_splits = choose_decode_launch(
-            num_rows, num_kv_heads, table_tokens, d_pad, dtype, sm_count
-        )
+        config, num_splits = choose_decode_launch(num_rows, num_kv_heads, span, d_pad, dtype, sm_count)
     config = config or default_decode_config(d_pad, dtype)
     if num_splits is None:
-        num_splits = choose_num_splits(num_rows, num_kv_heads, table_tokens, config.block_n, sm_count)
-    tokens_per_split = max(1, _cdiv(_cdiv(table_tokens, num_splits), config.block_n)) * config.block_n
-    num_splits = max(1, _cdiv(table_tokens, tokens_per_split))
+        num_splits = choose_num_splits(num_rows, num_kv_heads, span, config.block_n, sm_count)
+    tokens_per_split = max(1, _cdiv(_cdiv(span, num_splits), config.block_n)) * config.block_n
+    num_splits = max(1, _cdiv(span, tokens_per_split))
     split = num_splits > 1
     part_rows = num_rows * num_q_heads * num_splits if split else 0
     meta = dict(
@@ -376,6 +403,8 @@ def _decode_plan(
         SPLIT=split,
         SINGLE_TILE=split and tokens_per_split == config.block_n,
         BY_SEQ=by_seq,
+        WINDOW=window is not None,
+        SOFT_CAP=soft_cap,
         DOT_PREC=_dot_precision(dtype),
         DOT_FP32=_dot_in_fp32(dtype),
         num_warps=config.num_warps,
@@ -409,6 +438,8 @@ def _varlen_meta(
     dtype: torch.dtype,
     config: PrefillConfig,
     seqs_pad: int,
+    windowed: bool = False,
+    soft_cap: bool = False,
 ) -> tuple[int, dict[str, Any]]:
     """Query tokens per tile and the meta-parameters of the varlen kernel for one shape."""
     group = num_q_heads // num_kv_heads
@@ -426,6 +457,8 @@ def _varlen_meta(
         PAGE_SIZE=page_size,
         BLOCK_N=config.block_n,
         SEQS_PAD=seqs_pad,
+        WINDOW=windowed,
+        SOFT_CAP=soft_cap,
         DOT_PREC=_dot_precision(dtype),
         DOT_FP32=_dot_in_fp32(dtype),
         num_warps=config.num_warps,
@@ -535,11 +568,14 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a mixed batch; see `kernels.reference.paged_attention`.
 
     The keyword-only arguments override the shape-based choices (for tests and tuning);
-    k_scale / v_scale are the FP8 caches' scales (float32 [1] on q's device).
+    k_scale / v_scale are the FP8 caches' scales (float32 [1] on q's device); sliding_window and
+    soft_cap are the layer's (Mistral's and Gemma's attention: see the module docstring).
     """
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out)
     if out is None:
@@ -548,13 +584,57 @@ def paged_attention(
         return out
     decode_batch = q.shape[0] == seq_lens.shape[0]
     scales = _kv_scales(k_cache, k_scale, v_scale, q.device)
+    scores = score_options(scale, sliding_window, soft_cap, block_tables.shape[1] * k_cache.shape[1])
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
     # A mixed batch: the decode kernel takes its sequences of one new token, the varlen kernel the
     # others (it is slower at decodes).
-    _launch_decode(*args, decode_config, num_splits, by_seq=not decode_batch, scales=scales)
+    _launch_decode(*args, decode_config, num_splits, by_seq=not decode_batch, scales=scales, scores=scores)
     if not decode_batch:
-        _launch_varlen(*args, prefill_config, scales=scales)
+        _launch_varlen(*args, prefill_config, scales=scales, scores=scores)
     return out
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """How a launch turns q.k into softmax exponents: the launch arguments `qk_scale` and
+    `cap_scale`, and the constexprs they go with.
+
+    Without a soft-cap the exponent is q.k * scale * log2(e) (qk_scale); with one it is
+    tanh(q.k * scale / cap) * cap * log2(e) (cap_scale, then qk_scale). `window` is the sliding
+    window where it can exclude a key of this table (`binding_window`), else None.
+    """
+
+    qk_scale: float
+    cap_scale: float
+    window: int | None
+    soft_cap: bool
+
+    @property
+    def window_arg(self) -> int:
+        return 0 if self.window is None else self.window
+
+
+def binding_window(sliding_window: int | None, table_tokens: int) -> int | None:
+    """The window, or None where it cannot exclude a key: a table of `table_tokens` positions
+    holds no query at or past the window, so every query sees all its keys. From shapes only (a
+    CUDA graph keeps its table width), and it keeps such launches on the kernels without a window
+    (the CUDA FP8 decode kernel among them)."""
+    if sliding_window is None or sliding_window >= table_tokens:
+        return None
+    return sliding_window
+
+
+def score_options(
+    scale: float, sliding_window: int | None, soft_cap: float | None, table_tokens: int
+) -> ScoreOptions:
+    """The launch's `ScoreOptions`, with the arguments checked."""
+    if sliding_window is not None:
+        assert isinstance(sliding_window, int) and sliding_window >= 1, "sliding_window: a positive int"
+    window = binding_window(sliding_window, table_tokens)
+    if soft_cap is None:
+        return ScoreOptions(scale * _LOG2E, 1.0, window, False)
+    assert soft_cap > 0, "soft_cap must be positive"
+    return ScoreOptions(soft_cap * _LOG2E, scale / soft_cap, window, True)
 
 
 def _kv_scales(
@@ -589,9 +669,12 @@ def decode_plan(
     num_splits: int | None = None,
     by_seq: bool = False,
     heads_per_program: int = 1,
+    window: int | None = None,
+    soft_cap: bool = False,
 ) -> _DecodePlan:
     """The decode launch `paged_attention` would make for these shapes (for the benchmark and tests);
-    heads_per_program > 1 for the CUDA kernel, whose programs take several KV heads."""
+    heads_per_program > 1 for the CUDA kernel, whose programs take several KV heads; window: a
+    sliding window (as `binding_window` leaves it); soft_cap: whether a cap is applied."""
     _, num_q_heads, head_dim = q.shape
     return _decode_plan(
         block_tables.shape[0],
@@ -606,6 +689,8 @@ def decode_plan(
         num_splits,
         by_seq,
         heads_per_program,
+        window,
+        soft_cap,
     )
 
 
@@ -622,9 +707,14 @@ def _launch_decode(
     num_splits: int | None,
     by_seq: bool,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scores: ScoreOptions | None = None,
 ) -> None:
     scales = scales or _kv_scales(k_cache, None, None, q.device)
-    cuda_config = FP8_DECODE_CUDA if config is None else None
+    scores = scores or score_options(scale, None, None, 0)
+    # The CUDA FP8 kernel has neither a window nor a cap: such layers take the Triton FP8 kernel
+    # (the module docstring says why).
+    plain = scores.window is None and not scores.soft_cap
+    cuda_config = FP8_DECODE_CUDA if config is None and plain else None
     cuda_kernel = None
     if cuda_config is not None and cuda_decode.applies(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out
@@ -641,7 +731,9 @@ def _launch_decode(
         )  # fmt: skip
         _launch_merge(plan, out, part, cu_seqlens_q)
         return
-    plan = decode_plan(q, k_cache, block_tables, config, num_splits, by_seq)
+    plan = decode_plan(
+        q, k_cache, block_tables, config, num_splits, by_seq, window=scores.window, soft_cap=scores.soft_cap
+    )
     part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out  # unread unsplit
     decode_kernel[plan.grid](
         q,
@@ -653,7 +745,9 @@ def _launch_decode(
         seq_lens,
         cu_seqlens_q,
         *scales,
-        scale * _LOG2E,
+        scores.qk_scale,
+        scores.cap_scale,
+        scores.window_arg,
         seq_lens.shape[0],
         plan.num_splits,
         plan.tokens_per_split,
@@ -710,8 +804,10 @@ def _launch_varlen(
     out: torch.Tensor,
     config: PrefillConfig | None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scores: ScoreOptions | None = None,
 ) -> None:
     scales = scales or _kv_scales(k_cache, None, None, q.device)
+    scores = scores or score_options(scale, None, None, 0)
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if config is None:
@@ -720,8 +816,9 @@ def _launch_varlen(
             _pow2_at_least(head_dim, 16), q.dtype, _sm_count(q.device),
         )  # fmt: skip
     block_q, meta = _varlen_meta(
-        num_q_heads, head_dim, num_kv_heads, k_cache.shape[1], q.dtype, config, _seqs_pad(num_seqs)
-    )
+        num_q_heads, head_dim, num_kv_heads, k_cache.shape[1], q.dtype, config, _seqs_pad(num_seqs),
+        scores.window is not None, scores.soft_cap,
+    )  # fmt: skip
     num_tiles = num_tokens // block_q + num_seqs
     varlen_kernel[(num_tiles, num_kv_heads)](
         q,
@@ -732,7 +829,9 @@ def _launch_varlen(
         seq_lens,
         cu_seqlens_q,
         *scales,
-        scale * _LOG2E,
+        scores.qk_scale,
+        scores.cap_scale,
+        scores.window_arg,
         num_seqs,
         num_tiles,
         *q.stride(),

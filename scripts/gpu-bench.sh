@@ -10,6 +10,8 @@
 #   w2         W2 with prefix caching on vs off
 #   w3         W3 at three Poisson rates
 #   pressure   W1 in a KV pool of 4,096 and 8,192 blocks (W1 peaks near 20,400): recompute vs swap
+#   moe        python -m benchmarks.moe (the fused-MoE kernel on Qwen3-30B-A3B's layer at 64, 512 and
+#              8,192 tokens, bf16 and FP8, vs a dense bf16 GEMM of the same FLOPs and a per-expert loop)
 #   fp8-kernels python -m benchmarks.fp8 (FP8 linear vs bf16, fused quantizing kernels, K1
 #              decode with an FP8 KV cache)
 #   fp8-quality python -m benchmarks.fp8_quality (bits per byte and greedy agreement of the
@@ -61,6 +63,7 @@ if wants step; then
   run step 150 python3 -m benchmarks.step --layers 32 --init-on-device --batches 256 --steps 20 \
     --mixed-prompt 512 --service
 fi
+if wants moe; then run moe 300 python3 -m benchmarks.moe --result-file "$OUT/moe.json"; fi
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m benchmarks.fp8 --result-file "$OUT/fp8-kernels.json"; fi
 if wants fp8-quality; then run fp8-quality 300 python3 -m benchmarks.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
 if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp; then

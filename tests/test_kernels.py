@@ -80,8 +80,8 @@ def make_batch(
     )
 
 
-def reference_fp32(batch: dict) -> torch.Tensor:
-    """The reference on fp32 copies of the inputs, on the CPU."""
+def reference_fp32(batch: dict, **variant) -> torch.Tensor:
+    """The reference on fp32 copies of the inputs, on the CPU (variant: sliding_window, soft_cap)."""
     return reference.paged_attention(
         batch["q"].float().cpu(),
         batch["k_cache"].float().cpu(),
@@ -90,6 +90,7 @@ def reference_fp32(batch: dict) -> torch.Tensor:
         batch["seq_lens"].cpu(),
         batch["cu_seqlens_q"].cpu(),
         batch["scale"],
+        **variant,
     )
 
 

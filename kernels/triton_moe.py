@@ -1,0 +1,429 @@
+"""The routed experts of a mixture-of-experts MLP in Triton: vLLM's `fused_moe` design.
+
+Contract: `kernels.reference.fused_moe` (same arguments, same result up to rounding).
+
+Why a kernel: a per-expert loop in torch launches two matmuls per expert with a gather and a
+scatter around them (128 experts: hundreds of launches, each too small to fill the GPU). Here
+every (token, expert) assignment is one row of two grouped GEMMs:
+
+1. `align` sorts the assignments by expert into blocks of BLOCK_M rows that each belong to one
+   expert (`moe_align_block_size` in vLLM): an expert's rows are padded to a multiple of BLOCK_M
+   with a sentinel id (= num_tokens * top_k), experts without a token get no block. Plain torch
+   ops with no host synchronisation (so CUDA graphs capture it); sizes are upper bounds from the
+   shapes (`_max_sorted_rows`); the real count stays on the device and programs past it exit.
+2. `_gate_up_kernel`: each program one block of BLOCK_M sorted rows x BLOCK_N columns of its
+   expert's intermediate. It gathers the rows' tokens of x, multiplies them by the gate and the up
+   rows of w13 at once (two accumulators) and writes silu(gate) * up, rounded to x's dtype (the
+   reference's rounding point), at the assignment's row: the activation never makes a round trip
+   through memory in [*, 2 * inter] form.
+3. `_down_kernel`: the same over w2, each row times its routing weight, written at the
+   assignment's row; then a sum over each token's top_k rows (torch's, accumulating in float32)
+   makes the output. The sum is a separate small pass rather than atomics in the epilogue: it is
+   deterministic and needs no zeroed float32 buffer.
+
+Tile configs come from the number of assignment rows per expert (`choose_config`): small blocks
+that spread the weight reads over many programs at decode sizes (memory bound: every expert's
+weights are read once), big ones at prefill sizes (compute bound). Programs are ordered in groups
+of GROUP_M row blocks per column block so that consecutive programs share weight tiles in L2.
+
+FP8 weights (`--quantization fp8`): w13 / w2 in float8_e4m3fn with one float32 scale per output
+row. Two ways to run them (`FP8_ACTIVATIONS_MIN_ROWS` picks by size):
+* widened weights (W8A16): the e4m3 tiles are widened in registers to x's dtype (exact) and the
+  products run in bf16; the scales multiply the accumulator's columns. Half the weight bytes of
+  bf16, the reference's math. Best where the weights' bytes dominate (decode).
+* FP8 activations (W8A8, the dense FP8 path's scheme, `kernels.fp8`): x and the intermediate are
+  quantized per token (`kernels.fp8.quantize_per_token`) and the products run on FP8
+  tensor cores at twice bf16's rate; the accumulator is scaled by the row's and the column's scale.
+
+All offsets that multiply an index by a stride are 64-bit (experts x rows x hidden overflows
+int32 for large models).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels import fp8
+
+__all__ = ["MoeConfig", "align", "choose_config", "fused_moe"]
+
+_FP8 = torch.float8_e4m3fn
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Read once: @triton.jit chose the interpreter or the compiler at import time as well.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# FP8 weights run with FP8 activations from this many assignment rows (tokens x top_k) up, widened
+# weights below (see the module docstring). Not measured yet: set where the products, not the weight
+# bytes, should dominate (2,048 tokens at top-8); `python -m benchmarks.moe` times both modes.
+FP8_ACTIVATIONS_MIN_ROWS = 16384
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tile and launch parameters of one grouped GEMM: rows (assignments) x output columns x
+    reduction per step, row blocks per column block in the launch order, warps, pipeline depth."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=256)
+def choose_config(rows: int, num_experts: int, n: int, k: int, gate_up: bool, fp8: bool) -> MoeConfig:
+    """The tile config of one grouped GEMM from shapes only: `rows` assignments (tokens x top_k)
+    over `num_experts`, n output columns (per half for the fused gate_up), k the reduction.
+
+    Seeded from vLLM's H100 and H200 tables for 128 experts of width 768 (at 64 tokens:
+    16 x 256 x 128, 8 warps; at 512: 64 x 128 x 64; from 1,536: 128 x 256 x 64, 8 warps, 4 stages),
+    with the fused gate_up's two accumulators counted as one tile twice as wide. FP8 activations
+    (fp8) at prefill sizes take 128 x 128 x 128 tiles, 3 stages: the only candidates without
+    spills (ptxas, sm_90, Triton 3.7: 145 and 187 registers; 128 x 256 spilled 4-360 bytes).
+    """
+    per_expert = rows / max(1, num_experts)
+    half = 2 if gate_up else 1  # gate_up holds two accumulators of block_n columns
+    if per_expert <= 8:
+        cfg = MoeConfig(16, 256 // half, 128, 1, 8 if half == 1 else 4, 3)
+    elif per_expert <= 48:
+        cfg = MoeConfig(64, 128 // half, 64, 1, 4, 3)
+    elif fp8:
+        cfg = MoeConfig(128, 128 // half, 128, 8, 8, 3)
+    else:
+        cfg = MoeConfig(128, 256 // half, 64, 8, 8, 4)
+    block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    return MoeConfig(cfg.block_m, block_n, block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Sorting assignments into expert blocks (torch, graph-capturable)
+# --------------------------------------------------------------------------------------------- #
+
+
+def _max_sorted_rows(assignments: int, num_experts: int, block_m: int) -> int:
+    """Rows of the padded, sorted layout at most: every assignment, plus up to block_m - 1 padding
+    rows for each expert that has any (at most min(experts, assignments) of them)."""
+    return assignments + min(num_experts, assignments) * (block_m - 1)
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """Assignments sorted by expert and padded into blocks of block_m rows of one expert.
+
+    Returns:
+        sorted_ids: [max rows] int32, assignment indices (token * top_k + slot), grouped by expert
+            (in token order within one), each expert's group padded to a multiple of block_m with
+            the sentinel num_tokens * top_k; the tail past the real rows is sentinel too.
+        block_experts: [max rows // block_m] int32, each block's expert (num_experts past the end).
+        num_rows: [1] int32, the real number of padded rows (a multiple of block_m).
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    assignments = flat.numel()
+    device = flat.device
+    max_rows = _max_sorted_rows(assignments, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = padded.cumsum(0)
+    count_starts = counts.cumsum(0) - counts
+    order = torch.sort(flat, stable=True).indices  # assignment indices, grouped by expert
+    experts = flat[order]
+    rank = torch.arange(assignments, device=device) - count_starts[experts]
+    sorted_ids = torch.full((max_rows,), assignments, dtype=torch.int32, device=device)
+    sorted_ids[padded_ends[experts] - padded[experts] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, max_rows, block_m, device=device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).to(torch.int32)
+    return sorted_ids, block_experts, padded_ends[-1:].to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------- #
+# Device code
+# --------------------------------------------------------------------------------------------- #
+
+
+@triton.jit
+def _program_tile(
+    num_rows_ptr, max_rows, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
+):
+    """(row block, column block) of this program in grouped order, and whether it has rows."""
+    pid = tl.program_id(0)
+    blocks_m = tl.cdiv(max_rows, BLOCK_M)
+    blocks_n = tl.cdiv(n, BLOCK_N)
+    in_group = GROUP_M * blocks_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+    live = pid_m * BLOCK_M < tl.load(num_rows_ptr)
+    return pid_m, pid_n, live
+
+
+@triton.jit(do_not_specialize=["max_rows", "assignments"])
+def _gate_up_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_rows_ptr,
+    max_rows,
+    assignments,
+    inter,
+    hidden,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_se,
+    stride_sn,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    W_FP8: tl.constexpr,
+    A_FP8: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """silu(x w_gate^T) * (x w_up^T) for BLOCK_M sorted assignment rows (one expert) x BLOCK_N
+    intermediate columns, written in the output dtype at the assignments' rows.
+
+    a: x [tokens, hidden] (or its FP8 quantization with A_FP8: a_scale [tokens] per token); row r
+    of the block reads token sorted_ids[r] // TOP_K. w: w13 [experts, 2 * inter, hidden]; gate
+    rows n, up rows inter + n. W_FP8: e4m3 weights with w_scale [experts, 2 * inter] per row,
+    widened to x's dtype unless A_FP8 (then both operands are e4m3).
+    """
+    pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, inter, BLOCK_M, BLOCK_N, GROUP_M)
+    if live:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(sorted_ids_ptr + offs_m)
+        valid = ids < assignments
+        tokens = tl.where(valid, ids // TOP_K, 0).to(tl.int64)
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < inter
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + tokens[:, None] * stride_am + offs_k[None, :] * stride_ak
+        w_cols = expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+        g_ptrs = w_ptr + w_cols + offs_k[:, None] * stride_wk
+        u_ptrs = g_ptrs + inter * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_mask = offs_k < hidden - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if DOT_FP32:
+                a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+            elif W_FP8 and not A_FP8:  # widened to x's dtype: exact
+                g, u = g.to(out_ptr.dtype.element_ty), u.to(out_ptr.dtype.element_ty)
+            acc_g += tl.dot(a, g, input_precision=DOT_PREC)
+            acc_u += tl.dot(a, u, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_ak
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+        if W_FP8:
+            s_ptrs = w_scale_ptr + expert * stride_se + offs_n * stride_sn
+            acc_g *= tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
+            acc_u *= tl.load(s_ptrs + inter * stride_sn, mask=n_mask, other=0.0)[None, :]
+        if A_FP8:
+            row_scale = tl.load(a_scale_ptr + tokens, mask=valid, other=0.0)[:, None]
+            acc_g *= row_scale
+            acc_u *= row_scale
+        hidden_act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        o_ptrs = out_ptr + ids.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, hidden_act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["max_rows", "assignments"])
+def _down_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    topk_weights_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_rows_ptr,
+    max_rows,
+    assignments,
+    hidden,
+    inter,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_se,
+    stride_sn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    W_FP8: tl.constexpr,
+    A_FP8: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """(h w_down^T) * routing weight for BLOCK_M sorted assignment rows x BLOCK_N hidden columns,
+    written at the assignments' rows of out [tokens * top_k, hidden].
+
+    a: the intermediate h [tokens * top_k, inter] (row = assignment; A_FP8: its per-row FP8
+    quantization with a_scale [tokens * top_k]); w: w2 [experts, hidden, inter]; W_FP8 as in
+    `_gate_up_kernel`; topk_weights: [tokens * top_k] float32.
+    """
+    pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, hidden, BLOCK_M, BLOCK_N, GROUP_M)
+    if live:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(sorted_ids_ptr + offs_m)
+        valid = ids < assignments
+        rows = tl.where(valid, ids, 0).to(tl.int64)
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hidden
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        w_cols = expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+        w_ptrs = w_ptr + w_cols + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_mask = offs_k < inter - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if DOT_FP32:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            elif W_FP8 and not A_FP8:
+                w = w.to(out_ptr.dtype.element_ty)
+            acc += tl.dot(a, w, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
+        if W_FP8:
+            s_ptrs = w_scale_ptr + expert * stride_se + offs_n * stride_sn
+            acc *= tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
+        if A_FP8:
+            acc *= tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
+        acc *= tl.load(topk_weights_ptr + rows, mask=valid, other=0.0)[:, None]
+        o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+# --------------------------------------------------------------------------------------------- #
+# Python entry point
+# --------------------------------------------------------------------------------------------- #
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    """fp32 inputs, and every dtype under the interpreter, whose tl.dot multiplies bf16's raw
+    uint16 bits (see `triton_attention._dot_in_fp32`) and has no FP8 products."""
+    return dtype == torch.float32 or _INTERPRETED
+
+
+def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
+    assert x.dim() == 2 and x.dtype in _SUPPORTED_DTYPES, "x must be [num_tokens, hidden] bf16/fp16/fp32"
+    assert w13.dim() == 3 and w2.dim() == 3, "w13: [experts, 2 * inter, hidden], w2: [experts, hidden, inter]"
+    num_experts, two_inter, hidden = w13.shape
+    assert two_inter % 2 == 0 and hidden == x.shape[1], "w13 must be [experts, 2 * inter, hidden]"
+    assert w2.shape == (num_experts, hidden, two_inter // 2), "w2 must be [experts, hidden, inter]"
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0]
+    assert not topk_ids.is_floating_point() and topk_weights.dtype == torch.float32
+    fp8 = w13.dtype == _FP8
+    assert w2.dtype == w13.dtype and (fp8 or w13.dtype == x.dtype), "weights: x's dtype or both e4m3"
+    assert (w13_scale is not None) == fp8 and (w2_scale is not None) == fp8, "scales iff e4m3 weights"
+    if fp8:
+        assert w13_scale.shape == (num_experts, two_inter) and w2_scale.shape == (num_experts, hidden)
+        assert w13_scale.dtype == w2_scale.dtype == torch.float32
+    for t in (w13, w2, topk_weights, topk_ids, w13_scale, w2_scale):
+        assert t is None or t.device == x.device, "all tensors must be on one device"
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "weights must be contiguous along their last dim"
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    *,
+    fp8_activations: bool | None = None,
+    gate_up_config: MoeConfig | None = None,
+    down_config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """The routed experts; see `kernels.reference.fused_moe`.
+
+    The keyword-only arguments override the shape-based choices (tests, tuning): FP8 activations
+    or widened FP8 weights, and each GEMM's tile config.
+    """
+    _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    rows = num_tokens * top_k
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    w_fp8 = w13.dtype == _FP8
+    if fp8_activations is None:
+        fp8_activations = w_fp8 and rows >= FP8_ACTIVATIONS_MIN_ROWS
+    a_fp8 = w_fp8 and fp8_activations
+    gate_up_config = gate_up_config or choose_config(rows, num_experts, inter, hidden, True, a_fp8)
+    down_config = down_config or choose_config(rows, num_experts, hidden, inter, False, a_fp8)
+    dot_fp32 = _dot_in_fp32(x.dtype)
+    precision = "ieee" if dot_fp32 else "tf32"
+    x = x if x.stride(1) == 1 else x.contiguous()
+    flat_weights = topk_weights.reshape(-1).contiguous()
+
+    hidden_act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    a, a_scale = x, x  # a_scale is never read without A_FP8
+    if a_fp8:  # per token, as the dense FP8 path (Triton on CUDA; the interpreter's e4m3 rounding
+        # is off by a binade at times, so CPU tensors take the reference: `kernels.fp8`)
+        a, a_scale = fp8.quantize_per_token(x)
+    sorted_ids, block_experts, num_rows = align(topk_ids, num_experts, gate_up_config.block_m)
+    cfg = gate_up_config
+    max_rows = sorted_ids.shape[0]
+    grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
+    _gate_up_kernel[grid](
+        a, w13, hidden_act, a_scale, w13_scale if w_fp8 else w13, sorted_ids, block_experts, num_rows,
+        max_rows, rows, inter, hidden, *a.stride(), *w13.stride(), *hidden_act.stride(),
+        *(w13_scale.stride() if w_fp8 else (0, 0)),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        W_FP8=w_fp8, A_FP8=a_fp8, DOT_FP32=dot_fp32, DOT_PREC=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+    cfg = down_config
+    if cfg.block_m != gate_up_config.block_m:
+        sorted_ids, block_experts, num_rows = align(topk_ids, num_experts, cfg.block_m)
+        max_rows = sorted_ids.shape[0]
+    h, h_scale = hidden_act, hidden_act
+    if a_fp8:
+        h, h_scale = fp8.quantize_per_token(hidden_act)
+    down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(hidden, cfg.block_n),)
+    _down_kernel[grid](
+        h, w2, down, h_scale, w2_scale if w_fp8 else w2, flat_weights, sorted_ids, block_experts,
+        num_rows, max_rows, rows, hidden, inter, *h.stride(), *w2.stride(), *down.stride(),
+        *(w2_scale.stride() if w_fp8 else (0, 0)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        W_FP8=w_fp8, A_FP8=a_fp8, DOT_FP32=dot_fp32, DOT_PREC=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+    return out

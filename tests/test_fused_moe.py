@@ -1,0 +1,267 @@
+"""The fused-MoE Triton kernels (`kernels.triton_moe`) against the reference (`kernels.reference`).
+
+Off the GPU the kernels run under the interpreter with tiny shapes: several experts, top-k 1, 2
+and 8, tokens routed unevenly (one expert takes most, some take none), hidden and intermediate
+sizes that are not multiples of the tiles. CUDA adds Qwen3-30B-A3B's and Mixtral's layer shapes,
+both FP8 modes and a CUDA graph. Every check draws fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import kernels
+from pagedserve.kernels import fp8, reference
+from pagedserve.kernels import triton_moe as tm
+from tests.triton_marks import DEVICE, INTERPRETED, needs_cuda, needs_triton
+
+FP8 = torch.float8_e4m3fn
+
+
+def make_moe(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    *,
+    fp8_weights: bool = False,
+    idle_experts: int = 2,
+    device: str = DEVICE,
+    seed: int = 0,
+) -> dict:
+    """Random inputs of `fused_moe`: weights scaled so activations stay O(1), routing by softmax
+    over biased logits (expert 1 takes most tokens, the last `idle_experts` none), renormalised
+    top-k weights. FP8: weights quantized per output row as the loader does."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    logits[:, 1] += 3.0
+    if idle_experts:
+        logits[:, -idle_experts:] = float("-inf")
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    args = dict(
+        x=x.to(dtype).to(device),
+        topk_weights=weights.float().to(device),
+        topk_ids=ids.to(torch.int32).to(device),
+    )
+    if fp8_weights:
+        (w13, s13), (w2, s2) = fp8.quantize_weight(w13.flatten(0, 1)), fp8.quantize_weight(w2.flatten(0, 1))
+        args.update(
+            w13=w13.view(num_experts, 2 * inter, hidden).to(device),
+            w2=w2.view(num_experts, hidden, inter).to(device),
+            w13_scale=s13.view(num_experts, 2 * inter).float().to(device),
+            w2_scale=s2.view(num_experts, hidden).float().to(device),
+        )
+    else:
+        args.update(w13=w13.to(dtype).to(device), w2=w2.to(dtype).to(device))
+    return args
+
+
+def reference_moe(args: dict) -> torch.Tensor:
+    return reference.fused_moe(**args).float().cpu()
+
+
+def w8a8_reference(args: dict) -> torch.Tensor:
+    """The FP8-activation mode's math in plain torch: x quantized per token, the intermediate
+    rounded to x's dtype and quantized per row, FP8 weights times their row scales."""
+    x, w13, w2 = args["x"], args["w13"], args["w2"]
+    inter = w2.shape[2]
+    xq = fp8.dequantize(*fp8.quantize_per_token_reference(x))
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    top_k = args["topk_ids"].shape[1]
+    flat_ids = args["topk_ids"].reshape(-1).long()
+    token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)
+    for expert in flat_ids.unique().tolist():
+        rows = (flat_ids == expert).nonzero().squeeze(1)
+        tokens = token_of[rows]
+        gate_up = xq[tokens] @ (w13[expert].float() * args["w13_scale"][expert][:, None]).T
+        h = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
+        hq = fp8.dequantize(*fp8.quantize_per_token_reference(h))
+        down = hq @ (w2[expert].float() * args["w2_scale"][expert][:, None]).T
+        out.index_add_(0, tokens, down * args["topk_weights"].reshape(-1)[rows, None])
+    return out.to(x.dtype).float().cpu()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    """Max error within `rel` of the output's largest magnitude (outputs are O(1))."""
+    actual = actual.float().cpu()
+    assert not actual.isnan().any(), "output has NaN"
+    err = (actual - expected).abs().max().item()
+    assert err <= rel * expected.abs().max().item() + 1e-6, f"max |err| {err:.3e}"
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+# --------------------------------------------------------------------------------------------- #
+# Sorting into expert blocks (plain torch: no interpreter needed)
+# --------------------------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_align_sorts_assignments_into_blocks_of_one_expert(block_m: int) -> None:
+    """Every assignment once, each block one expert's, padded with the sentinel, experts without
+    a token no block; the device-side row count covers exactly the real blocks."""
+    num_experts, top_k = 7, 2
+    ids = torch.tensor([[1, 3], [1, 0], [3, 1], [5, 1], [1, 3]], dtype=torch.int32)
+    sorted_ids, block_experts, num_rows = tm.align(ids, num_experts, block_m)
+    flat = ids.flatten().tolist()
+    sentinel = len(flat)
+    assert sorted_ids.shape[0] == tm._max_sorted_rows(len(flat), num_experts, block_m)
+    rows = int(num_rows)
+    assert rows % block_m == 0 and (sorted_ids[rows:] == sentinel).all()
+    real = [i for i in sorted_ids[:rows].tolist() if i != sentinel]
+    assert sorted(real) == list(range(len(flat)))
+    for b in range(rows // block_m):
+        block = [i for i in sorted_ids[b * block_m : (b + 1) * block_m].tolist() if i != sentinel]
+        assert block, "a block with no assignment"
+        assert {flat[i] for i in block} == {int(block_experts[b])}
+    counts = {e: flat.count(e) for e in range(num_experts)}
+    expected_rows = sum(-(-c // block_m) * block_m for c in counts.values())
+    assert rows == expected_rows
+    used = set(block_experts[: rows // block_m].tolist())
+    assert used == {e for e, c in counts.items() if c}  # experts 2, 4, 6 have none
+    assert (block_experts[rows // block_m :] == num_experts).all()
+    del top_k
+
+
+def test_tile_choice_follows_rows_per_expert() -> None:
+    decode = tm.choose_config(64 * 8, 128, 768, 2048, True, False)
+    prefill = tm.choose_config(8192 * 8, 128, 768, 2048, True, False)
+    assert decode.block_m == 16 and prefill.block_m == 128
+    fp8_prefill = tm.choose_config(8192 * 8, 128, 2048, 768, False, True)
+    assert (fp8_prefill.block_n, fp8_prefill.block_k) == (128, 128)
+    assert tm.choose_config(64 * 8, 128, 2048, 768, False, False).block_n == 2 * decode.block_n
+    tiny = tm.choose_config(10, 8, 40, 48, True, False)  # tiles no wider than the matrices need
+    assert tiny.block_n == 64 and tiny.block_k == 64
+
+
+# --------------------------------------------------------------------------------------------- #
+# Triton against the reference
+# --------------------------------------------------------------------------------------------- #
+
+
+@needs_triton
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fused_moe_matches_reference(dtype: torch.dtype, top_k: int) -> None:
+    """Uneven routing over 12 experts (two idle), hidden 80 and intermediate 40 (masked tails)."""
+    args = make_moe(23, 12, top_k, 80, 40, dtype, seed=top_k)
+    assert_close(tm.fused_moe(**args), reference_moe(args), TOLERANCE[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "block_m, block_n, block_k, group_m",
+    [(16, 16, 16, 1), (16, 32, 16, 3), (32, 16, 32, 2)],
+    ids=["16x16x16", "16x32x16-group3", "32x16x32-group2"],
+)
+def test_fused_moe_tile_configs(block_m: int, block_n: int, block_k: int, group_m: int) -> None:
+    """Several reduction steps and column blocks per expert, grouped launch orders that do not
+    divide the row blocks, different row blocks for the two GEMMs (each sorts its own)."""
+    args = make_moe(19, 6, 2, 72, 48, torch.bfloat16, seed=block_m + block_n)
+    gate_up = tm.MoeConfig(block_m, block_n, block_k, group_m, 4, 2)
+    down = tm.MoeConfig(48 - block_m, block_k, block_n, 1, 4, 2)
+    got = tm.fused_moe(**args, gate_up_config=gate_up, down_config=down)
+    assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
+
+
+@needs_triton
+def test_fused_moe_fp8_widened_weights_match_reference() -> None:
+    """e4m3 weights widened to bf16 (exact) times their row scales: the reference's math."""
+    args = make_moe(21, 10, 2, 64, 48, torch.bfloat16, fp8_weights=True, seed=5)
+    got = tm.fused_moe(**args, fp8_activations=False)
+    assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
+
+
+@needs_triton
+@pytest.mark.parametrize("top_k", [1, 8])
+def test_fused_moe_fp8_activations_match_their_emulation(top_k: int) -> None:
+    """FP8 activations: x and the intermediate quantized per row, as `w8a8_reference` does; and
+    within a few percent of the bf16 reference (the quantization's own error)."""
+    args = make_moe(17, 10, top_k, 64, 48, torch.bfloat16, fp8_weights=True, seed=6)
+    got = tm.fused_moe(**args, fp8_activations=True)
+    assert_close(got, w8a8_reference(args), 3e-2)
+    assert_close(got, reference_moe(args), 0.15)
+
+
+@needs_triton
+def test_fused_moe_with_no_tokens_and_one_token() -> None:
+    args = make_moe(1, 8, 2, 32, 16, torch.float32)
+    assert_close(tm.fused_moe(**args), reference_moe(args), TOLERANCE[torch.float32])
+    empty = {**args, **{k: args[k][:0] for k in ("x", "topk_ids", "topk_weights")}}
+    assert tm.fused_moe(**empty).shape == (0, 32)
+
+
+def test_dispatch_uses_reference_on_cpu_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDSERVE_ATTENTION", raising=False)
+    monkeypatch.setattr(tm, "fused_moe", None)  # would fail if called
+    args = make_moe(5, 4, 2, 16, 8, torch.float32, device="cpu")
+    torch.testing.assert_close(kernels.fused_moe(**args), reference.fused_moe(**args))
+
+
+@needs_triton
+@pytest.mark.skipif(not INTERPRETED, reason="Triton on CPU tensors needs the interpreter")
+def test_dispatch_forced_triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = make_moe(5, 4, 2, 16, 8, torch.float32, device="cpu")
+    expected = reference_moe(args)
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION", "triton")
+    monkeypatch.setattr(reference, "fused_moe", None)  # would fail if called
+    assert_close(kernels.fused_moe(**args), expected, TOLERANCE[torch.float32])
+
+
+# --------------------------------------------------------------------------------------------- #
+# CUDA only: model shapes, CUDA graphs
+# --------------------------------------------------------------------------------------------- #
+
+QWEN3_30B_A3B = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["bf16", "fp8-widened", "fp8-activations"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 512, 3000])
+def test_cuda_qwen3_moe_layer(num_tokens: int, mode: str) -> None:
+    """Qwen3-30B-A3B's layer (128 experts, top-8, hidden 2048, width 768), at decode and prefill
+    sizes (each picking its own tiles), no idle expert and 16 idle ones; TP=2's half width too."""
+    for idle, inter in ((0, 768), (16, 384)):
+        shape = {**QWEN3_30B_A3B, "inter": inter}
+        args = make_moe(num_tokens, *shape.values(), torch.bfloat16, fp8_weights=mode != "bf16",
+                        idle_experts=idle, seed=num_tokens)  # fmt: skip
+        got = tm.fused_moe(**args, fp8_activations=mode == "fp8-activations")
+        if mode == "fp8-activations":
+            assert_close(got, w8a8_reference(args), 3e-2)
+            assert_close(got, reference_moe(args), 0.1)
+        else:
+            assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
+
+
+@needs_cuda
+def test_cuda_mixtral_moe_layer() -> None:
+    """Mixtral-8x7B's layer: 8 experts, top-2, hidden 4096, width 14336 (bf16, and FP8 widened)."""
+    for fp8_weights in (False, True):
+        args = make_moe(37, 8, 2, 4096, 14336, torch.bfloat16, fp8_weights=fp8_weights, idle_experts=1)
+        assert_close(tm.fused_moe(**args), reference_moe(args), TOLERANCE[torch.bfloat16])
+
+
+@needs_cuda
+def test_cuda_graph_capture_of_fused_moe() -> None:
+    """Captured once (sorting included: no host synchronisation); replays follow new routings and
+    inputs copied in place."""
+    args = make_moe(64, **QWEN3_30B_A3B, dtype=torch.bfloat16, seed=1)
+    tm.fused_moe(**args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tm.fused_moe(**args)
+    for step in range(3):
+        fresh = make_moe(64, **QWEN3_30B_A3B, dtype=torch.bfloat16, idle_experts=8 * step, seed=10 + step)
+        for key in ("x", "topk_ids", "topk_weights"):
+            args[key].copy_(fresh[key])
+        graph.replay()
+        assert_close(out, reference_moe(args), TOLERANCE[torch.bfloat16])
