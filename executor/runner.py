@@ -104,17 +104,17 @@ class PendingStep:
 
 
 def resolve_max_model_len(config: ExecutorConfig, spec: ModelSpec) -> int:
-    """config.max_model_len, or the model's limit; never beyond what the model supports."""
+    """config.max_model_len, or the model's limit (max_position_embeddings); never beyond it.
+
+    Sliding windows do not limit it: sliding-window layers attend within their window
+    (`kernels.paged_attention`), so a sequence may grow past the window."""
     limit = spec.max_position_embeddings
-    if spec.sliding_window is not None and spec.sliding_window < limit:
-        # We attend over the whole context; within the window that is exactly sliding-window attention.
-        limit = spec.sliding_window
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
         raise UnsupportedModelError(
             f"max_model_len={config.max_model_len} exceeds what {spec.name} supports ({limit}: "
-            "max_position_embeddings, or the sliding window, which is not implemented)"
+            "max_position_embeddings)"
         )
     return config.max_model_len
 

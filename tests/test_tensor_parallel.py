@@ -135,7 +135,7 @@ def spec_like(num_heads: int, num_kv_heads: int, intermediate_size: int = 128) -
         intermediate_size=intermediate_size, num_layers=1, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=8, rms_norm_eps=1e-5, rope=RopeConfig(theta=1e4),
         max_position_embeddings=128, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
-        sliding_window=None, eos_token_ids=(2,),
+        sliding_window=None, layer_types=("full_attention",), eos_token_ids=(2,),
     )  # fmt: skip
 
 
