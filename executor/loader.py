@@ -78,7 +78,12 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} has no config.json; --model must be a checkpoint directory")
-    hf = transformers.AutoConfig.from_pretrained(model_dir)
+    try:
+        hf = transformers.AutoConfig.from_pretrained(model_dir)
+    except OSError:
+        raise
+    except Exception as exc:  # its validation (huggingface_hub's strict dataclasses: an unset field...)
+        raise UnsupportedModelError(f"transformers refuses {model_dir / 'config.json'}: {exc}") from exc
     architectures = list(getattr(hf, "architectures", None) or [])
     arch = next((a for a in architectures if a in FAMILIES), None)
     if arch is None:
