@@ -9,12 +9,12 @@ against), with the table computed once up to max_model_len:
   multiplied by the attention factor;
 * "longrope" (Phi-3): per-dimension factors, `short_factor` for positions below
   original_max_position_embeddings and `long_factor` from there on, cos and sin multiplied by the
-  attention factor. Hugging Face picks one set for a whole forward pass (long once the pass reaches
-  that length); here each position has its own, so a cached key never changes. The two agree
-  whenever the prompt fits within original_max_position_embeddings (then Hugging Face prefills
-  with the short factors and takes the long ones token by token, as here); a longer prompt is
-  rotated with the short factors below that length here, with the long ones there (vLLM picks per
-  batch instead);
+  attention factor. Each position has its own, so a cached key never changes, as in vLLM (which
+  picks one set per batch). transformers agrees token for token while a sequence fits within
+  original_max_position_embeddings, and its forward with a KV cache agrees past it too; its
+  `generate`, though, recomputes the whole sequence with the long factors once it grows past that
+  length (Phi3ForCausalLM.prepare_inputs_for_generation), which a paged cache cannot do without
+  recomputing every such sequence's KV, so greedy tokens past that length may differ from it;
 * "dynamic" NTK is "default" within max_position_embeddings (transformers rescales only beyond it,
   which `resolve_max_model_len` never allows), so the loader maps it to "default".
 

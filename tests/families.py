@@ -30,6 +30,7 @@ FAMILY_SPECS: dict[str, TinyModelSpec] = {
     "qwen3": TinyModelSpec(
         model_type="qwen3",
         num_hidden_layers=3,
+        head_dim=16,  # Qwen3Config's default is 128
         seed=11,
         perturb_vectors=True,
         # Layers from max_window_layers on slide (transformers' rule): layer 0 full, 1-2 sliding.
@@ -38,6 +39,7 @@ FAMILY_SPECS: dict[str, TinyModelSpec] = {
     "qwen3_moe": TinyModelSpec(
         model_type="qwen3_moe",
         num_hidden_layers=3,
+        head_dim=16,
         seed=12,
         perturb_vectors=True,
         # Experts on layers 0 and 2 (mlp_only_layers makes 1 dense); top-2 of 8, not renormalized.

@@ -144,6 +144,32 @@ def test_rope_tables_match_hugging_face(name, tmp_path):
         torch.testing.assert_close(sin[positions], ref_sin[0, :, :8], atol=1e-6, rtol=1e-5)
 
 
+def test_phi3_decode_past_the_longrope_length_matches_cached_hugging_face(family_dirs):
+    """Past original_max_position_embeddings each new position takes the long factors, keys already
+    cached keep theirs: transformers' forward with a KV cache, token by token, does the same.
+    (Its `generate` instead recomputes the sequence with the long factors there: executor.rotary.)"""
+    model_dir = family_dirs["phi3"]
+    model, hf = _load(model_dir), _hf(model_dir)
+    spec = model.spec
+    prompt = _random_prompt(LONGROPE_ORIGINAL - 6, seed=1)
+    kv = KVCache(KVCacheLayout(spec.num_layers, 16, spec.num_kv_heads, spec.head_dim, torch.float32), 8, 0, CPU)
+    blocks, ours, theirs = [3, 0, 6, 1, 7, 2], [], []
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+    inputs = build_step_inputs([prompt], [0], [blocks], [True], 16, CPU)
+    logits = model(inputs.input_ids, inputs.meta, kv.layer_caches(), torch.tensor([len(prompt) - 1]))
+    for position in range(len(prompt), LONGROPE_ORIGINAL + 12):
+        token = int(out.logits[0, -1].argmax())
+        torch.testing.assert_close(logits[-1], out.logits[0, -1], atol=2e-5, rtol=1e-5)
+        with torch.no_grad():
+            out = hf(torch.tensor([[token]]), past_key_values=out.past_key_values, position_ids=torch.tensor([[position]]))
+        inputs = build_step_inputs([[token]], [position], [blocks], [True], 16, CPU)
+        logits = model(inputs.input_ids, inputs.meta, kv.layer_caches(), None)
+        ours.append(int(logits[-1].argmax()))
+        theirs.append(int(out.logits[0, -1].argmax()))
+    assert ours == theirs
+
+
 def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
     """Gemma3ForConditionalGeneration's language_model.* weights run as Gemma3ForCausalLM's; the
     vision tower and projector are skipped. Logits of a text prompt equal transformers'."""
