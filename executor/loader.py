@@ -98,7 +98,9 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     return ModelSpec(
         name=model_dir.name,
         architecture=arch,
-        eos_token_ids=_eos_token_ids(model_dir, hf, text) if text is not hf else _eos_token_ids(model_dir, hf),
+        eos_token_ids=_eos_token_ids(model_dir, hf, text)
+        if text is not hf
+        else _eos_token_ids(model_dir, hf),
         **fields,
     )
 
@@ -163,7 +165,9 @@ class _Destination:
     expert: int | None = None
 
 
-def _canonical(family: Family, spec: ModelSpec, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def _canonical(
+    family: Family, spec: ModelSpec, name: str, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
     """The (canonical name, tensor) pairs checkpoint tensor `name` stands for (see executor.models)."""
     for pattern, replacement in family.renames:
         name = re.sub(pattern, replacement, name)
@@ -281,7 +285,9 @@ def load_weights(
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing[:8])}")
 
 
-def _copy(params, buffers, filled, kv_scales_seen, dest: _Destination, tensor: torch.Tensor, quantization) -> None:
+def _copy(
+    params, buffers, filled, kv_scales_seen, dest: _Destination, tensor: torch.Tensor, quantization
+) -> None:
     """Copies one (narrowed, canonical) checkpoint tensor to `dest`, counting what it filled."""
     target, offset, rows = dest.target, dest.offset, dest.rows
     if target.endswith(("k_scale", "v_scale")):

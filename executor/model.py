@@ -301,9 +301,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         moe = spec.is_moe_layer(layer)
         quant = quantization == "fp8"
-        norm = functools.partial(
-            RMSNorm, spec.hidden_size, spec.rms_norm_eps, device, dtype, kind=spec.norm
-        )
+        norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_norm_eps, device, dtype, kind=spec.norm)
         self.sandwich = spec.sandwich_norms
         self.input_layernorm = norm(quantize=quant)
         self.self_attn = Attention(spec, window, rotary, device, dtype, quantization, all_reduce)
@@ -384,8 +382,14 @@ class CausalLM(nn.Module):
         windows = [w if w is not None and w < max_model_len else None for w in spec.layer_windows]
         self.layers = nn.ModuleList(
             DecoderLayer(
-                spec, layer, windows[layer], rotaries[spec.layer_rope(layer)], device, dtype,
-                quantization, all_reduce,
+                spec,
+                layer,
+                windows[layer],
+                rotaries[spec.layer_rope(layer)],
+                device,
+                dtype,
+                quantization,
+                all_reduce,
             )  # fmt: skip
             for layer in range(spec.num_layers)
         )

@@ -107,7 +107,9 @@ FAMILY_SPECS: dict[str, TinyModelSpec] = {
             pad_token_id=0,
         ),
     ),
-    "mistral": TinyModelSpec(model_type="mistral", seed=17, perturb_vectors=True, config=dict(sliding_window=16)),
+    "mistral": TinyModelSpec(
+        model_type="mistral", seed=17, perturb_vectors=True, config=dict(sliding_window=16)
+    ),
     "qwen2": TinyModelSpec(
         model_type="qwen2",
         num_hidden_layers=3,

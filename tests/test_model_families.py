@@ -47,7 +47,9 @@ def _load(model_dir, quantization=None, shard: TPShard | None = None) -> CausalL
 def _prompt_logits(model: CausalLM, prompt: list[int]) -> torch.Tensor:
     """One prefill over a shuffled block table (block size 8)."""
     spec = model.spec
-    kv = KVCache(KVCacheLayout(spec.num_layers, 8, spec.num_kv_heads, spec.head_dim, torch.float32), 40, 0, CPU)
+    kv = KVCache(
+        KVCacheLayout(spec.num_layers, 8, spec.num_kv_heads, spec.head_dim, torch.float32), 40, 0, CPU
+    )
     blocks = [(7 * i + 3) % 40 for i in range(-(-len(prompt) // 8))]
     inputs = build_step_inputs([prompt], [0], [blocks], [True], 8, CPU)
     return model(inputs.input_ids, inputs.meta, kv.layer_caches(), torch.arange(len(prompt)))
@@ -83,7 +85,13 @@ def test_specs_describe_each_family(family_dirs):
     assert specs["qwen2"].layer_windows == (None, None, 16) and specs["qwen2"].qkv_bias
     assert specs["mistral"].layer_windows == (16, 16)
     moe = specs["qwen3_moe"].moe
-    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize, moe.layers) == (8, 2, 32, False, (0, 2))
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize, moe.layers) == (
+        8,
+        2,
+        32,
+        False,
+        (0, 2),
+    )
     assert specs["mixtral"].moe.renormalize and specs["mixtral"].moe.layers == (0, 1)
     gemma2, gemma3 = specs["gemma2"], specs["gemma3"]
     assert (gemma2.norm, gemma2.mlp_act, gemma2.sandwich_norms) == ("gemma", "gelu_tanh", True)
@@ -108,7 +116,9 @@ ROPES = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
     },
-    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+    },
     "yarn_mscale": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
         "beta_fast": 16, "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5,
@@ -132,7 +142,9 @@ def test_rope_tables_match_hugging_face(name, tmp_path):
     )
     config.save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(
-        json.dumps({**json.loads((tmp_path / "config.json").read_text()), "architectures": ["LlamaForCausalLM"]})
+        json.dumps(
+            {**json.loads((tmp_path / "config.json").read_text()), "architectures": ["LlamaForCausalLM"]}
+        )
     )
     spec = load_model_spec(tmp_path)
     cos, sin = rope_tables(spec.rope, spec.head_dim, 256)
@@ -152,7 +164,9 @@ def test_phi3_decode_past_the_longrope_length_matches_cached_hugging_face(family
     model, hf = _load(model_dir), _hf(model_dir)
     spec = model.spec
     prompt = _random_prompt(LONGROPE_ORIGINAL - 6, seed=1)
-    kv = KVCache(KVCacheLayout(spec.num_layers, 16, spec.num_kv_heads, spec.head_dim, torch.float32), 8, 0, CPU)
+    kv = KVCache(
+        KVCacheLayout(spec.num_layers, 16, spec.num_kv_heads, spec.head_dim, torch.float32), 8, 0, CPU
+    )
     blocks, ours, theirs = [3, 0, 6, 1, 7, 2], [], []
     with torch.no_grad():
         out = hf(torch.tensor([prompt]), use_cache=True)
@@ -162,7 +176,11 @@ def test_phi3_decode_past_the_longrope_length_matches_cached_hugging_face(family
         token = int(out.logits[0, -1].argmax())
         torch.testing.assert_close(logits[-1], out.logits[0, -1], atol=2e-5, rtol=1e-5)
         with torch.no_grad():
-            out = hf(torch.tensor([[token]]), past_key_values=out.past_key_values, position_ids=torch.tensor([[position]]))
+            out = hf(
+                torch.tensor([[token]]),
+                past_key_values=out.past_key_values,
+                position_ids=torch.tensor([[position]]),
+            )
         inputs = build_step_inputs([[token]], [position], [blocks], [True], 16, CPU)
         logits = model(inputs.input_ids, inputs.meta, kv.layer_caches(), None)
         ours.append(int(logits[-1].argmax()))
@@ -189,12 +207,15 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
     torch.manual_seed(0)
     hf = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
-        for name, param in hf.named_parameters():
+        for param in hf.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.2)
     hf.save_pretrained(tmp_path)
     model = _load(tmp_path)
-    assert model.spec.architecture == "Gemma3ForConditionalGeneration" and model.spec.layer_windows == (8, None)
+    assert model.spec.architecture == "Gemma3ForConditionalGeneration" and model.spec.layer_windows == (
+        8,
+        None,
+    )
     assert model.spec.eos_token_ids == (1,)
     prompt = _random_prompt(30, seed=3)
     prompt = [t % 280 for t in prompt]
@@ -271,22 +292,25 @@ def _edited_config(src, dst, **changes):
 _DROP = object()
 
 
-@pytest.mark.parametrize(
-    ("family", "changes", "message"),
-    [
-        ("mistral", {"architectures": ["FalconForCausalLM"]}, "FalconForCausalLM.*supported: LlamaForCausalLM.*Gemma3ForCausalLM"),
-        ("mistral", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "MistralForCausalLM: rope type='proportional' is not supported.*yarn, longrope"),
-        ("mistral", {"hidden_act": "gelu"}, "MistralForCausalLM: hidden_act='gelu' is not supported"),
-        ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "Qwen3ForCausalLM: partial_rotary_factor=0.5"),
-        ("gemma2", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar"),
-        ("gemma2", {"sliding_window": None}, "Gemma2ForCausalLM: config field 'sliding_window' is unset"),
-        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
-        ("gemma3", {"attn_logit_softcapping": 50.0}, "Gemma3ForCausalLM: attn_logit_softcapping=50.0"),
-        ("gemma3", {"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported.*gelu_pytorch_tanh"),
-        ("qwen3_moe", {"num_experts_per_tok": None}, "num_experts_per_tok"),
-        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]}}, "short_factor field must have length 8"),
-    ],
-)  # fmt: skip
+_SHORT_LONGROPE = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0], "long_factor": [1.0]}
+_PROPORTIONAL = {"rope_type": "proportional", "rope_theta": 1e4}
+_PARTIAL = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+REFUSALS = [
+    ("mistral", {"architectures": ["FalconForCausalLM"]}, "Falcon.*supported: Llama.*Gemma3ForCausalLM"),
+    ("mistral", {"rope_parameters": _PROPORTIONAL}, "Mistral.*type='proportional' is not.*yarn, longrope"),
+    ("mistral", {"hidden_act": "gelu"}, "MistralForCausalLM: hidden_act='gelu' is not supported"),
+    ("qwen3", {"rope_parameters": _PARTIAL}, "Qwen3ForCausalLM: partial_rotary_factor=0.5"),
+    ("gemma2", {"query_pre_attn_scalar": None}, "query_pre_attn_scalar"),
+    ("gemma2", {"sliding_window": None}, "Gemma2ForCausalLM: config field 'sliding_window' is unset"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "Gemma3ForCausalLM: attn_logit_softcapping=50.0"),
+    ("gemma3", {"hidden_activation": "gelu"}, "hidden_activation='gelu' is not supported.*gelu_pytorch_tanh"),
+    ("qwen3_moe", {"num_experts_per_tok": None}, "num_experts_per_tok"),
+    ("phi3", {"rope_parameters": _SHORT_LONGROPE}, "short_factor field must have length 8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "changes", "message"), REFUSALS)
 def test_unsupported_configs_fail_at_start_naming_the_field(family, changes, message, family_dirs, tmp_path):
     edited = _edited_config(family_dirs[family], tmp_path / "m", **changes)
     with pytest.raises(UnsupportedModelError, match=message):

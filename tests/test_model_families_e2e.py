@@ -6,8 +6,8 @@ One executor per architecture carries all of its checks: prompts longer than the
 prefilled in chunks that cross window edges, a KV pool so small that requests are pre-empted, and
 the same prefix sent twice (a prefix-cache hit). The batch runs twice: behind a scheduler that
 pre-empts by swapping, then behind one that pre-empts by recompute (started meanwhile, it attaches
-as soon as the first one stops and gives the executor's lease up). Gemma 3 (dense, local/global layers) and Qwen3-MoE (experts and a dense
-layer) run with --tensor-parallel-size 2 on the CPU.
+as soon as the first one stops and gives the executor's lease up). Gemma 3 (dense, local/global
+layers) and Qwen3-MoE (experts and a dense layer) run with --tensor-parallel-size 2 on the CPU.
 """
 
 from __future__ import annotations

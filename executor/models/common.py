@@ -132,12 +132,16 @@ def listed_windows(hf: Any, arch: str, num_layers: int, default: list[str]) -> d
     else `default` (the rule older transformers applied)."""
     types = tuple(getattr(hf, "layer_types", None) or default)
     if len(types) != num_layers or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
-        raise refuse(arch, "layer_types", list(types), f"{FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} per layer")
+        raise refuse(
+            arch, "layer_types", list(types), f"{FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} per layer"
+        )
     window = getattr(hf, "sliding_window", None)
     if SLIDING_ATTENTION not in types:
         return dict(sliding_window=None, layer_types=types)
     if not window:
-        raise UnsupportedModelError(f"{arch}: config field 'sliding_window' is unset but layer_types has sliding layers")
+        raise UnsupportedModelError(
+            f"{arch}: config field 'sliding_window' is unset but layer_types has sliding layers"
+        )
     return dict(sliding_window=int(window), layer_types=types)
 
 

@@ -67,11 +67,18 @@ def _gemma3_ropes(hf: Any, arch: str) -> dict[str, Any]:
 
 def _gemma3(hf: Any, arch: str) -> dict[str, Any]:
     if getattr(hf, "attn_logit_softcapping", None) is not None:
-        raise refuse(arch, "attn_logit_softcapping", hf.attn_logit_softcapping, "None (transformers ignores it)")
+        raise refuse(
+            arch, "attn_logit_softcapping", hf.attn_logit_softcapping, "None (transformers ignores it)"
+        )
     n = hf.num_hidden_layers
     pattern = getattr(hf, "sliding_window_pattern", None) or getattr(hf, "_sliding_window_pattern", 6)
     default = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
-    return dict(qk_norm=True, **_gemma3_ropes(hf, arch), **_gemma_traits(hf, arch), **listed_windows(hf, arch, n, default))
+    return dict(
+        qk_norm=True,
+        **_gemma3_ropes(hf, arch),
+        **_gemma_traits(hf, arch),
+        **listed_windows(hf, arch, n, default),
+    )
 
 
 def _text_config(hf: Any) -> Any:
@@ -91,6 +98,11 @@ GEMMA3_MULTIMODAL = Family(
         (r"^model\.language_model\.", "model."),
         (r"^language_model\.lm_head\.", "lm_head."),
     ),
-    ignored_prefixes=("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."),
+    ignored_prefixes=(
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    ),
     text_config=_text_config,
 )

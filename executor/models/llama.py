@@ -22,13 +22,17 @@ from pagedserve.executor.spec import FULL_ATTENTION, SLIDING_ATTENTION
 
 def _llama(hf: Any, arch: str) -> dict[str, Any]:
     check_activation(hf, arch, "hidden_act", ("silu",))
-    return dict(rope=read_rope(hf, arch, rope_parameters(hf)), **uniform_window(hf, hf.num_hidden_layers, None))
+    return dict(
+        rope=read_rope(hf, arch, rope_parameters(hf)), **uniform_window(hf, hf.num_hidden_layers, None)
+    )
 
 
 def _mistral(hf: Any, arch: str) -> dict[str, Any]:
     check_activation(hf, arch, "hidden_act", ("silu",))
     window = getattr(hf, "sliding_window", None)
-    return dict(rope=read_rope(hf, arch, rope_parameters(hf)), **uniform_window(hf, hf.num_hidden_layers, window))
+    return dict(
+        rope=read_rope(hf, arch, rope_parameters(hf)), **uniform_window(hf, hf.num_hidden_layers, window)
+    )
 
 
 def qwen_windows(hf: Any, arch: str) -> dict[str, Any]:
@@ -36,13 +40,17 @@ def qwen_windows(hf: Any, arch: str) -> dict[str, Any]:
     sliding = getattr(hf, "use_sliding_window", False) and getattr(hf, "sliding_window", None)
     first = getattr(hf, "max_window_layers", 0) or 0
     # transformers 5 computes layer_types by the same rule; older releases have none.
-    default = [SLIDING_ATTENTION if sliding and i >= first else FULL_ATTENTION for i in range(hf.num_hidden_layers)]
+    default = [
+        SLIDING_ATTENTION if sliding and i >= first else FULL_ATTENTION for i in range(hf.num_hidden_layers)
+    ]
     return listed_windows(hf, arch, hf.num_hidden_layers, default)
 
 
 def _qwen2(hf: Any, arch: str) -> dict[str, Any]:
     check_activation(hf, arch, "hidden_act", ("silu",))
-    return dict(rope=read_rope(hf, arch, rope_parameters(hf)), qkv_bias=True, o_bias=False, **qwen_windows(hf, arch))
+    return dict(
+        rope=read_rope(hf, arch, rope_parameters(hf)), qkv_bias=True, o_bias=False, **qwen_windows(hf, arch)
+    )
 
 
 LLAMA = Family(architectures=("LlamaForCausalLM",), describe=_llama)

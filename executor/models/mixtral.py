@@ -30,7 +30,11 @@ def _mixtral(hf: Any, arch: str) -> dict[str, Any]:
         layers=tuple(range(hf.num_hidden_layers)),
     )
     window = getattr(hf, "sliding_window", None)
-    return dict(rope=read_rope(hf, arch, rope_parameters(hf)), moe=moe, **uniform_window(hf, hf.num_hidden_layers, window))
+    return dict(
+        rope=read_rope(hf, arch, rope_parameters(hf)),
+        moe=moe,
+        **uniform_window(hf, hf.num_hidden_layers, window),
+    )
 
 
 MIXTRAL = Family(

@@ -32,7 +32,12 @@ def _qwen3(hf: Any, arch: str) -> dict[str, Any]:
 def _qwen3_moe(hf: Any, arch: str) -> dict[str, Any]:
     check_activation(hf, arch, "hidden_act", ("silu",))
     if getattr(hf, "shared_expert_intermediate_size", 0):
-        raise refuse(arch, "shared_expert_intermediate_size", hf.shared_expert_intermediate_size, "0 (no shared expert)")
+        raise refuse(
+            arch,
+            "shared_expert_intermediate_size",
+            hf.shared_expert_intermediate_size,
+            "0 (no shared expert)",
+        )
     num_experts = int(field(hf, "num_experts", arch))
     step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf, "mlp_only_layers", None) or ())
