@@ -328,3 +328,35 @@ def test_unknown_checkpoint_tensors_fail_loudly(family_dirs, tmp_path):
     spec = load_model_spec(model_dir)
     with pytest.raises(UnsupportedModelError, match="model.layers.0.mlp.experts.gate_up_proj"):
         load_weights(CausalLM(spec, MAX_LEN, CPU, torch.float32), spec, model_dir)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3"])
+def test_make_model_shapes_of_the_new_families_load_here_and_in_transformers(family, tmp_path):
+    """`pagedserve make-model`'s MoE and sliding-window benchmark shapes, scaled down: the files
+    load through our loader and transformers alike, with equal logits."""
+    import dataclasses
+
+    from pagedserve.model_shapes import SHAPES, write_shape_model
+
+    big = SHAPES["qwen3-30b-a3b" if family == "qwen3_moe" else "gemma3-12b"]
+    small = dataclasses.replace(
+        big, hidden_size=64, intermediate_size=96, num_hidden_layers=6 if family == "gemma3" else 2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
+        max_position_embeddings=256, num_experts=min(big.num_experts, 4), moe_intermediate_size=32,
+        num_experts_per_tok=min(big.num_experts_per_tok, 2), sliding_window=8,
+    )  # fmt: skip
+    directory = write_shape_model(tmp_path / "m", small, progress=False)
+    spec = load_model_spec(directory)
+    if family == "gemma3":
+        assert spec.layer_types == (SLIDING,) * 5 + (FULL,) and spec.rope.factor == 8.0
+    else:
+        assert spec.moe.num_experts == 4 and spec.moe.renormalize
+    model = CausalLM(spec, MAX_LEN, CPU, torch.float32)
+    load_weights(model, spec, directory)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    prompt = _random_prompt(20, seed=5)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(_prompt_logits(model, prompt), expected, atol=2e-5, rtol=1e-5)

@@ -5,8 +5,8 @@ One executor per architecture carries all of its checks: prompts longer than the
 (windows of 12-24 tokens, blocks of 16), a step budget of 24 tokens so every long prompt is
 prefilled in chunks that cross window edges, a KV pool so small that requests are pre-empted, and
 the same prefix sent twice (a prefix-cache hit). The batch runs twice: behind a scheduler that
-pre-empts by swapping, then behind one that pre-empts by recompute (started meanwhile, it attaches
-as soon as the first one stops and gives the executor's lease up). Gemma 3 (dense, local/global
+pre-empts by swapping, then behind one that pre-empts by recompute (started once the first one is
+idle, it attaches as soon as the first one has stopped and its lease has lapsed). Gemma 3 (dense, local/global
 layers) and Qwen3-MoE (experts and a dense layer) run with --tensor-parallel-size 2 on the CPU.
 """
 
@@ -42,6 +42,9 @@ EXECUTOR_ARGS = (
     "--num-gpu-blocks-override=12",  # 192 token slots (blocks of 16) for 8 requests of up to ~100
     "--max-model-len=128",
     "--swap-space=0.001",
+    # A stopped scheduler's lease lapses soon (it does not give it up on SIGTERM yet), and the next
+    # scheduler attaches.
+    "--lease-timeout=3",
 )
 SCHEDULER_ARGS = ("--max-num-batched-tokens=24", "--max-num-seqs=8")
 
@@ -66,7 +69,8 @@ def family(request, tmp_path_factory):
 @contextlib.contextmanager
 def _next_scheduler(services: Services, model_dir, args: tuple[str, ...]) -> Iterator[subprocess.Popen]:
     """A second scheduler (`args`) in front of the same executor, started now: it retries its
-    attach every half second while the first one holds the lease."""
+    attach every second while the first one holds the lease (start it once that one is idle: a
+    step slow enough to let the first lease lapse would hand the executor over mid-batch)."""
     cmd = localize(compose_commands()["scheduler"], model_dir, free_port(), services.executor_port)
     log = open(services.log_dir / "scheduler-2.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
@@ -80,7 +84,7 @@ def _next_scheduler(services: Services, model_dir, args: tuple[str, ...]) -> Ite
 
 
 def _hand_over(services: Services, proc: subprocess.Popen) -> None:
-    """Stops the scheduler (SIGTERM: it drains and gives the lease up); `proc` takes over."""
+    """Stops the scheduler (SIGTERM: it drains); `proc` takes over once the lease has lapsed."""
     services.scheduler.terminate()
     services.scheduler.wait(timeout=30)
     services.scheduler = proc
@@ -102,20 +106,18 @@ def test_family_greedy_matches_hugging_face(family, tmp_path):
     executor_args = EXECUTOR_ARGS + (("--tensor-parallel-size=2",) if name in TENSOR_PARALLEL else ())
     swap = (*SCHEDULER_ARGS, "--preemption-mode=swap")
     recompute = (*SCHEDULER_ARGS, "--preemption-mode=recompute")
-    with (
-        running_services(model_dir, tmp_path, executor_args, swap) as services,
-        _next_scheduler(services, model_dir, recompute) as next_scheduler,
-    ):
+    with running_services(model_dir, tmp_path, executor_args, swap) as services:
         swapping = _greedy(services, batch)
         repeated = [_greedy(services, [prompt])[0] for prompt in (first, second)]
         swap_stats = wait_for_idle(services)
         swapped_in = services.executor_stats().swap_in_blocks
-        # While the second scheduler starts: the reference.
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32", attn_implementation="eager")
-        expected = [hf_greedy(hf.eval(), prompt, MAX_TOKENS) for prompt in batch]
-        _hand_over(services, next_scheduler)
-        recomputing = _greedy(services, batch)
-        recompute_stats = wait_for_idle(services)
+        with _next_scheduler(services, model_dir, recompute) as next_scheduler:
+            # While the second scheduler starts: the reference.
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32", attn_implementation="eager")
+            expected = [hf_greedy(hf.eval(), prompt, MAX_TOKENS) for prompt in batch]
+            _hand_over(services, next_scheduler)
+            recomputing = _greedy(services, batch)
+            recompute_stats = wait_for_idle(services)
     log = (tmp_path / "scheduler-2.log").read_text()
     assert [r.token_ids for r in swapping] == expected, name
     assert [r.token_ids for r in recomputing] == expected, name
