@@ -13,6 +13,7 @@ layers) and Qwen3-MoE (experts and a dense layer) run with --tensor-parallel-siz
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import subprocess
 from collections.abc import Iterator
@@ -47,6 +48,9 @@ EXECUTOR_ARGS = (
     "--lease-timeout=3",
 )
 SCHEDULER_ARGS = ("--max-num-batched-tokens=24", "--max-num-seqs=8")
+# One thread per process: the tiny models gain nothing from more, and two tensor-parallel ranks
+# whose threads outnumber the cores wait on each other at every all-reduce (40x slower steps here).
+ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def _prompts(name: str, vocab_size: int) -> tuple[list[list[int]], list[int], list[int]]:
@@ -74,7 +78,11 @@ def _next_scheduler(services: Services, model_dir, args: tuple[str, ...]) -> Ite
     cmd = localize(compose_commands()["scheduler"], model_dir, free_port(), services.executor_port)
     log = open(services.log_dir / "scheduler-2.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
-        [*cmd, *args, "--executor-refresh-interval=0.5"], stdout=log, stderr=subprocess.STDOUT, cwd=REPO
+        [*cmd, *args, "--executor-refresh-interval=0.5"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, **ENV},
     )
     try:
         yield proc
@@ -106,7 +114,7 @@ def test_family_greedy_matches_hugging_face(family, tmp_path):
     executor_args = EXECUTOR_ARGS + (("--tensor-parallel-size=2",) if name in TENSOR_PARALLEL else ())
     swap = (*SCHEDULER_ARGS, "--preemption-mode=swap")
     recompute = (*SCHEDULER_ARGS, "--preemption-mode=recompute")
-    with running_services(model_dir, tmp_path, executor_args, swap) as services:
+    with running_services(model_dir, tmp_path, executor_args, swap, env=ENV) as services:
         swapping = _greedy(services, batch)
         repeated = [_greedy(services, [prompt])[0] for prompt in (first, second)]
         swap_stats = wait_for_idle(services)
