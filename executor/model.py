@@ -234,7 +234,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.rotary(meta.positions, q, k)  # in place: q and k are views of this step's qkv output
+        self.rotary(meta.positions, q, k)  # in place (views of the qkv output, or the normed copies)
         if self.calibrate_kv_scales:
             self.k_scale.copy_(kv_scale_from_amax(k))
             self.v_scale.copy_(kv_scale_from_amax(v))

@@ -121,7 +121,7 @@ def base_fields(hf: Any, arch: str) -> dict[str, Any]:
     )
 
 
-def uniform_window(hf: Any, num_layers: int, window: int | None) -> dict[str, Any]:
+def uniform_window(num_layers: int, window: int | None) -> dict[str, Any]:
     """Every layer sliding with `window` (Mistral, Mixtral, Phi-3, Qwen3-MoE), or none."""
     kind = SLIDING_ATTENTION if window else FULL_ATTENTION
     return dict(sliding_window=int(window) if window else None, layer_types=(kind,) * num_layers)

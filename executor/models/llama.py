@@ -22,17 +22,13 @@ from pagedserve.executor.spec import FULL_ATTENTION, SLIDING_ATTENTION
 
 def _llama(hf: Any, arch: str) -> dict[str, Any]:
     check_activation(hf, arch, "hidden_act", ("silu",))
-    return dict(
-        rope=read_rope(hf, arch, rope_parameters(hf)), **uniform_window(hf, hf.num_hidden_layers, None)
-    )
+    return dict(rope=read_rope(hf, arch, rope_parameters(hf)), **uniform_window(hf.num_hidden_layers, None))
 
 
 def _mistral(hf: Any, arch: str) -> dict[str, Any]:
     check_activation(hf, arch, "hidden_act", ("silu",))
     window = getattr(hf, "sliding_window", None)
-    return dict(
-        rope=read_rope(hf, arch, rope_parameters(hf)), **uniform_window(hf, hf.num_hidden_layers, window)
-    )
+    return dict(rope=read_rope(hf, arch, rope_parameters(hf)), **uniform_window(hf.num_hidden_layers, window))
 
 
 def qwen_windows(hf: Any, arch: str) -> dict[str, Any]:

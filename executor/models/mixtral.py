@@ -33,7 +33,7 @@ def _mixtral(hf: Any, arch: str) -> dict[str, Any]:
     return dict(
         rope=read_rope(hf, arch, rope_parameters(hf)),
         moe=moe,
-        **uniform_window(hf, hf.num_hidden_layers, window),
+        **uniform_window(hf.num_hidden_layers, window),
     )
 
 

@@ -24,7 +24,7 @@ def _phi3(hf: Any, arch: str) -> dict[str, Any]:
     if rope.rope_type not in ("default", "longrope"):  # what transformers' Phi3Config accepts
         raise refuse(arch, "rope type", rope.rope_type, "default, longrope")
     window = getattr(hf, "sliding_window", None)
-    return dict(rope=rope, **uniform_window(hf, hf.num_hidden_layers, window))
+    return dict(rope=rope, **uniform_window(hf.num_hidden_layers, window))
 
 
 PHI3 = Family(architectures=("Phi3ForCausalLM",), describe=_phi3, fused_checkpoint=True)

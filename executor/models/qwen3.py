@@ -55,7 +55,7 @@ def _qwen3_moe(hf: Any, arch: str) -> dict[str, Any]:
         rope=read_rope(hf, arch, rope_parameters(hf)),
         qk_norm=True,
         moe=moe,
-        **uniform_window(hf, hf.num_hidden_layers, window),
+        **uniform_window(hf.num_hidden_layers, window),
     )
 
 
