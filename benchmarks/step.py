@@ -39,7 +39,7 @@ from benchmarks.ahead_plans import AheadScheduler
 from pagedserve.common.tables import markdown_table
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.loader import load_model_spec
-from pagedserve.executor.model import LlamaModel
+from pagedserve.executor.model import CausalLM
 from pagedserve.executor.quantization import is_fp8_weight, load_weight_slice
 from pagedserve.executor.runner import ModelRunner
 from pagedserve.model_shapes import INIT_STD, SHAPES
@@ -77,11 +77,11 @@ def write_model(directory: Path, layers: int, weights: bool, device: torch.devic
 
 def model_on_device(
     directory: Path, max_model_len: int, device: torch.device, quantization: str | None = None
-) -> LlamaModel:
+) -> CausalLM:
     """The model of `directory`'s config with `make-model`'s random weights generated in place;
     with `quantization="fp8"` each projection's bf16 weights are quantized as the loader does."""
     spec = load_model_spec(directory)
-    model = LlamaModel(spec, max_model_len, device, torch.bfloat16, quantization)
+    model = CausalLM(spec, max_model_len, device, torch.bfloat16, quantization)
     params = dict(model.named_parameters())
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():

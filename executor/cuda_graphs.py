@@ -40,7 +40,7 @@ import numpy as np
 import structlog
 import torch
 
-from pagedserve.executor.model import AttentionMetadata, LlamaModel
+from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.step_inputs import HostBatch, RequestSlots
 from pagedserve.executor.transfer import aligned_length, pack_int64
 
@@ -75,7 +75,7 @@ class StepGraphs:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         slots: RequestSlots,
         decode_sizes: list[int],

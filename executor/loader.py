@@ -1,9 +1,15 @@
-"""Loads a Hugging Face Llama-family checkpoint into our own modules.
+"""Loads a Hugging Face checkpoint of a supported family into our own modules.
 
-The config is read with `transformers.AutoConfig` (it normalises the many config.json variants),
-the weights with safetensors; no transformers modeling code runs. q/k/v and gate/up are fused into
-single matrices here, by copying each checkpoint tensor into its slice of the fused parameter, so
-weights stream from disk to the device one tensor at a time.
+The config is read with `transformers.AutoConfig` (it normalises the many config.json variants)
+and turned into a `ModelSpec` by the architecture's family (`executor.models`); the weights are
+read with safetensors; no transformers modeling code runs. Each checkpoint tensor takes its
+canonical name first (the family's renames; Phi-3's fused qkv_proj / gate_up_proj split into their
+parts), then goes into its slice of our parameters: q/k/v and gate/up are fused into single
+matrices, each expert's gate/up/down stacked into the experts' w13 / w2 (`executor.moe`), by
+copying each tensor into its place, so weights stream from disk to the device one tensor at a time.
+
+Strict: an architecture, config field or checkpoint tensor we do not know fails loudly at start
+(`UnsupportedModelError`), naming it and what is supported, and so does a parameter left unloaded.
 """
 
 from __future__ import annotations
@@ -19,93 +25,30 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from pagedserve.executor.models import FAMILIES, SUPPORTED_ARCHITECTURES, Family
+from pagedserve.executor.models.common import base_fields
+from pagedserve.executor.rotary import ROPE_TYPES
+from pagedserve.executor.spec import ModelSpec, MoESpec, RopeConfig, UnsupportedModelError
+
 if TYPE_CHECKING:
     from pagedserve.executor.parallel import TPShard
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = (*ROPE_TYPES, "dynamic")
 
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is not one this executor can run (architecture, activation, rope type...)."""
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters; `rope_type` is "default", "linear" or "llama3"."""
-
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a Llama-family model, independent of transformers."""
-
-    name: str
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    sliding_window: int | None
-    eos_token_ids: tuple[int, ...]
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
-def _rope_config(hf_config: Any) -> RopeConfig:
-    # transformers >= 5 exposes `rope_parameters` (theta inside); older releases and raw real-world
-    # config.json files have `rope_theta` plus an optional `rope_scaling` (with "type" or "rope_type").
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("partial rotary embeddings are not supported")
-    rope = RopeConfig(theta=float(params["rope_theta"]), rope_type=rope_type)
-    if rope_type == "linear":
-        rope = RopeConfig(theta=rope.theta, rope_type=rope_type, factor=float(params["factor"]))
-    elif rope_type == "llama3":
-        rope = RopeConfig(
-            theta=rope.theta,
-            rope_type=rope_type,
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    return rope
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_ROPE_TYPES",
+    "ModelSpec",
+    "MoESpec",
+    "RopeConfig",
+    "UnsupportedModelError",
+    "family_of",
+    "iter_checkpoint",
+    "load_model_spec",
+    "load_weights",
+]
 
 
 def _as_ids(value: Any) -> list[int]:
@@ -114,13 +57,18 @@ def _as_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
 
 
-def _eos_token_ids(model_dir: Path, hf_config: Any) -> tuple[int, ...]:
-    """EOS ids of config.json and generation_config.json together (Llama-3 lists several)."""
-    ids = _as_ids(getattr(hf_config, "eos_token_id", None))
+def _eos_token_ids(model_dir: Path, *configs: Any) -> tuple[int, ...]:
+    """EOS ids of config.json (and its text config) and generation_config.json together (Llama-3
+    lists several)."""
+    ids = [i for hf in configs for i in _as_ids(getattr(hf, "eos_token_id", None))]
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists():
         ids += _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
     return tuple(dict.fromkeys(ids))
+
+
+def family_of(spec: ModelSpec) -> Family:
+    return FAMILIES[spec.architecture]
 
 
 def load_model_spec(model_dir: str | Path) -> ModelSpec:
@@ -130,62 +78,38 @@ def load_model_spec(model_dir: str | Path) -> ModelSpec:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} has no config.json; --model must be a checkpoint directory")
-    hf = transformers.AutoConfig.from_pretrained(model_dir)
+    try:
+        hf = transformers.AutoConfig.from_pretrained(model_dir)
+    except OSError:
+        raise
+    except Exception as exc:  # its validation (huggingface_hub's strict dataclasses: an unset field...)
+        raise UnsupportedModelError(f"transformers refuses {model_dir / 'config.json'}: {exc}") from exc
     architectures = list(getattr(hf, "architectures", None) or [])
-    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in architectures if a in FAMILIES), None)
     if arch is None:
         raise UnsupportedModelError(
             f"architecture {architectures or hf.model_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
-    model_type = SUPPORTED_ARCHITECTURES[arch]
-    act = getattr(hf, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu / SwiGLU)")
-    if getattr(hf, "mlp_bias", False):
-        raise UnsupportedModelError("mlp_bias=True is not supported")
-    if getattr(hf, "pretraining_tp", 1) not in (None, 1):
-        log.warning("ignoring pretraining_tp", pretraining_tp=hf.pretraining_tp)
-
-    num_heads = hf.num_attention_heads
-    num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
-    if num_heads % num_kv_heads:
-        raise UnsupportedModelError(
-            f"num_attention_heads {num_heads} not a multiple of kv heads {num_kv_heads}"
-        )
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-
-    if model_type == "qwen2":
-        qkv_bias, o_bias = True, False
-        sliding_window = hf.sliding_window if getattr(hf, "use_sliding_window", False) else None
-    else:
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        qkv_bias = o_bias = attention_bias
-        sliding_window = getattr(hf, "sliding_window", None) if model_type == "mistral" else None
-
+    family = FAMILIES[arch]
+    text = family.text_config(hf)
+    fields = base_fields(text, arch)
+    fields.update(family.describe(text, arch))
     return ModelSpec(
         name=model_dir.name,
         architecture=arch,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        intermediate_size=hf.intermediate_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(hf.rms_norm_eps),
-        rope=_rope_config(hf),
-        max_position_embeddings=int(hf.max_position_embeddings),
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        sliding_window=int(sliding_window) if sliding_window else None,
-        eos_token_ids=_eos_token_ids(model_dir, hf),
+        eos_token_ids=_eos_token_ids(model_dir, hf, text)
+        if text is not hf
+        else _eos_token_ids(model_dir, hf),
+        **fields,
     )
 
 
-def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, CPU tensor) for every tensor of a single-file or sharded safetensors checkpoint."""
+def iter_checkpoint(
+    model_dir: str | Path, ignored_prefixes: tuple[str, ...] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, CPU tensor) for every tensor of a single-file or sharded safetensors checkpoint
+    (those whose names start with one of `ignored_prefixes` are not even read)."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -197,10 +121,12 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]
     for file in files:
         with safe_open(str(model_dir / file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                if not name.startswith(ignored_prefixes):
+                    yield name, f.get_tensor(name)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 # (module, tensor) names of per-layer KV cache scales: vLLM's, and compressed-tensors' output scales.
 _KV_SCALES = {
     ("self_attn", "k_scale"): "k_scale",
@@ -208,20 +134,71 @@ _KV_SCALES = {
     ("self_attn.k_proj", "output_scale"): "k_scale",
     ("self_attn.v_proj", "output_scale"): "v_scale",
 }
+# Modules whose tensors keep their names (under layers.N.).
+_DIRECT = (
+    "self_attn.o_proj",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+    "mlp.down_proj",
+    "mlp.gate",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+# Checkpoints that store them fused (Phi-3): fused module -> its parts, split by rows.
+_FUSED_IN_CHECKPOINT = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+_ROW_SPLIT_KINDS = ("weight", "bias", "weight_scale")
 
 
-def _destination(spec: ModelSpec, name: str) -> tuple[str, int, int] | None:
-    """Where checkpoint tensor `name` goes: (our parameter name, row offset, row count).
+@dataclass(frozen=True)
+class _Destination:
+    """Where a checkpoint tensor goes: rows [offset, offset + rows) of our parameter `target`
+    (rows -1: all of it), of expert `expert`'s slice when the parameter stacks experts."""
 
-    Row offset/count locate the slice of a fused parameter (qkv_proj, gate_up_proj); None means the
-    tensor is not used (rotary caches some checkpoints carry, a tied lm_head).
-    """
+    target: str
+    offset: int = 0
+    rows: int = -1
+    expert: int | None = None
+
+
+def _canonical(
+    family: Family, spec: ModelSpec, name: str, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """The (canonical name, tensor) pairs checkpoint tensor `name` stands for (see executor.models)."""
+    for pattern, replacement in family.renames:
+        name = re.sub(pattern, replacement, name)
+    if not family.fused_checkpoint:
+        return [(name, tensor)]
+    match = _LAYER.match(name)
+    module, _, kind = (match.group(2) if match else "").rpartition(".")
+    if module not in _FUSED_IN_CHECKPOINT:
+        return [(name, tensor)]
+    prefix = name[: len(name) - len(match.group(2))]
+    parts = _FUSED_IN_CHECKPOINT[module]
+    if kind not in _ROW_SPLIT_KINDS or tensor.numel() == 1:  # per-tensor values go to every part
+        return [(f"{prefix}{part}.{kind}", tensor) for part in parts]
+    if module == "self_attn.qkv_proj":
+        sizes = [spec.q_size, spec.kv_size, spec.kv_size]
+    else:
+        sizes = [spec.intermediate_size] * 2
+    if tensor.shape[0] != sum(sizes):
+        raise UnsupportedModelError(f"{name}: {tensor.shape[0]} rows, expected {sum(sizes)} ({sizes})")
+    return [(f"{prefix}{part}.{kind}", t) for part, t in zip(parts, tensor.split(sizes), strict=True)]
+
+
+def _destination(spec: ModelSpec, name: str) -> _Destination | None:
+    """Where canonical checkpoint tensor `name` goes; None means the tensor is not used (rotary
+    caches some checkpoints carry, a tied lm_head, FP8 checkpoints' static input scales)."""
     if name == "model.embed_tokens.weight":
-        return "embed_tokens.weight", 0, spec.vocab_size
+        return _Destination("embed_tokens.weight")
     if name == "model.norm.weight":
-        return "norm.weight", 0, spec.hidden_size
+        return _Destination("norm.weight")
     if name == "lm_head.weight":
-        return None if spec.tie_word_embeddings else ("lm_head", 0, spec.vocab_size)
+        return None if spec.tie_word_embeddings else _Destination("lm_head")
     match = _LAYER.match(name)
     if match is None:
         raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
@@ -240,13 +217,26 @@ def _destination(spec: ModelSpec, name: str) -> tuple[str, int, int] | None:
         # input_scale: a static activation scale of FP8 checkpoints; we quantize per token instead.
         return None
     if (module, kind) in _KV_SCALES:  # FP8 checkpoints' KV cache scales (buffers, not parameters)
-        return f"{prefix}self_attn.{_KV_SCALES[module, kind]}", 0, -1
+        return _Destination(f"{prefix}self_attn.{_KV_SCALES[module, kind]}")
     if module in fused:
         target, offset, rows = fused[module]
-        return f"{prefix}{target}.{kind}", offset, rows
-    if module in ("self_attn.o_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"):
-        return f"{prefix}{rest}", 0, -1
+        return _Destination(f"{prefix}{target}.{kind}", offset, rows)
+    expert = _EXPERT.match(module)
+    if expert is not None and spec.moe is not None:
+        index, proj = int(expert.group(1)), expert.group(2)
+        moe_inter = spec.moe.intermediate_size
+        if proj == "down_proj":
+            return _Destination(f"{prefix}mlp.experts.w2.{kind}", expert=index)
+        offset = 0 if proj == "gate_proj" else moe_inter
+        return _Destination(f"{prefix}mlp.experts.w13.{kind}", offset, moe_inter, index)
+    if module in _DIRECT:
+        return _Destination(f"{prefix}{rest}")
     raise UnsupportedModelError(f"unexpected checkpoint tensor {name!r}")
+
+
+def _expert(param: torch.Tensor, expert: int | None) -> torch.Tensor:
+    """Expert `expert`'s slice of a stacked parameter (a view), or the parameter itself."""
+    return param if expert is None else param[expert]
 
 
 def load_weights(
@@ -254,14 +244,14 @@ def load_weights(
 ) -> None:
     """Copies the checkpoint into `model`'s (already allocated) parameters, checking completeness.
 
-    With `--quantization fp8` (the model's linear layers are `Fp8Linear`) full-precision weights
-    are quantized as they are copied and FP8 checkpoints are copied as they are (see
-    `executor.quantization`). KV cache scales in the checkpoint fill the layers' k_scale / v_scale
-    buffers when those exist (`--kv-cache-dtype fp8`) and are skipped otherwise; the model's
-    `kv_scales_loaded` says whether every layer got both.
+    With `--quantization fp8` (the model's linear layers are `Fp8Linear`, the experts FP8 too)
+    full-precision weights are quantized per output row as they are copied and FP8 checkpoints are
+    copied as they are (see `executor.quantization`). KV cache scales in the checkpoint fill the
+    layers' k_scale / v_scale buffers when those exist (`--kv-cache-dtype fp8`) and are skipped
+    otherwise; the model's `kv_scales_loaded` says whether every layer got both.
 
     With `shard` (tensor parallelism) `spec` is the whole model's and `model` holds rank
-    `shard.rank`'s part: each checkpoint tensor is narrowed to that part first
+    `shard.rank`'s part: each (canonical) checkpoint tensor is narrowed to that part first
     (`executor.parallel`), then placed as usual in the rank's smaller fused parameters.
 
     Raises:
@@ -269,57 +259,61 @@ def load_weights(
     """
     from pagedserve.executor import quantization
 
+    family = family_of(spec)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     filled: dict[str, int] = dict.fromkeys(params, 0)
     kv_scales_seen: set[str] = set()
     dest_spec = spec if shard is None else shard.local_spec(spec)
     with torch.no_grad():
-        for name, tensor in iter_checkpoint(model_dir):
-            if shard is not None:
-                tensor = shard.narrow(spec, name, tensor)
-            dest = _destination(dest_spec, name)
-            if dest is None:
-                continue
-            target, offset, rows = dest
-            if target.endswith(("k_scale", "v_scale")):
-                if target in buffers:
-                    buffers[target].copy_(tensor.reshape(-1)[:1].float())
-                    kv_scales_seen.add(target)
-                continue
-            if target not in params:
-                if tensor.dtype == torch.float8_e4m3fn or target.endswith(".weight_scale"):
-                    raise UnsupportedModelError(
-                        f"checkpoint tensor {name!r} is FP8 ({tensor.dtype}); run with --quantization fp8"
-                    )
-                raise UnsupportedModelError(
-                    f"checkpoint tensor {name!r} has no place in the model ({target})"
-                )
-            param = params[target]
-            if quantization.is_fp8_weight(param):
-                scale_name = target.removesuffix(".weight") + ".weight_scale"
+        for checkpoint_name, whole in iter_checkpoint(model_dir, family.ignored_prefixes):
+            for name, tensor in _canonical(family, spec, checkpoint_name, whole):
+                if shard is not None:
+                    tensor = shard.narrow(spec, name, tensor)
+                dest = _destination(dest_spec, name)
+                if dest is None:
+                    continue
                 try:
-                    quantization.load_weight_slice(param, params[scale_name], offset, rows, tensor)
+                    _copy(params, buffers, filled, kv_scales_seen, dest, tensor, quantization)
                 except UnsupportedModelError as exc:
-                    raise UnsupportedModelError(f"{name}: {exc}") from None
-                filled[target] += param.numel() if rows == -1 else rows * param.shape[1]
-                if tensor.dtype != torch.float8_e4m3fn:
-                    filled[scale_name] += param.shape[0] if rows == -1 else rows
-                continue
-            if target.endswith(".weight_scale"):
-                quantization.load_scale_slice(param, offset, rows, tensor)
-                filled[target] += param.numel() if rows == -1 else rows
-                continue
-            view = param if rows == -1 else param.narrow(0, offset, rows)
-            if view.shape != tensor.shape:
-                raise UnsupportedModelError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(view.shape)}"
-                )
-            view.copy_(tensor)
-            filled[target] += view.numel()
+                    raise UnsupportedModelError(f"{checkpoint_name}: {exc}") from None
     model.kv_scales_loaded = bool(kv_scales_seen) and len(kv_scales_seen) == sum(
         n.endswith(("k_scale", "v_scale")) for n in buffers
     )
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if missing:
         raise UnsupportedModelError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing[:8])}")
+
+
+def _copy(
+    params, buffers, filled, kv_scales_seen, dest: _Destination, tensor: torch.Tensor, quantization
+) -> None:
+    """Copies one (narrowed, canonical) checkpoint tensor to `dest`, counting what it filled."""
+    target, offset, rows = dest.target, dest.offset, dest.rows
+    if target.endswith(("k_scale", "v_scale")):
+        if target in buffers:
+            buffers[target].copy_(tensor.reshape(-1)[:1].float())
+            kv_scales_seen.add(target)
+        return
+    if target not in params:
+        if tensor.dtype == torch.float8_e4m3fn or target.endswith(".weight_scale"):
+            raise UnsupportedModelError(f"the tensor is FP8 ({tensor.dtype}); run with --quantization fp8")
+        raise UnsupportedModelError(f"the tensor has no place in the model ({target})")
+    param = _expert(params[target], dest.expert)
+    if quantization.is_fp8_weight(param):
+        scale_name = target.removesuffix(".weight") + ".weight_scale"
+        quantization.load_weight_slice(param, _expert(params[scale_name], dest.expert), offset, rows, tensor)
+        num_rows = param.shape[0] if rows == -1 else rows
+        filled[target] += num_rows * param.shape[1]
+        if tensor.dtype != torch.float8_e4m3fn:
+            filled[scale_name] += num_rows
+        return
+    if target.endswith(".weight_scale"):
+        quantization.load_scale_slice(param, offset, rows, tensor)
+        filled[target] += param.shape[0] if rows == -1 else rows
+        return
+    view = param if rows == -1 else param.narrow(0, offset, rows)
+    if view.shape != tensor.shape:
+        raise UnsupportedModelError(f"checkpoint shape {tuple(tensor.shape)} != expected {tuple(view.shape)}")
+    view.copy_(tensor)
+    filled[target] += view.numel()

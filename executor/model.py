@@ -1,26 +1,33 @@
-"""Our Llama-family forward pass (Llama, Mistral, Qwen2) over a flattened, unpadded batch of tokens.
+"""Our decoder forward pass, shared by every family, over a flattened, unpadded batch of tokens.
+
+A family (`executor.models`) is a `ModelSpec`: the norm kind, the MLP kind (SwiGLU, GeGLU or
+routed experts, `executor.moe`), per-layer attention windows and rotary embeddings, soft-caps, q/k
+norms, an embedding scale. The layers below read those traits once, at construction, so the forward
+itself has no per-family code and no data-dependent control flow (it stays capturable in a CUDA graph).
 
 Every sequence of a step contributes its new tokens to one [num_tokens, hidden] matrix, so prefill
 chunks and decode tokens share the same matmuls. Attention writes the new K/V into the paged pool
-(`kernels.write_kv`) and attends over it (`kernels.paged_attention`); where each token goes and
-what it sees travels in an explicit `AttentionMetadata`, never in module globals. The elementwise
-work of a layer (RMSNorm with the residual add fused in, rotary, SiLU-and-mul) runs as one kernel
-each (`kernels.layers`).
+(`kernels.write_kv`) and attends over it (`kernels.paged_attention`, with the layer's sliding window
+and soft-cap); where each token goes and what it sees travels in an explicit `AttentionMetadata`,
+never in module globals. The elementwise work of a layer (RMSNorm with the residual add fused in,
+rotary, SiLU-and-mul) runs as one kernel each (`kernels.layers`).
 
-With `quantization="fp8"` the four projections of each layer are `executor.quantization.Fp8Linear`
-and the kernels before them hand over per-token FP8 activations (the norms and SiLU-and-mul quantize
-in the same kernel: `kernels.fp8`). With an FP8 KV pool each layer's k_scale / v_scale buffers
-travel with its caches to `write_kv` and the attention kernels.
+With `quantization="fp8"` the four projections of each layer (and the experts) are FP8
+(`executor.quantization.Fp8Linear`) and the Llama-order norms and SiLU-and-mul before them hand over
+per-token FP8 activations (`kernels.fp8`); Gemma's norms and GeGLU hand over full precision, which
+Fp8Linear quantizes itself. With an FP8 KV pool each layer's k_scale / v_scale buffers travel with
+its caches to `write_kv` and the attention kernels.
 
-Tensor parallelism (`executor.parallel`): built from a rank's local spec (its heads and MLP rows)
-and given the group's `all_reduce`, the model makes o_proj and down_proj row-parallel (partial sums
-all-reduced, the bias added after); without it (one rank) the layers are the plain ones, so one
-rank runs exactly the single-device code. Ranks other than 0 skip the LM head (`computes_logits`).
+Tensor parallelism (`executor.parallel`): built from a rank's local spec (its heads, MLP rows and
+expert rows) and given the group's `all_reduce`, the model makes o_proj, down_proj and the experts'
+combine row-parallel (partial sums all-reduced, the bias added after); without it (one rank) the
+layers are the plain ones, so one rank runs exactly the single-device code. Ranks other than 0 skip
+the LM head (`computes_logits`).
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,9 +37,13 @@ from torch import nn
 
 from pagedserve import kernels
 from pagedserve.executor.kv_groups import KVCacheGroups
-from pagedserve.executor.loader import ModelSpec, RopeConfig
+from pagedserve.executor.moe import SparseMoE
 from pagedserve.executor.quantization import QUANTIZATIONS, Fp8Linear, kv_scale_from_amax
+from pagedserve.executor.rotary import RotaryEmbedding, rope_inv_freq
+from pagedserve.executor.spec import ModelSpec, RopeConfig
 from pagedserve.kernels import fp8, layers
+
+__all__ = ["AttentionMetadata", "CausalLM", "RotaryEmbedding", "rope_inv_freq"]
 
 
 @dataclass(frozen=True)
@@ -56,41 +67,6 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float32), with linear or Llama-3 scaling applied."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
-        # (as in Meta's reference and transformers' `_compute_llama3_parameters`).
-        old_len = rope.original_max_position_embeddings
-        low_freq_wavelen = old_len / rope.low_freq_factor
-        high_freq_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin precomputed up to max_model_len, gathered by position (neox / rotate-half layout)."""
-
-    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, device: torch.device) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(rope, head_dim).to(device)
-        freqs = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_len, head_dim / 2], float32
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Rotates q [num_tokens, heads, head_dim] and k [num_tokens, kv_heads, head_dim] in place."""
-        layers.rotary_embedding(positions, q, k, self.cos, self.sin)
-
-
 def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
     # Uninitialised on purpose: the loader overwrites every parameter, and random init of an 8B
     # model would cost seconds for nothing.
@@ -101,21 +77,30 @@ class RMSNorm(nn.Module):
     """x / rms(x) * weight, the reduction in float32 as in the reference implementations.
 
     Given the residual stream too, it first adds x into it (one fused kernel) and returns
-    (normed, new residual): see `kernels.layers.rms_norm`.
+    (normed, new residual): see `kernels.layers.rms_norm`. `kind` "gemma" multiplies by
+    (1 + weight) in float32 instead (`kernels.layers.gemma_rms_norm`); `quantize` (a Llama-order
+    norm before an Fp8Linear) outputs per-token FP8 activations.
     """
 
     def __init__(
-        self, size: int, eps: float, device: torch.device, dtype: torch.dtype, quantize: bool = False
+        self,
+        size: int,
+        eps: float,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantize: bool = False,
+        kind: str = "rms",
     ) -> None:
         super().__init__()
         self.eps = eps
-        self.quantize = quantize  # output per-token FP8 activations (for an Fp8Linear after it)
         self.weight = _param(size, device=device, dtype=dtype)
+        if kind == "gemma":
+            self._norm = layers.gemma_rms_norm  # an Fp8Linear after it quantizes its input itself
+        else:
+            self._norm = fp8.rms_norm_quant if quantize else layers.rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.quantize:
-            return fp8.rms_norm_quant(x, self.weight, self.eps, residual)
-        return layers.rms_norm(x, self.weight, self.eps, residual)
+        return self._norm(x, self.weight, self.eps, residual)
 
 
 class Linear(nn.Module):
@@ -181,42 +166,63 @@ def _linear(
 
 
 class Embedding(nn.Module):
-    """Token embedding table (its weight doubles as the LM head when embeddings are tied)."""
+    """Token embedding table (its weight doubles as the LM head when embeddings are tied), times
+    `scale` when given (Gemma), the scale rounded to the model dtype first as transformers does."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        scale: float | None = None,
+    ) -> None:
         super().__init__()
         self.weight = _param(vocab_size, hidden_size, device=device, dtype=dtype)
+        scale_tensor = None if scale is None else torch.tensor(scale).to(device=device, dtype=dtype)
+        self.register_buffer("scale", scale_tensor, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        x = F.embedding(input_ids, self.weight)
+        return x if self.scale is None else x * self.scale
 
 
 class Attention(nn.Module):
-    """GQA/MHA self-attention with fused q/k/v projection over the paged KV pool."""
+    """GQA/MHA self-attention with fused q/k/v projection over the paged KV pool.
+
+    Per family and layer (from the spec): q/k RMSNorms over each head before the rotary embedding,
+    the layer's rotary embedding and sliding window, the softmax scale and score soft-cap.
+    """
 
     def __init__(
         self,
         spec: ModelSpec,
+        window: int | None,
         rotary: RotaryEmbedding,
         device: torch.device,
         dtype: torch.dtype,
         quantization: str | None = None,
         all_reduce: AllReduce | None = None,
         kv_group: int = 0,
-        sliding_window: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
-        self.scale = spec.head_dim**-0.5
-        self.kv_group = kv_group  # whose block tables and slot mapping this layer uses
-        self.sliding_window = sliding_window
+        self.scale = spec.head_dim**-0.5 if spec.attn_scale is None else spec.attn_scale
+        self.kv_group = kv_group  # whose block tables and slot mapping the layer uses
+        self.sliding_window = window
+        self.soft_cap = spec.attn_soft_cap
         self.rotary = rotary
         qkv_rows = self.q_size + 2 * self.kv_size
         self.qkv_proj = _linear(qkv_rows, spec.hidden_size, spec.qkv_bias, device, dtype, quantization)
         self.o_proj = _linear(
             spec.hidden_size, self.q_size, spec.o_bias, device, dtype, quantization, all_reduce
         )
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype, kind=spec.norm)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype, kind=spec.norm)
+        else:
+            self.q_norm = self.k_norm = None
         # Scales of an FP8 KV pool (ignored by the kernels for other pools); 1.0 until the loader
         # or the first step's calibration sets them.
         self.register_buffer("k_scale", torch.ones(1, device=device), persistent=False)
@@ -227,10 +233,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # over each head: rows of head_dim (new, contiguous tensors)
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.rotary(meta.positions, q, k)  # in place: q and k are views of this step's qkv output
+        self.rotary(meta.positions, q, k)  # in place (views of the qkv output, or the normed copies)
         if self.calibrate_kv_scales:
             self.k_scale.copy_(kv_scale_from_amax(k))
             self.v_scale.copy_(kv_scale_from_amax(v))
@@ -239,12 +248,19 @@ class Attention(nn.Module):
         out = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables[group], meta.seq_lens, meta.cu_seqlens_q, self.scale,
             k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
         )  # fmt: skip
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+_ACTIVATIONS = {  # mlp_act -> (plain, FP8-quantizing) activation of the fused gate_up output
+    "silu": (layers.silu_and_mul, fp8.silu_and_mul_quant),
+    "gelu_tanh": (layers.gelu_tanh_and_mul, layers.gelu_tanh_and_mul),  # down_proj quantizes itself
+}
+
+
 class MLP(nn.Module):
-    """SwiGLU with gate and up fused into one matmul."""
+    """SwiGLU (or Gemma's GeGLU) with gate and up fused into one matmul."""
 
     def __init__(
         self,
@@ -258,7 +274,8 @@ class MLP(nn.Module):
         inter, hidden = spec.intermediate_size, spec.hidden_size
         self.gate_up_proj = _linear(2 * inter, hidden, False, device, dtype, quantization)
         self.down_proj = _linear(hidden, inter, False, device, dtype, quantization, all_reduce)
-        self.act = fp8.silu_and_mul_quant if quantization == "fp8" else layers.silu_and_mul
+        plain, quantizing = _ACTIVATIONS[spec.mlp_act]
+        self.act = quantizing if quantization == "fp8" else plain
 
     def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -270,27 +287,42 @@ class DecoderLayer(nn.Module):
     As in vLLM, a layer returns its MLP output and the residual stream *separately*: the add
     that completes the layer happens inside the next layer's input norm (or the final norm), so
     each add costs no kernel of its own.
+
+    Norm names are the checkpoint's: Llama's post_attention_layernorm is the norm before the MLP;
+    with sandwich norms (Gemma) post_attention_layernorm normalises the attention output,
+    pre_feedforward_layernorm comes before the MLP and post_feedforward_layernorm after it.
     """
 
     def __init__(
         self,
         spec: ModelSpec,
+        layer: int,
+        window: int | None,
         rotary: RotaryEmbedding,
         device: torch.device,
         dtype: torch.dtype,
         quantization: str | None = None,
         all_reduce: AllReduce | None = None,
         kv_group: int = 0,
-        sliding_window: int | None = None,
     ):
         super().__init__()
+        moe = spec.is_moe_layer(layer)
         quant = quantization == "fp8"
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, quant)
-        self.self_attn = Attention(
-            spec, rotary, device, dtype, quantization, all_reduce, kv_group, sliding_window
-        )
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, quant)
-        self.mlp = MLP(spec, device, dtype, quantization, all_reduce)
+        norm = functools.partial(RMSNorm, spec.hidden_size, spec.rms_norm_eps, device, dtype, kind=spec.norm)
+        self.sandwich = spec.sandwich_norms
+        self.input_layernorm = norm(quantize=quant)
+        self.self_attn = Attention(spec, window, rotary, device, dtype, quantization, all_reduce, kv_group)
+        # The router reads the pre-MLP norm's output in full precision.
+        if self.sandwich:
+            self.post_attention_layernorm = norm()
+            self.pre_feedforward_layernorm = norm(quantize=quant and not moe)
+            self.post_feedforward_layernorm = norm()
+        else:
+            self.post_attention_layernorm = norm(quantize=quant and not moe)
+        if moe:
+            self.mlp = SparseMoE(spec, _linear, device, dtype, quantization, all_reduce)
+        else:
+            self.mlp = MLP(spec, device, dtype, quantization, all_reduce)
 
     def forward(
         self,
@@ -311,11 +343,15 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, meta, k_cache, v_cache)
+        if self.sandwich:
+            x = self.post_attention_layernorm(x)
+            x, residual = self.pre_feedforward_layernorm(x, residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
-class LlamaModel(nn.Module):
+class CausalLM(nn.Module):
     """The decoder stack plus LM head. Parameters are allocated uninitialised; `loader` fills them.
 
     Parameter names (embed_tokens, layers.N.self_attn.qkv_proj, ..., norm, lm_head) are what
@@ -334,6 +370,7 @@ class LlamaModel(nn.Module):
         quantization: str | None = None,
         all_reduce: AllReduce | None = None,
         computes_logits: bool = True,
+        hybrid_kv_cache: bool = True,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
@@ -341,29 +378,41 @@ class LlamaModel(nn.Module):
         self.spec = spec
         self.quantization = quantization
         self.kv_scales_loaded = False  # the loader sets it when the checkpoint carried KV scales
-        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, device, dtype)
-        rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_model_len, device)
-        # Which block tables each layer uses (one group unless layers attend differently).
-        self.kv_groups = KVCacheGroups.for_layers([spec.sliding_window] * spec.num_layers)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, device, dtype, spec.embed_scale)
+        # One table per distinct rotary embedding (Gemma 3: local and global), shared by its layers.
+        rotaries: dict[RopeConfig, RotaryEmbedding] = {}
+        for layer in range(spec.num_layers):
+            rope = spec.layer_rope(layer)
+            if rope not in rotaries:
+                rotaries[rope] = RotaryEmbedding(rope, spec.head_dim, max_model_len, device)
+        # A window that covers max_model_len masks nothing: those layers attend in full (and keep
+        # the kernels' fastest path).
+        windows = [w if w is not None and w < max_model_len else None for w in spec.layer_windows]
+        # Which block tables each layer uses: a group per attention kind, so that sliding-window
+        # layers give blocks back (executor.kv_groups); one group of every layer without the hybrid
+        # KV-cache manager (the windows still apply).
+        self.kv_groups = KVCacheGroups.for_layers(windows if hybrid_kv_cache else [None] * spec.num_layers)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 spec,
-                rotary,
+                layer,
+                windows[layer],
+                rotaries[spec.layer_rope(layer)],
                 device,
                 dtype,
                 quantization,
                 all_reduce,
-                self.kv_groups.layer_group[i],
-                self.kv_groups.layer_window(i),
+                self.kv_groups.layer_group[layer],
             )  # fmt: skip
-            for i in range(spec.num_layers)
+            for layer in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype, kind=spec.norm)
         self.lm_head = (
             None
             if spec.tie_word_embeddings
             else _param(spec.vocab_size, spec.hidden_size, device=device, dtype=dtype)
         )
+        self.final_soft_cap = spec.final_soft_cap
         # Chosen once here, not tested per step: one rank runs the single-device code unchanged.
         self._head = self._logits if computes_logits else _no_logits
 
@@ -412,6 +461,8 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         logits = F.linear(x, head)
+        if self.final_soft_cap is not None:  # in the model dtype, as transformers
+            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         if out is None:
             return logits.float()
         return out.copy_(logits)

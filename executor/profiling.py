@@ -30,7 +30,7 @@ import torch
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.cuda_graphs import decode_graph_sizes, mixed_graph_sizes
 from pagedserve.executor.kv_cache import KVCache, KVCacheLayout
-from pagedserve.executor.model import LlamaModel
+from pagedserve.executor.model import CausalLM
 from pagedserve.executor.sampler import SamplingParams, sample
 from pagedserve.executor.step_inputs import build_step_inputs
 
@@ -69,7 +69,7 @@ def _worst_step_lens(config: ExecutorConfig, max_model_len: int) -> list[int]:
     return [per_seq] * num_seqs
 
 
-def _worst_step_peak(model: LlamaModel, layout: KVCacheLayout, lens: list[int]) -> int:
+def _worst_step_peak(model: CausalLM, layout: KVCacheLayout, lens: list[int]) -> int:
     """Peak torch memory (pool excluded) of an eager step of `lens` prefills, all sampled with
     top-k/top-p (the sampler's sort is the largest temporary)."""
     device = next(model.parameters()).device
@@ -87,7 +87,7 @@ def _worst_step_peak(model: LlamaModel, layout: KVCacheLayout, lens: list[int]) 
     return torch.cuda.max_memory_allocated(device) - scratch_bytes
 
 
-def _graph_pass_bytes(model: LlamaModel, layout: KVCacheLayout, lens: list[int]) -> int:
+def _graph_pass_bytes(model: CausalLM, layout: KVCacheLayout, lens: list[int]) -> int:
     """Torch memory a forward pass of `lens` new tokens per sequence (logits for every sequence,
     written into a buffer as a graph does) allocates beyond what is live before it."""
     device = next(model.parameters()).device
@@ -115,7 +115,7 @@ def memory_in_use(device: torch.device) -> tuple[int, int]:
 
 @torch.inference_mode()
 def profile_cuda(
-    model: LlamaModel,
+    model: CausalLM,
     layout: KVCacheLayout,
     config: ExecutorConfig,
     max_model_len: int,

@@ -30,7 +30,7 @@ import os
 import torch
 from torch import nn
 
-from pagedserve.executor.loader import UnsupportedModelError
+from pagedserve.executor.spec import UnsupportedModelError
 from pagedserve.kernels import fp8
 
 QUANTIZATIONS = (None, "fp8")

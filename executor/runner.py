@@ -33,7 +33,7 @@ from pagedserve.executor.kv_cache import (
     gpu_num_blocks,
 )
 from pagedserve.executor.loader import ModelSpec, UnsupportedModelError, load_model_spec, load_weights
-from pagedserve.executor.model import LlamaModel
+from pagedserve.executor.model import CausalLM
 from pagedserve.executor.plan_check import PlanError, PlanLimits, validate_plan
 from pagedserve.executor.profiling import memory_in_use, profile_cuda
 from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
@@ -104,17 +104,17 @@ class PendingStep:
 
 
 def resolve_max_model_len(config: ExecutorConfig, spec: ModelSpec) -> int:
-    """config.max_model_len, or the model's limit; never beyond what the model supports."""
+    """config.max_model_len, or the model's limit (max_position_embeddings); never beyond it.
+
+    Sliding windows do not limit it: sliding-window layers attend within their window
+    (`kernels.paged_attention`), so a sequence may grow past the window."""
     limit = spec.max_position_embeddings
-    if spec.sliding_window is not None and spec.sliding_window < limit:
-        # We attend over the whole context; within the window that is exactly sliding-window attention.
-        limit = spec.sliding_window
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
         raise UnsupportedModelError(
             f"max_model_len={config.max_model_len} exceeds what {spec.name} supports ({limit}: "
-            "max_position_embeddings, or the sliding window, which is not implemented)"
+            "max_position_embeddings)"
         )
     return config.max_model_len
 
@@ -139,7 +139,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         kv_cache: KVCache,
         *,
         max_model_len: int,
@@ -202,8 +202,13 @@ class ModelRunner:
         if device.type == "cuda" and config.num_gpu_blocks_override is None:
             in_use_at_start = memory_in_use(device)[0]
         spec = load_model_spec(config.model)
-        model = LlamaModel(
-            spec, resolve_max_model_len(config, spec), device, config.torch_dtype(device), config.quantization
+        model = CausalLM(
+            spec,
+            resolve_max_model_len(config, spec),
+            device,
+            config.torch_dtype(device),
+            config.quantization,
+            hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
         )
         load_weights(model, spec, config.model)
         return cls.from_model(config, model, in_use_at_start=in_use_at_start)
@@ -212,7 +217,7 @@ class ModelRunner:
     def from_model(
         cls,
         config: ExecutorConfig,
-        model: LlamaModel,
+        model: CausalLM,
         *,
         in_use_at_start: int = 0,
         min_over_ranks: Callable[[int], int] | None = None,

@@ -24,7 +24,7 @@ import torch
 
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.loader import load_model_spec, load_weights
-from pagedserve.executor.model import LlamaModel
+from pagedserve.executor.model import CausalLM
 from pagedserve.executor.parallel import TPShard
 from pagedserve.executor.profiling import memory_in_use
 from pagedserve.executor.quantization import check_fp8_support
@@ -124,7 +124,7 @@ def create_runner(config: ExecutorConfig, group: TensorParallelGroup) -> ModelRu
         in_use_at_start = memory_in_use(device)[0]
     spec = load_model_spec(config.model)
     shard = TPShard(group.rank, group.size)
-    model = LlamaModel(
+    model = CausalLM(
         shard.local_spec(spec),
         resolve_max_model_len(config, spec),
         device,
@@ -132,6 +132,7 @@ def create_runner(config: ExecutorConfig, group: TensorParallelGroup) -> ModelRu
         config.quantization,
         all_reduce=group.all_reduce,
         computes_logits=group.rank == 0,
+        hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
     )
     load_weights(model, spec, config.model, shard)
     cls = TPDriverRunner if group.rank == 0 else TPWorkerRunner

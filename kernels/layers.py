@@ -1,5 +1,8 @@
 """The decoder layer's elementwise work as single kernels: (residual add +) RMSNorm, rotary, SiLU-and-mul.
 
+Gemma's variants (`gemma_rms_norm`, `gelu_tanh_and_mul`) are plain torch on every device for now:
+a few kernels each instead of one on CUDA (correct, graph-capturable, not yet fused).
+
 In eager mode each of these is a chain of small torch ops (RMSNorm eight, rotary about twenty) with
 float32 temporaries in memory; the Triton kernels (`kernels.triton_layers`) do each in one launch.
 Dispatch follows `kernels.paged_attention`: Triton for CUDA tensors, the plain-torch references
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import _use_triton
 
-__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["gelu_tanh_and_mul", "gemma_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
 @overload
@@ -86,6 +89,34 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return triton_layers.silu_and_mul(x)
     return silu_and_mul_reference(x)
+
+
+def gemma_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm, (1 + weight) * (x / rms(x)), with the residual add fused in as `rms_norm`.
+
+    Unlike Llama's, the multiply by (1 + weight) happens in float32 and the result is rounded to
+    x's dtype once (Hugging Face's Gemma order: folding 1 + weight into a bf16 weight would round
+    it). Same arguments and returns as `rms_norm`.
+    """
+    if residual is not None:
+        summed = x + residual
+        return _gemma_normalise(summed, weight, eps), summed
+    return _gemma_normalise(x, weight, eps)
+
+
+def _gemma_normalise(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's activation: x [num_tokens, 2 * I] (gate | up) -> gelu_tanh(gate) * up [num_tokens, I]
+    (transformers' "gelu_pytorch_tanh", Gemma's)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 # --------------------------------------------------------------------------------------------- #

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedserve.executor.loader import load_model_spec, load_weights
-from pagedserve.executor.model import AttentionMetadata, LlamaModel
+from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.kernels import layers
 from pagedserve.kernels import triton_layers as tlay
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
@@ -213,7 +213,7 @@ def _forward(model_dir, dtype: torch.dtype) -> torch.Tensor:
     """Logits of the last token of three prompts (13, 1 and 6 tokens) in one step, from fresh caches;
     the one-token prompt is a decode to the attention kernels (a mixed batch)."""
     spec = load_model_spec(model_dir)
-    model = LlamaModel(spec, 64, torch.device(DEVICE), dtype)
+    model = CausalLM(spec, 64, torch.device(DEVICE), dtype)
     load_weights(model, spec, model_dir)
     block_size, lens = 16, [13, 1, 6]
     cache_shape = (4, block_size, spec.num_kv_heads, spec.head_dim)
@@ -227,8 +227,11 @@ def _forward(model_dir, dtype: torch.dtype) -> torch.Tensor:
     ids = torch.randint(3, spec.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(5))
     meta = AttentionMetadata(
         positions=torch.cat([torch.arange(n) for n in lens]).to(DEVICE),
-        slot_mapping=torch.cat([torch.arange(n) + i * block_size for i, n in enumerate(lens)]).to(DEVICE),
-        block_tables=torch.tensor([[0], [1], [2]], dtype=torch.int32, device=DEVICE),
+        # One KV-cache group: [1, tokens] and [1, sequences, blocks].
+        slot_mapping=torch.cat([torch.arange(n) + i * block_size for i, n in enumerate(lens)]).to(DEVICE)[
+            None
+        ],
+        block_tables=torch.tensor([[[0], [1], [2]]], dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         cu_seqlens_q=torch.tensor([0, 13, 14, 20], dtype=torch.int32, device=DEVICE),
     )

@@ -62,6 +62,7 @@ def test_wheel_holds_only_the_pagedserve_namespace(wheel):
     expected = {f"pagedserve/protos/pagedserve/v1/{n}.proto" for n in ("generation", "executor", "admin")}
     assert protos == expected
     assert "pagedserve/kernels/fp8_decode.cu" in names  # compiled at run time (kernels.cuda_decode)
+    assert "pagedserve/executor/models/gemma.py" in names  # a sub-package of a mapped folder
     assert not [n for n in names if "/tests/" in n or n.startswith("tests/")]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.loader import ModelSpec, RopeConfig, load_model_spec, load_weights
-from pagedserve.executor.model import LlamaModel
+from pagedserve.executor.model import CausalLM
 from pagedserve.executor.parallel import TensorParallelError, TPShard, check_tensor_parallel
 from pagedserve.supervisor import place_executors
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
@@ -27,22 +27,20 @@ def kv1_bias_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-kv1"), spec)
 
 
-def _load(model_dir, size: int = 1, rank: int = 0, quantization: str | None = None) -> LlamaModel:
+def _load(model_dir, size: int = 1, rank: int = 0, quantization: str | None = None) -> CausalLM:
     """The model (size 1) or rank `rank`'s shard, through the real loader."""
     spec = load_model_spec(model_dir)
     if size == 1:
-        model = LlamaModel(spec, 128, CPU, torch.float32, quantization)
+        model = CausalLM(spec, 128, CPU, torch.float32, quantization)
         load_weights(model, spec, model_dir)
         return model
     shard = TPShard(rank, size)
-    model = LlamaModel(
-        shard.local_spec(spec), 128, CPU, torch.float32, quantization, all_reduce=lambda t: None
-    )
+    model = CausalLM(shard.local_spec(spec), 128, CPU, torch.float32, quantization, all_reduce=lambda t: None)
     load_weights(model, spec, model_dir, shard)
     return model
 
 
-def _split_qkv(t: torch.Tensor, model: LlamaModel) -> tuple[torch.Tensor, ...]:
+def _split_qkv(t: torch.Tensor, model: CausalLM) -> tuple[torch.Tensor, ...]:
     spec = model.spec
     return t.split([spec.q_size, spec.kv_size, spec.kv_size], dim=0)
 
@@ -135,7 +133,7 @@ def spec_like(num_heads: int, num_kv_heads: int, intermediate_size: int = 128) -
         intermediate_size=intermediate_size, num_layers=1, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=8, rms_norm_eps=1e-5, rope=RopeConfig(theta=1e4),
         max_position_embeddings=128, tie_word_embeddings=False, qkv_bias=False, o_bias=False,
-        sliding_window=None, eos_token_ids=(2,),
+        sliding_window=None, layer_types=("full_attention",), eos_token_ids=(2,),
     )  # fmt: skip
 
 

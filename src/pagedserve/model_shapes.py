@@ -1,7 +1,9 @@
 """`pagedserve make-model`: writes benchmark model directories with random weights.
 
 Nothing can be downloaded, so the GPU benchmark model ("llama-8b-shape" of the README's Workloads) has
-Llama-3.1-8B's architecture and random bf16 weights. The 16 GB checkpoint is streamed to one
+Llama-3.1-8B's architecture and random bf16 weights; "qwen3-30b-a3b" (128 experts, top 8) and
+"gemma3-12b" (5 local layers of window 1024 per global one) are issue 28's MoE and sliding-window
+benchmark shapes, in their checkpoint layouts. The 16 GB checkpoint is streamed to one
 model.safetensors tensor by tensor: the header is computed from the shapes up front, then each
 tensor is generated, written and dropped, so memory stays at the size of the largest tensor.
 """
@@ -29,7 +31,8 @@ LLAMA31_ROPE_SCALING = {
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Llama architecture; bf16 weights of this shape are generated, never a model instantiated."""
+    """A Llama, Qwen3-MoE or Gemma 3 architecture (`family`); bf16 weights of this shape are
+    generated, never a model instantiated."""
 
     hidden_size: int
     intermediate_size: int
@@ -42,15 +45,26 @@ class ModelShape:
     max_position_embeddings: int
     rope_scaling: dict | None = field(default=None, hash=False)
     tokenizer_vocab_size: int = 512  # prompts are token ids, so a small trained vocabulary is enough
+    family: str = "llama"  # "llama", "qwen3_moe" or "gemma3"
+    # qwen3_moe: routed experts on every layer
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    # gemma3: sliding_window_pattern - 1 local layers (window sliding_window) per global one
+    sliding_window: int = 1024
+    sliding_window_pattern: int = 6
+    rope_local_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.tokenizer_vocab_size > self.vocab_size:
             raise ValueError("the tokenizer vocabulary must fit in the model's vocabulary")
+        if self.family not in ("llama", "qwen3_moe", "gemma3"):
+            raise ValueError(f"family must be llama, qwen3_moe or gemma3, got {self.family!r}")
 
     def tensor_shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:
-        """(HF Llama weight name, shape) in file order."""
+        """(HF weight name, shape) in file order, in the family's checkpoint layout."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         yield "model.embed_tokens.weight", (self.vocab_size, h)
@@ -61,12 +75,27 @@ class ModelShape:
             yield p + "self_attn.k_proj.weight", (kv, h)
             yield p + "self_attn.v_proj.weight", (kv, h)
             yield p + "self_attn.o_proj.weight", (h, q)
+            if self.family != "llama":
+                yield p + "self_attn.q_norm.weight", (d,)
+                yield p + "self_attn.k_norm.weight", (d,)
             yield p + "post_attention_layernorm.weight", (h,)
-            yield p + "mlp.gate_proj.weight", (i, h)
-            yield p + "mlp.up_proj.weight", (i, h)
-            yield p + "mlp.down_proj.weight", (h, i)
+            if self.family == "gemma3":
+                yield p + "pre_feedforward_layernorm.weight", (h,)
+                yield p + "post_feedforward_layernorm.weight", (h,)
+            if self.family == "qwen3_moe":
+                e = self.moe_intermediate_size
+                yield p + "mlp.gate.weight", (self.num_experts, h)
+                for x in range(self.num_experts):
+                    yield p + f"mlp.experts.{x}.gate_proj.weight", (e, h)
+                    yield p + f"mlp.experts.{x}.up_proj.weight", (e, h)
+                    yield p + f"mlp.experts.{x}.down_proj.weight", (h, e)
+            else:
+                yield p + "mlp.gate_proj.weight", (i, h)
+                yield p + "mlp.up_proj.weight", (i, h)
+                yield p + "mlp.down_proj.weight", (h, i)
         yield "model.norm.weight", (h,)
-        yield "lm_head.weight", (self.vocab_size, h)
+        if self.family != "gemma3":  # Gemma ties the LM head to the embeddings
+            yield "lm_head.weight", (self.vocab_size, h)
 
     def num_parameters(self) -> int:
         total = 0
@@ -104,6 +133,34 @@ class ModelShape:
             "torch_dtype": "bfloat16",
             "use_cache": True,
         }
+        if self.family == "qwen3_moe":
+            config.update(
+                architectures=["Qwen3MoeForCausalLM"],
+                model_type="qwen3_moe",
+                rms_norm_eps=1e-6,
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
+        elif self.family == "gemma3":
+            for key in ("hidden_act", "mlp_bias"):
+                del config[key]
+            config.update(
+                architectures=["Gemma3ForCausalLM"],
+                model_type="gemma3_text",
+                hidden_activation="gelu_pytorch_tanh",
+                rms_norm_eps=1e-6,
+                query_pre_attn_scalar=self.head_dim,
+                sliding_window=self.sliding_window,
+                sliding_window_pattern=self.sliding_window_pattern,
+                rope_local_base_freq=self.rope_local_theta,
+                final_logit_softcapping=None,
+                attn_logit_softcapping=None,
+                tie_word_embeddings=True,
+            )
         return config
 
 
@@ -134,6 +191,38 @@ SHAPES: dict[str, ModelShape] = {
         max_position_embeddings=8192,
         rope_scaling=LLAMA31_ROPE_SCALING,
     ),
+    # Qwen3-30B-A3B (30.5 B parameters, 61 GB in bf16): 48 layers of 128 experts (768 wide), top 8.
+    "qwen3-30b-a3b": ModelShape(
+        family="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    # Gemma-3-12B's text model (11.8 B parameters, 23.5 GB in bf16): 5 local layers (window 1024)
+    # per global one, the global layers' rope scaled linearly by 8.
+    "gemma3-12b": ModelShape(
+        family="gemma3",
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=262208,
+        rope_theta=1000000.0,
+        max_position_embeddings=131072,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        sliding_window=1024,
+    ),
 }
 
 
@@ -155,7 +244,8 @@ def _safetensors_header(shape: ModelShape) -> bytes:
 def write_weights(
     path: Path, shape: ModelShape, seed: int = 0, progress: bool = True, device: str = "cpu"
 ) -> None:
-    """Streams normal(0, 0.02) bf16 weights (norms = 1) to one safetensors file, tensor by tensor.
+    """Streams normal(0, 0.02) bf16 weights (norms = 1, Gemma's (1 + weight) norms = 0) to one
+    safetensors file, tensor by tensor.
 
     `device="cuda"` draws the numbers on the GPU (seconds instead of minutes for 8B parameters);
     the values then differ from a CPU run with the same seed, as the generators differ.
@@ -174,7 +264,8 @@ def write_weights(
         f.write(_safetensors_header(shape))
         for name, dims in shape.tensor_shapes():
             if name.endswith("norm.weight"):
-                tensor = torch.ones(dims, dtype=torch.bfloat16)
+                fill = torch.zeros if shape.family == "gemma3" else torch.ones
+                tensor = fill(dims, dtype=torch.bfloat16)
             else:
                 tensor = torch.empty(dims, dtype=torch.bfloat16, device=device)
                 tensor = tensor.normal_(0.0, INIT_STD, generator=generator).cpu()
@@ -221,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--shape",
         default="llama-8b",
         choices=(*SHAPES, "tiny"),
-        help="llama-8b: the llama-8b-shape (docs/performance/index.md; 16 GB, bf16); llama-8b-mini: the same "
-        "topology scaled down; tiny: a small random-weight Llama (pagedserve.tiny_model, for tests)",
+        help="llama-8b: the llama-8b-shape (docs/performance/index.md; 16 GB, bf16); llama-8b-mini: the "
+        "same topology scaled down; qwen3-30b-a3b (61 GB), gemma3-12b (23.5 GB): the MoE and "
+        "sliding-window benchmark shapes; tiny: a small random-weight Llama (pagedserve.tiny_model)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--device", default="cpu", help="where to draw the random numbers (cpu or cuda)")

@@ -1,4 +1,4 @@
-"""Builds small Llama-family model directories locally: the embedded default model and test models.
+"""Builds small model directories locally: the embedded default model and test models of every family.
 
 Nothing can be downloaded, so the weights are random (seeded) and the tokenizer is a byte-level BPE
 trained on a built-in corpus. The directory has the layout of a Hugging Face checkpoint
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CORPUS = """\
 PagedAttention stores the key and value cache of each sequence in fixed-size blocks.
@@ -41,9 +42,16 @@ class TinyModelSpec:
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    model_type: str = "llama"  # "llama", "mistral" or "qwen2"
+    # "llama", "mistral", "qwen2", or any other transformers model_type of a causal LM
+    # ("qwen3", "qwen3_moe", "mixtral", "gemma2", "gemma3_text", "phi3", ...).
+    model_type: str = "llama"
     initializer_range: float = 0.1  # larger than HF's 0.02 so greedy argmax has clear winners
     seed: int = 0
+    # Further config fields (sliding_window, layer_types, num_experts, ...), passed as they are.
+    config: dict[str, Any] | None = None
+    # Norm weights and biases start at transformers' constants (ones, zeros); perturbing them
+    # makes a test see each one (a swapped q_norm and k_norm, a missing 1 + weight).
+    perturb_vectors: bool = False
 
 
 def train_tokenizer(vocab_size: int):
@@ -79,11 +87,6 @@ def write_tiny_model(directory: str | Path, spec: TinyModelSpec = TinyModelSpec(
     )
     tokenizer.save_pretrained(directory)
 
-    config_cls = {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-    }[spec.model_type]
     kwargs = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -105,13 +108,14 @@ def write_tiny_model(directory: str | Path, spec: TinyModelSpec = TinyModelSpec(
         kwargs["rope_scaling"] = spec.rope_scaling
     if spec.model_type == "llama":
         kwargs["attention_bias"] = spec.attention_bias
-    config = config_cls(**kwargs)
+    kwargs.update(spec.config or {})
+    config = transformers.AutoConfig.for_model(spec.model_type, **kwargs)
     torch.manual_seed(spec.seed)
-    model_cls = {
-        "llama": transformers.LlamaForCausalLM,
-        "mistral": transformers.MistralForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-    }[spec.model_type]
-    model = model_cls(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if spec.perturb_vectors:
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() == 1:
+                    param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
