@@ -24,6 +24,11 @@
 #   w4-cpu     W4 on CPU executors (scripts/w4-cpu.sh): 1, 2, 3, 4 executors, prefix routing vs
 #              round robin and least loaded
 #   tp         W1 over one executor at --tensor-parallel-size 1 and 2 (needs 2 GPUs), step traces
+#   w5-gemma   W5 on the gemma3-12b shape (5 local : 1 global layers, window 1024): out-of-window
+#              blocks freed (the default) vs kept (--disable-hybrid-kv-cache-manager)
+#   w1-moe     W1 on the qwen3-30b-a3b shape: bf16 (+ the HF static baseline on MOE_HF_PROMPTS
+#              prompts, default 16; 0 skips it) and --quantization fp8 (MOE_VARIANTS picks), with
+#              step traces
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
@@ -145,6 +150,28 @@ json.dump(c, open(sys.argv[2], 'w'))" "$MODEL/config.json" "$w5_model/config.jso
   for variant in "kv-auto:" "kv-fp8:--kv-cache-dtype fp8"; do
     MODEL=$w5_model bench "$w5_name-${variant%%:*}" 300 --workload W5 "${fp8_w5[@]}" --scheduler-args "--max-num-seqs 128" \
       --executor-args "$fp8_executor --max-num-seqs 128 --max-model-len $w5_len $w5_quant $w5_memory ${variant#*:}"
+  done
+fi
+if wants w5-gemma; then  # a second model: its own directory, written here if absent
+  gemma=${GEMMA_MODEL:-/tmp/gemma3-12b-shape} gemma_w5=(--num-warmups 0) gemma_len=12544
+  [ -n "${QUICK:-}" ] && gemma_w5=(--num-prompts 4 --input-len 96 --output-len 4) gemma_len=512
+  [ -f "$gemma/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape gemma3-12b --device "$device" "$gemma"
+  for variant in "hybrid:" "full-tables:--disable-hybrid-kv-cache-manager"; do
+    MODEL=$gemma bench "w5-gemma-${variant%%:*}" 300 --workload W5 "${gemma_w5[@]}" --scheduler-args "--max-num-seqs 128" \
+      --executor-args "$fp8_executor --max-num-seqs 128 --max-model-len $gemma_len ${variant#*:}"
+  done
+fi
+if wants w1-moe; then
+  moe=${MOE_MODEL:-/tmp/qwen3-30b-a3b-shape}
+  [ -f "$moe/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape qwen3-30b-a3b --device "$device" "$moe"
+  for variant in ${MOE_VARIANTS:-bf16 fp8}; do
+    quant="" baseline=()
+    [ "$variant" = fp8 ] && quant="--quantization fp8"
+    [ "$variant" = bf16 ] && [ "${MOE_HF_PROMPTS:-16}" != 0 ] && baseline=(--baseline hf-static --baseline-num-prompts "${MOE_HF_PROMPTS:-16}")
+    trace="$OUT/w1-moe-$variant-trace.jsonl"
+    MODEL=$moe bench "w1-moe-$variant" 420 --workload W1 "${fp8_w1[@]}" "${baseline[@]}" --scheduler-args "$W1_SCHEDULER_FLAGS" \
+      --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS $quant --step-trace $trace"
+    run "w1-moe-$variant-steps" 60 python3 -m pagedserve.executor.step_trace "$trace"
   done
 fi
 if wants w4-cpu; then
