@@ -25,7 +25,8 @@
 #              round robin and least loaded
 #   tp         W1 over one executor at --tensor-parallel-size 1 and 2 (needs 2 GPUs), step traces
 #   w5-gemma   W5 on the gemma3-12b shape (5 local : 1 global layers, window 1024): out-of-window
-#              blocks freed (the default) vs kept (--disable-hybrid-kv-cache-manager)
+#              blocks freed (the default) vs kept (--disable-hybrid-kv-cache-manager); GEMMA_VARIANTS
+#              picks ("hybrid:" or "full-tables:--disable-hybrid-kv-cache-manager")
 #   w1-moe     W1 on the qwen3-30b-a3b shape: bf16 (+ the HF static baseline on MOE_HF_PROMPTS
 #              prompts, default 16; 0 skips it) and --quantization fp8 (MOE_VARIANTS picks), with
 #              step traces
@@ -156,7 +157,7 @@ if wants w5-gemma; then  # a second model: its own directory, written here if ab
   gemma=${GEMMA_MODEL:-/tmp/gemma3-12b-shape} gemma_w5=(--num-warmups 0) gemma_len=12544
   [ -n "${QUICK:-}" ] && gemma_w5=(--num-prompts 4 --input-len 96 --output-len 4) gemma_len=512
   [ -f "$gemma/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape gemma3-12b --device "$device" "$gemma"
-  for variant in "hybrid:" "full-tables:--disable-hybrid-kv-cache-manager"; do
+  for variant in ${GEMMA_VARIANTS:-hybrid: full-tables:--disable-hybrid-kv-cache-manager}; do
     MODEL=$gemma bench "w5-gemma-${variant%%:*}" 300 --workload W5 "${gemma_w5[@]}" --scheduler-args "--max-num-seqs 128" \
       --executor-args "$fp8_executor --max-num-seqs 128 --max-model-len $gemma_len ${variant#*:}"
   done
