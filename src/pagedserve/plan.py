@@ -203,15 +203,10 @@ def _gpu_total(args: argparse.Namespace, device: str) -> int | None:
 
 
 def _plan_device(args: argparse.Namespace) -> str:
-    """The device the executor would size for: --device, else CUDA when a GPU is visible or
-    --gpu-memory names one, else the CPU."""
-    if args.device != "auto":
-        return args.device
-    if args.gpu_memory is not None:
-        return "cuda"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The device to size for: --device cpu plans a CPU executor; otherwise (auto, cuda) a GPU's
+    pool, the visible GPU's or one of --gpu-memory GiB: a plan is mostly made for a GPU, often on a
+    machine without one."""
+    return "cpu" if args.device == "cpu" else "cuda"
 
 
 def _meta_model(spec: Any, max_model_len: int, dtype: Any, quantization: str | None, tp: int):
