@@ -124,8 +124,12 @@ def head_peak_bytes(spec: ModelSpec, num_tokens: int, rows: int, element: int, f
     stream = num_tokens * spec.hidden_size * element
     gathered = 0 if rows == num_tokens else 2 * rows * spec.hidden_size * element
     logits = rows * spec.vocab_size * element
-    return 2 * stream + gathered + 2 * rows * spec.hidden_size * element + logits + (
-        4 * rows * spec.vocab_size if float_logits else 0
+    return (
+        2 * stream
+        + gathered
+        + 2 * rows * spec.hidden_size * element
+        + logits
+        + (4 * rows * spec.vocab_size if float_logits else 0)
     )
 
 

@@ -216,3 +216,13 @@ def test_bad_input_is_one_error_line(llama2, tmp_path, capsys):
 def test_without_a_gpu_the_gpu_memory_must_be_given(llama2, capsys):
     err = _error(["--model", str(llama2)], capsys)
     assert "no GPU is visible" in err and "--gpu-memory" in err and "--device cpu" in err
+
+
+def test_measure_loads_the_executor_and_reports_its_pool(tiny_model_dir, capsys):
+    """On the CPU the measured pool is the plan's exactly (on CUDA, scripts/plan_check.py prints
+    both at three utilizations)."""
+    report = run_plan(
+        ["--model", str(tiny_model_dir), "--device", "cpu", "--max-num-seqs", "7", "--measure"], capsys
+    )
+    assert report["measured"]["num_gpu_blocks"] == report["num_gpu_blocks"]
+    assert report["measured"]["error"] == 0.0

@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument(
         "--measure", action="store_true",
-        help="also load the model on the GPU as the executor does and print its real pool beside the plan",
+        help="also load the model as the executor does (weights needed; on a GPU: profiling, pools, "
+        "graphs) and print its real pool and measured memory beside the plan",
     )  # fmt: skip
     scratch = add_cli_args(argparse.ArgumentParser(add_help=False), endpoint=False)
     sizing = p.add_argument_group("executor sizing (the executor's flags)")
@@ -461,8 +462,10 @@ def render(report: PlanReport) -> str:
         m = report.measured
         add("measured KV pool", f"{m['num_gpu_blocks']:,} blocks ({m['error']:+.2%} planned vs measured)")
         for key in ("peak_bytes", "graph_reserve_bytes", "non_torch_bytes"):
+            if key not in m:  # measured on CUDA only
+                continue
             add(
-                f"  {key.removesuffix('_bytes')} planned / measured",
+                f"  {key.removesuffix('_bytes')}, planned / measured",
                 f"{_gib(m['planned_' + key])} / {_gib(m[key])}",
             )
     width = max(len(name) for name, _ in rows)
@@ -473,10 +476,14 @@ def render(report: PlanReport) -> str:
 
 
 def measure(config: Any, report: PlanReport) -> dict:
-    """Loads the model as the executor does (`ModelRunner.create`: the profiling pass, the pools,
-    the CUDA graphs) and returns its real pool beside the plan's figures."""
+    """Loads the model as the executor does (`ModelRunner.create`: on CUDA the profiling pass, the
+    pools and the CUDA graphs) and returns its real pool beside the plan's figures, and on CUDA the
+    measured profile beside the estimate."""
     from pagedserve.executor.runner import ModelRunner
 
+    here = config.torch_device().type
+    if report.device != here:
+        raise PlanError(f"--measure runs the executor here, on {here}: plan for it with --device {here}")
     if config.tensor_parallel_size != 1:
         raise PlanError("--measure loads one executor on one GPU: give --tensor-parallel-size 1")
     runner = ModelRunner.create(config)
@@ -520,10 +527,6 @@ def main(argv: list[str] | None = None) -> int:
             from pagedserve.common.logs import configure_logging
 
             configure_logging("plan")  # the executor's log lines go to stderr, not into --json
-            if report.device != "cuda":
-                raise PlanError(
-                    "--measure sizes a real CUDA pool: it needs a GPU (and --device cuda or auto)"
-                )
             report.measured = measure(config, report)
     except (PlanError, RequestLogError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
