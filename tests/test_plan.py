@@ -146,6 +146,12 @@ def test_the_cuda_estimate_reproduces_what_an_h200_measured(tmp_path, capsys):
     report = run_plan([*base, "--max-model-len", "8192"], capsys)
     assert report["num_gpu_blocks"] == pytest.approx(54_539, rel=0.001)
     assert report["weight_bytes"] / GIB == pytest.approx(14.958, abs=0.001)
+    # FP8 weights, eager, 512 sequences at 0.85 (2026-12-01-h200-s5): a peak of 10.945 GiB, 54,894 blocks.
+    eager = [*base, "--max-num-seqs", "512", "--max-model-len", "2048", "--enforce-eager"]
+    report = run_plan([*eager, "--quantization", "fp8", "--gpu-memory-utilization", "0.85"], capsys)
+    assert report["memory_estimate"]["peak_bytes"] / GIB == pytest.approx(10.945, abs=0.005)
+    assert report["memory_estimate"]["graph_reserve_bytes"] == 0
+    assert report["num_gpu_blocks"] == pytest.approx(54_894, rel=0.001)
 
 
 def test_the_seeds_warnings(llama2, tmp_path, capsys):

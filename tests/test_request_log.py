@@ -165,3 +165,10 @@ def test_time_scale_compresses_only_the_idle_gaps():
     assert replay_arrivals(records) == [0.0, 1.0, 10.0, 10.5]
     assert replay_arrivals(records, 0.5) == pytest.approx([0.0, 1.0, 7.0, 7.5])
     assert replay_arrivals(records, 0.0) == pytest.approx([0.0, 1.0, 4.0, 4.5])
+
+
+def test_the_text_needs_the_log():
+    from pagedserve.scheduler.service_config import ServiceConfig
+
+    with pytest.raises(ValueError, match="request_log_text needs request_log"):
+        ServiceConfig(model="m", request_log_text=True)

@@ -159,7 +159,8 @@ def test_a_request_log_round_trips_through_tune(tiny_model_dir, tmp_path, capsys
     executor_args = "--device cpu --dtype float32 --max-num-seqs 8"
     assert bench.main([
         "--launch", "--model", str(tiny_model_dir), "--executor-args", executor_args,
-        "--scheduler-args", f"--max-num-seqs 8 --request-log {source}", "--dataset", "shared-prefix",
+        "--scheduler-args", f"--max-num-seqs 8 --request-log {source} --request-log-text",
+        "--dataset", "shared-prefix",
         "--num-prompts", "12", "--prefix-len", "48", "--num-prefixes", "3", "--input-len", "8:40",
         "--output-len", "4:12", "--request-rate", "40", "--result-file", str(tmp_path / "bench.json"),
         "--no-plot",
@@ -167,6 +168,7 @@ def test_a_request_log_round_trips_through_tune(tiny_model_dir, tmp_path, capsys
     original = read_request_log(source)
     assert len(original) == 12 and all(r.finish_reason == "length" for r in original)
     assert sum(r.cached_prompt_tokens for r in original) > 0  # the prefixes were shared
+    assert all(r.prompt_text and r.output_text is not None for r in original)  # --request-log-text
 
     result_file = tmp_path / "tune" / "tune.json"
     status = tune.main([

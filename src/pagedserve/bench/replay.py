@@ -47,9 +47,11 @@ class TrafficStats:
     block_reuse: float
     logged_cached_fraction: float  # cached prompt tokens / prompt tokens, as the server reported
     preemptions: int
+    ttft_p50_s: float | None  # as the logging server measured them (None: no request got a token)
+    ttft_p99_s: float | None
 
 
-def _percentile(values: Sequence[int], p: float) -> int:
+def _percentile(values: Sequence[float], p: float) -> float:
     """The nearest-rank percentile (a length that occurred, not an interpolation)."""
     ordered = sorted(values)
     rank = max(1, -(-len(ordered) * p // 100))
@@ -84,6 +86,7 @@ def traffic_stats(records: Sequence[RequestLogRecord]) -> TrafficStats:
     start = min(r.arrival_time for r in records)
     end = max(r.end_time for r in records)
     prompt_tokens = sum(prompts)
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
     return TrafficStats(
         num_requests=len(records),
         duration_s=end - start,
@@ -99,6 +102,8 @@ def traffic_stats(records: Sequence[RequestLogRecord]) -> TrafficStats:
         block_reuse=block_reuse(records),
         logged_cached_fraction=sum(r.cached_prompt_tokens for r in records) / prompt_tokens,
         preemptions=sum(r.num_preemptions for r in records),
+        ttft_p50_s=_percentile(ttfts, 50) if ttfts else None,
+        ttft_p99_s=_percentile(ttfts, 99) if ttfts else None,
     )
 
 

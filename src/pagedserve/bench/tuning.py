@@ -160,17 +160,24 @@ def run_grid(
                             replayed = _replayed_records(request_log, _tag(label))
                             result.fidelity = replay_fidelity(traffic.records, requests, replayed)
                     except LaunchError as exc:
-                        result.error = str(exc).splitlines()[0]
+                        result.error = _launch_error(exc)
                     bar.update(1)
         except LaunchError as exc:  # the executors never served: every point of theirs fails
             for result in group:
                 if result.summary is None and result.error is None:
-                    result.error = str(exc).splitlines()[0]
+                    result.error = _launch_error(exc)
                     bar.update(1)
     bar.close()
     for result in results:
         _judge(result, args.slo_ttft_p99, args.slo_itl_p99)
     return results
+
+
+def _launch_error(exc: LaunchError) -> str:
+    """Which service failed and the last line of its log (where the services say why)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    head = lines[0].split(";")[0] if lines else "launch failed"
+    return f"{head}: {lines[-1]}" if len(lines) > 1 else head
 
 
 def _tag(label: str) -> str:
@@ -308,7 +315,7 @@ def tune_table(results: Sequence[PointResult], choice: dict) -> str:
     for r in results:
         mark = "* " if r.index == choice.get("index") else "  "
         if r.summary is None:
-            rows.append([mark + r.point.label(), f"failed: {(r.error or '')[:60]}", *[""] * 7])
+            rows.append([mark + r.point.label(), "failed", *[""] * 7])
             continue
         peak, blocks = r.metric("server", "peak_gpu_blocks_in_use"), r.metric("server", "num_gpu_blocks")
         hit = r.metric("server", "prefix_cache_hit_rate")
@@ -324,6 +331,9 @@ def tune_table(results: Sequence[PointResult], choice: dict) -> str:
             "yes" if r.meets_slo else "no",
         ])  # fmt: skip
     text = render_table("pagedserve tune (* = recommended)", header, rows)
+    for r in results:
+        if r.error:
+            text += f"\nfailed ({r.point.label()}): {r.error}"
     text += "\n\nrecommended: " + (choice["label"] or "none")
     text += "".join(f"\n  - {reason}" for reason in choice["reasons"])
     if choice.get("executor_flags"):
