@@ -368,6 +368,11 @@ def seed_warnings(report: PlanReport, sized_by_utilization: bool, stats: Any) ->
             f"--gpu-memory-utilization {u:g} is {side} {lo}-{hi}: it {why}; validate the value on "
             "real traffic (pagedserve tune)"
         )
+    if report.context_len > report.max_model_len:
+        out.append(
+            f"--context-len {report.context_len:,} is longer than max_model_len {report.max_model_len:,}: "
+            "such requests are refused; raise --max-model-len (up to the model's limit)"
+        )
     fit, want = report.paged.sequences, min(report.concurrency, report.max_num_seqs)
     if report.concurrency > fit:
         out.append(
@@ -435,7 +440,10 @@ def render(report: PlanReport) -> str:
         "  sequences that fit",
         f"{report.paged.sequences:,} (paged, {report.blocks_per_sequence:,} blocks each)",
     )
-    add("  running at once", f"{report.running_at_once:,} (--max-num-seqs {report.max_num_seqs})")
+    add(
+        "  at most at once",
+        f"{report.running_at_once:,} (what fits, capped by --max-num-seqs {report.max_num_seqs})",
+    )
     if report.mha is None:
         add("  as MHA", "the model is MHA already")
     else:
@@ -506,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from pagedserve.bench.replay import traffic_stats
+    from pagedserve.common.logs import configure_logging
     from pagedserve.common.request_log import RequestLogError, read_request_log
     from pagedserve.executor.config import ExecutorConfig
     from pagedserve.executor.loader import UnsupportedModelError, load_model_spec
@@ -514,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    configure_logging("plan")  # the loader's and the executor's (--measure) log lines to stderr, not stdout
     stack: list = []
     try:
         model_dir = _model_dir(args.model, stack)
@@ -524,9 +534,6 @@ def main(argv: list[str] | None = None) -> int:
         stats = traffic_stats(read_request_log(args.traffic)) if args.traffic else None
         report = make_plan(args, config, spec, stats)
         if args.measure:
-            from pagedserve.common.logs import configure_logging
-
-            configure_logging("plan")  # the executor's log lines go to stderr, not into --json
             report.measured = measure(config, report)
     except (PlanError, RequestLogError, UnsupportedModelError, FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
