@@ -36,11 +36,14 @@ tensor parallelism (more outside torch), and kernels' workspaces that change wit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.kv_cache import MemoryProfile
-from pagedserve.executor.loader import ModelSpec
 from pagedserve.executor.profiling import GRAPH_OVERHEAD_BYTES, num_cuda_graphs, worst_step_lens
+
+if TYPE_CHECKING:  # the spec's fields used: hidden/intermediate sizes, head counts, head_dim, vocab
+    from pagedserve.executor.loader import ModelSpec
 
 # See the module doc: the sampler's bytes per logit row element and its fixed part, and the memory
 # outside torch's allocator, as measured on one H200 (torch 2.11, llama-8b shape).
