@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
 from pagedserve.common.kv_sizing import blocks_per_sequence
 from pagedserve.executor.transfer import to_device
+
+if TYPE_CHECKING:
+    from pagedserve.executor.config import ExecutorConfig
 
 log = structlog.get_logger(__name__)
 
@@ -104,6 +108,68 @@ def gpu_num_blocks(
     share = min(int(total_bytes * utilization), total_bytes - in_use_at_start)
     available = share - peak_bytes - non_torch_bytes
     return max(available, 0) // layout.bytes_per_block
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What everything but the KV pool needs on CUDA: measured by `executor.profiling.profile_cuda`,
+    or estimated by `executor.memory_estimate` (`pagedserve plan`); both feed `size_pools`."""
+
+    peak_bytes: int  # torch's peak over the worst eager step, weights included, scratch pool excluded
+    non_torch_bytes: int  # taken outside torch's allocator since the start (libraries, kernels)
+    total_bytes: int  # the device's memory
+    graph_reserve_bytes: int  # set aside for CUDA graphs (0 without them)
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """How many blocks each pool gets, and the arithmetic in words (the executor logs it, and
+    `pagedserve plan` prints it)."""
+
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    why: str
+
+
+def size_pools(
+    layout: KVCacheLayout,
+    config: ExecutorConfig,
+    max_model_len: int,
+    device_type: str,
+    sliding_windows: Sequence[int | None] = (None,),
+    memory: MemoryProfile | None = None,
+    in_use_at_start: int = 0,
+) -> PoolSizing:
+    """The one decision of both pools' sizes, shared by the executor (`ModelRunner.from_model`, with
+    a measured `memory`) and `pagedserve plan` (with an estimated one), so that the two differ only
+    by the profile: --num-gpu-blocks-override if given, else on CUDA what `gpu_num_blocks` leaves
+    after `memory`, else the CPU's `cpu_device_num_blocks`; the swap pool is --swap-space's worth.
+
+    Raises:
+        ValueError: on CUDA without an override and without `memory`.
+    """
+    if config.num_gpu_blocks_override is not None:
+        num_blocks, why = config.num_gpu_blocks_override, "--num-gpu-blocks-override"
+    elif device_type == "cuda":
+        if memory is None:
+            raise ValueError("sizing a CUDA pool needs a memory profile (measured or estimated)")
+        graph_reserve = memory.graph_reserve_bytes
+        num_blocks = gpu_num_blocks(
+            layout, memory.total_bytes, config.gpu_memory_utilization,
+            memory.peak_bytes + graph_reserve, memory.non_torch_bytes, in_use_at_start,
+        )  # fmt: skip
+        why = (
+            f"{config.gpu_memory_utilization:.2f} of {memory.total_bytes / 2**30:.1f} GiB minus a peak of "
+            f"{memory.peak_bytes / 2**30:.2f} GiB, {memory.non_torch_bytes / 2**30:.2f} GiB outside torch "
+            f"and {graph_reserve / 2**30:.2f} GiB for CUDA graphs; {in_use_at_start / 2**30:.2f} GiB "
+            "were in use on the device before the executor loaded anything"
+        )
+    else:
+        num_blocks = cpu_device_num_blocks(
+            layout, config.cpu_kv_cache_bytes, config.max_num_seqs, max_model_len, sliding_windows
+        )
+        why = f"--cpu-kv-cache-space {config.cpu_kv_cache_space} GiB"
+    return PoolSizing(num_blocks, config.swap_space_bytes // layout.bytes_per_block, why)
 
 
 def check_fits(

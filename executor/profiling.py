@@ -22,14 +22,12 @@ counted as this one's "outside torch", and the second executor on a GPU got no p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import structlog
 import torch
 
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.cuda_graphs import decode_graph_sizes, mixed_graph_sizes
-from pagedserve.executor.kv_cache import KVCache, KVCacheLayout
+from pagedserve.executor.kv_cache import KVCache, KVCacheLayout, MemoryProfile
 from pagedserve.executor.model import CausalLM
 from pagedserve.executor.sampler import SamplingParams, sample
 from pagedserve.executor.step_inputs import build_step_inputs
@@ -45,14 +43,6 @@ log = structlog.get_logger(__name__)
 GRAPH_OVERHEAD_BYTES = 24 << 20
 
 
-@dataclass(frozen=True)
-class MemoryProfile:
-    peak_bytes: int  # torch's peak over the worst eager step, weights included, scratch pool excluded
-    non_torch_bytes: int  # taken outside torch's allocator since the start (libraries, kernels)
-    total_bytes: int  # the device's memory
-    graph_reserve_bytes: int  # set aside for CUDA graphs (0 without them)
-
-
 def _scratch_pool(layout: KVCacheLayout, lens: list[int], device: torch.device):
     tables, next_block = [], 0
     for n in lens:
@@ -61,12 +51,19 @@ def _scratch_pool(layout: KVCacheLayout, lens: list[int], device: torch.device):
     return KVCache(layout, next_block, 0, device), tables
 
 
-def _worst_step_lens(config: ExecutorConfig, max_model_len: int) -> list[int]:
+def worst_step_lens(config: ExecutorConfig, max_model_len: int) -> list[int]:
     """The largest step the config allows: max_num_batched_tokens tokens over up to max_num_seqs
     prefills."""
     num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens))
     per_seq = min(max_model_len, -(-config.max_num_batched_tokens // num_seqs))
     return [per_seq] * num_seqs
+
+
+def num_cuda_graphs(config: ExecutorConfig, max_model_len: int) -> int:
+    """How many graphs the runner captures (decode batch sizes and mixed token counts)."""
+    return len(decode_graph_sizes(config.max_num_seqs)) + len(
+        mixed_graph_sizes(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+    )
 
 
 def _worst_step_peak(model: CausalLM, layout: KVCacheLayout, lens: list[int]) -> int:
@@ -130,13 +127,11 @@ def profile_cuda(
     """
     device = next(model.parameters()).device
     torch.cuda.empty_cache()
-    lens = _worst_step_lens(config, max_model_len)
+    lens = worst_step_lens(config, max_model_len)
     peak = _worst_step_peak(model, layout, lens)
     graph_reserve = 0
     if cuda_graphs:
-        num_graphs = len(decode_graph_sizes(config.max_num_seqs)) + len(
-            mixed_graph_sizes(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
-        )
+        num_graphs = num_cuda_graphs(config, max_model_len)
         decode_pass = _graph_pass_bytes(model, layout, [1] * config.max_num_seqs)
         graph_reserve = max(decode_pass, _graph_pass_bytes(model, layout, lens))
         graph_reserve += GRAPH_OVERHEAD_BYTES * num_graphs

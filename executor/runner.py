@@ -25,13 +25,7 @@ import torch
 
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
-from pagedserve.executor.kv_cache import (
-    KVCache,
-    KVCacheLayout,
-    check_fits,
-    cpu_device_num_blocks,
-    gpu_num_blocks,
-)
+from pagedserve.executor.kv_cache import KVCache, KVCacheLayout, MemoryProfile, check_fits, size_pools
 from pagedserve.executor.loader import ModelSpec, UnsupportedModelError, load_model_spec, load_weights
 from pagedserve.executor.model import CausalLM
 from pagedserve.executor.plan_check import PlanError, PlanLimits, validate_plan
@@ -119,6 +113,20 @@ def resolve_max_model_len(config: ExecutorConfig, spec: ModelSpec) -> int:
     return config.max_model_len
 
 
+def kv_cache_layout(config: ExecutorConfig, model: CausalLM) -> KVCacheLayout:
+    """One block of `model`'s pool (its KV-cache groups' layers, its local KV heads); `pagedserve
+    plan` calls it on a model built on the meta device."""
+    dtype = model.embed_tokens.weight.dtype
+    spec = model.spec
+    return KVCacheLayout(
+        model.kv_groups.layers_per_block,
+        config.block_size,
+        spec.num_kv_heads,
+        spec.head_dim,
+        kv_cache_torch_dtype(config.kv_cache_dtype, dtype),
+    )
+
+
 @dataclass(slots=True)
 class _Scheduled:
     state: RequestState
@@ -177,6 +185,7 @@ class ModelRunner:
         )
         self._busy_until = 0.0
         self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
+        self.memory_profile: MemoryProfile | None = None  # what from_model measured on CUDA
         self.tracer: StepTracer | None = None  # from_model sets it for --step-trace
         self.graphs: StepGraphs | None = None
         self.calibrate_kv_scales = False  # the next step sets the FP8 KV scales (eagerly)
@@ -235,34 +244,16 @@ class ModelRunner:
         device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
         check_fp8_support(model.quantization, config.kv_cache_dtype, device)
         max_model_len = resolve_max_model_len(config, spec)
-        kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        layout = kv_cache_layout(config, model)
+        kv_dtype = layout.dtype
         windows = model.kv_groups.sliding_windows
-        layout = KVCacheLayout(
-            model.kv_groups.layers_per_block, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype
-        )
         cuda_graphs = device.type == "cuda" and not config.enforce_eager
-        graph_reserve = 0
-        if config.num_gpu_blocks_override is not None:
-            num_blocks, why = config.num_gpu_blocks_override, "--num-gpu-blocks-override"
-        elif device.type == "cuda":
-            mem = profile_cuda(model, layout, config, max_model_len, cuda_graphs, in_use_at_start)
-            graph_reserve = mem.graph_reserve_bytes
-            num_blocks = gpu_num_blocks(
-                layout, mem.total_bytes, config.gpu_memory_utilization,
-                mem.peak_bytes + graph_reserve, mem.non_torch_bytes, in_use_at_start,
-            )  # fmt: skip
-            why = (
-                f"{config.gpu_memory_utilization:.2f} of {mem.total_bytes / 2**30:.1f} GiB minus a peak of "
-                f"{mem.peak_bytes / 2**30:.2f} GiB, {mem.non_torch_bytes / 2**30:.2f} GiB outside torch "
-                f"and {graph_reserve / 2**30:.2f} GiB for CUDA graphs; {in_use_at_start / 2**30:.2f} GiB "
-                "were in use on the device before the executor loaded anything"
-            )
-        else:
-            num_blocks = cpu_device_num_blocks(
-                layout, config.cpu_kv_cache_bytes, config.max_num_seqs, max_model_len, windows
-            )
-            why = f"--cpu-kv-cache-space {config.cpu_kv_cache_space} GiB"
-        num_cpu_blocks = config.swap_space_bytes // layout.bytes_per_block
+        memory = None
+        if config.num_gpu_blocks_override is None and device.type == "cuda":
+            memory = profile_cuda(model, layout, config, max_model_len, cuda_graphs, in_use_at_start)
+        graph_reserve = 0 if memory is None else memory.graph_reserve_bytes
+        sizing = size_pools(layout, config, max_model_len, device.type, windows, memory, in_use_at_start)
+        num_blocks, num_cpu_blocks, why = sizing.num_gpu_blocks, sizing.num_cpu_blocks, sizing.why
         if min_over_ranks is not None:
             num_blocks, num_cpu_blocks = min_over_ranks(num_blocks), min_over_ranks(num_cpu_blocks)
             why += ", the smallest over the tensor-parallel ranks"
@@ -299,6 +290,7 @@ class ModelRunner:
             cuda_graphs=cuda_graphs,
         )
         runner.graph_reserve_bytes = graph_reserve
+        runner.memory_profile = memory
         if config.step_trace:
             runner.tracer = StepTracer(config.step_trace, device)
         # An FP8 pool without scales from the checkpoint takes them from the first real step.

@@ -288,7 +288,7 @@ class SchedulerMetrics:
 class StreamMetrics:
     """What one Generate stream records: each message as it is sent, then how the stream ended."""
 
-    __slots__ = ("_counts", "_arrival", "_last", "_num_tokens", "_ended")
+    __slots__ = ("_counts", "_arrival", "_last", "_num_tokens", "_ended", "first_token_time")
 
     def __init__(self, counts: StreamCounts, arrival: float) -> None:
         self._counts = counts
@@ -296,6 +296,7 @@ class StreamMetrics:
         self._last: float | None = None  # when the last token-carrying message went out
         self._num_tokens = 0
         self._ended = False
+        self.first_token_time: float | None = None  # time.monotonic() of the first token sent
 
     def sent(self, num_tokens: int, request: Request) -> None:
         """A message with `num_tokens` tokens is being sent. A message of k tokens (merged deltas,
@@ -308,6 +309,7 @@ class StreamMetrics:
         counts.generation_tokens += num_tokens
         self._num_tokens += num_tokens
         if self._last is None:
+            self.first_token_time = now
             counts.ttft.observe(now - self._arrival)
             counts.prompt_tokens += request.num_prompt_tokens
             if num_tokens > 1:

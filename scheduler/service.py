@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedserve.common.auth import warn_if_open
 from pagedserve.common.flags import listen
 from pagedserve.common.metrics_http import serve_metrics
+from pagedserve.common.request_log import RequestLogRecord
 from pagedserve.common.validation import (
     InvalidRequest,
     RequestParams,
@@ -58,6 +59,7 @@ from pagedserve.scheduler.engine import (
     ExecutorStatusView,
 )
 from pagedserve.scheduler.metrics import SchedulerMetrics, StreamMetrics, read_on_loop
+from pagedserve.scheduler.request_log import RequestLog
 from pagedserve.scheduler.service_config import ServiceConfig
 from pagedserve.scheduler.throttle import ClientThrottle, ThrottleInterceptor
 from pagedserve.scheduler.transport import ChannelSecurity, GrpcTransport
@@ -94,9 +96,12 @@ class Draining(Exception):
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, metrics: SchedulerMetrics | None = None) -> None:
+    def __init__(
+        self, engine: Engine, metrics: SchedulerMetrics | None = None, request_log: RequestLog | None = None
+    ) -> None:
         self.engine = engine
         self.metrics = metrics if metrics is not None else SchedulerMetrics(engine, model_name(engine.config))
+        self.request_log = request_log
         self.draining = False
         self._num_streams = 0  # Generate calls between submission and their end
         self._no_streams = asyncio.Event()
@@ -171,17 +176,46 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._num_streams += 1
         self._no_streams.clear()
         recorder = self.metrics.stream(arrival)
+        log_text = self.request_log is not None and self.request_log.include_text
+        texts: list[str] = []
         try:
             async for response in self._stream(active, recorder):
+                if log_text:
+                    texts.append(response.text)
                 yield response
         except EngineUnavailable as exc:
             await self._abort(context, exc)
         finally:
             self.engine.abort(active)  # no-op once finished; frees the blocks of a cancelled stream
             recorder.ended(active.request, None)  # no-op once recorded as finished
+            if self.request_log is not None:
+                text = "".join(texts) if log_text else None
+                self._log_request(active, arrival, recorder.first_token_time, text)
             self._num_streams -= 1
             if not self._num_streams:
                 self._no_streams.set()
+
+    def _log_request(
+        self, active: ActiveRequest, arrival: float, first_token_time: float | None, text: str | None
+    ) -> None:
+        """Queues the finished request's line for --request-log (the writer thread hashes it)."""
+        now = time.monotonic()
+        request, reason = active.request, active.completion.finish_reason
+        info = self.engine.model_info()
+        record = RequestLogRecord(
+            request_id=active.request_id,
+            arrival_time=time.time() - (now - arrival),
+            prompt_len=request.num_prompt_tokens,
+            output_len=active.completion.num_tokens,
+            priority=request.priority,
+            finish_reason="abort" if reason is None else reason.name.lower(),
+            ttft_s=None if first_token_time is None else first_token_time - arrival,
+            e2e_s=now - arrival,
+            cached_prompt_tokens=request.num_cached_prompt_tokens,
+            num_preemptions=request.num_preemptions,
+            block_size=info.block_size if info is not None else 16,
+        )
+        self.request_log.record(record, request.prompt_token_ids, text)
 
     async def _stream(
         self, active: ActiveRequest, recorder: StreamMetrics | None = None
@@ -385,7 +419,10 @@ async def serve_async(config: ServiceConfig) -> None:
         max_model_len=config.max_model_len,
         on_loop=lambda read: read_on_loop(loop, read),  # scrapes run on prometheus_client's thread
     )
-    generation = GenerationService(engine, metrics)
+    request_log = None
+    if config.request_log:
+        request_log = RequestLog(config.request_log, engine.tokenizer, config.request_log_text)
+    generation = GenerationService(engine, metrics, request_log)
     health = monitor.SchedulerHealth()
     await health.publish(engine.is_serving)  # NOT_SERVING until an executor is attached
     throttle = None
@@ -426,6 +463,8 @@ async def serve_async(config: ServiceConfig) -> None:
         await server.stop(grace=2.0)
         if stop_metrics is not None:
             stop_metrics()
+        if request_log is not None:
+            request_log.close()
         log.info("scheduler stopped")
     if not engine_task.cancelled() and engine_task.exception():
         raise engine_task.exception()

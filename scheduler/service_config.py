@@ -59,6 +59,9 @@ class ServiceConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP on --host; None: not served
     # On SIGTERM, how long running streams may take to finish before they end with UNAVAILABLE.
     shutdown_grace: float = 30.0
+    # One JSON line per finished request (scheduler.request_log); the text too with request_log_text.
+    request_log: str | None = None
+    request_log_text: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.executors, tuple) or not self.executors:
@@ -101,6 +104,10 @@ class ServiceConfig:
             raise ValueError(f"metrics_port must be in 1..65535, got {self.metrics_port}")
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError(f"metrics_port must differ from port ({self.port})")
+        if self.request_log_text and not self.request_log:
+            raise ValueError("request_log_text needs request_log (the file to write)")
+        if self.request_log is not None and not self.request_log:
+            raise ValueError("request_log must name a file")
         if not self.shutdown_grace >= 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
         self.server_tls()  # TlsConfigError (a ValueError) for files that do not go together
@@ -215,6 +222,15 @@ class ServiceConfig:
         group.add_argument(
             "--metrics-port", type=int, default=None,
             help="serve Prometheus metrics over HTTP on this port (default: not served)",
+        )  # fmt: skip
+        group.add_argument(
+            "--request-log", default=None, metavar="FILE",
+            help="append one JSON line per finished request to FILE (arrival, lengths, priority, finish "
+            "reason, TTFT, the prompt's block-hash chain; no text), for `pagedserve plan/tune --traffic`",
+        )  # fmt: skip
+        group.add_argument(
+            "--request-log-text", action="store_true",
+            help="also write each request's prompt and output text into --request-log",
         )  # fmt: skip
         group.add_argument(
             "--shutdown-grace", type=float, default=30.0,

@@ -30,6 +30,10 @@
 #   w1-moe     W1 on the qwen3-30b-a3b shape: bf16 (+ the HF static baseline on MOE_HF_PROMPTS
 #              prompts, default 16; 0 skips it) and --quantization fp8 (MOE_VARIANTS picks), with
 #              step traces
+#   plan       `pagedserve plan`'s KV pool against the executor's real one (scripts/plan_check.py:
+#              plan --measure in a fresh process per utilization) at 0.85, 0.90, 0.92
+#   tune       `pagedserve tune` over W3-like traffic (192 requests, Poisson 16 req/s): max_num_seqs
+#              64/128/256 x prefix caching on/off at utilization 0.90; table, tune.json, tune.png
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
@@ -72,7 +76,8 @@ fi
 if wants moe; then run moe 300 python3 -m benchmarks.moe --result-file "$OUT/moe.json"; fi
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m benchmarks.fp8 --result-file "$OUT/fp8-kernels.json"; fi
 if wants fp8-quality; then run fp8-quality 300 python3 -m benchmarks.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
-if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp; then
+if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp \
+  || wants plan || wants tune; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
@@ -174,6 +179,22 @@ if wants w1-moe; then
       --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS $quant --step-trace $trace"
     run "w1-moe-$variant-steps" 60 python3 -m pagedserve.executor.step_trace "$trace"
   done
+fi
+# plan and tune (issue 32). QUICK: the same commands on the CPU with the tiny model and a 2-point grid.
+plan_device=() tune_grid=(--max-num-seqs 64,128,256 --gpu-memory-utilization 0.90) tune_traffic=(--num-prompts 192 --request-rate 16)
+tune_executor="" tune_timeout=560
+if [ -n "${QUICK:-}" ]; then
+  plan_device=(-- --device cpu) tune_grid=(--max-num-seqs 8) tune_traffic=(--num-prompts 12 --request-rate 8)
+  tune_executor="--device cpu --max-model-len 1024" tune_timeout=300
+fi
+if wants plan; then
+  run plan 560 python3 -m scripts.plan_check --model "$MODEL" --utilizations 0.85,0.90,0.92 \
+    --result-file "$OUT/plan-check.json" "${plan_device[@]}"
+fi
+if wants tune; then
+  run tune "$tune_timeout" python3 -m pagedserve.cli tune --model "$MODEL" --workload W3 "${tune_traffic[@]}" \
+    "${tune_grid[@]}" --enable-prefix-caching on,off --slo-ttft-p99 1000 --executor-args "$tune_executor" \
+    --result-file "$OUT/tune.json" --plot "$OUT/tune.png" --log-dir "$OUT/logs-tune"
 fi
 if wants w4-cpu; then
   echo "=== w4-cpu ($(date +%T))"

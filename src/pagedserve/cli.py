@@ -1,4 +1,5 @@
-"""The `pagedserve` command: serve, scheduler, executor, openai, generate, health, executors.
+"""The `pagedserve` command: serve, scheduler, executor, openai, generate, health, executors, bench,
+plan, tune.
 
 `pagedserve serve` is the embedded default: it starts `--data-parallel-size` executors and one
 scheduler as processes on loopback (the same topology as docker-compose.yml), restarts an executor
@@ -450,6 +451,14 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     sub.add_parser(
         "openai", help="OpenAI-compatible HTTP gateway (see `pagedserve openai -h`)", add_help=False
     )
+    sub.add_parser(
+        "plan",
+        help="KV-cache memory of a deployment before it starts (see `pagedserve plan -h`)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "tune", help="replay a request log over a grid of settings and recommend one", add_help=False
+    )
 
     gen = sub.add_parser("generate", help="stream one completion from a running server")
     add_generate_args(gen)
@@ -480,7 +489,9 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
     from pagedserve.entrypoints.openai.api_server import build_parser as openai_parser
     from pagedserve.executor.__main__ import build_parser as executor_service_parser
     from pagedserve.model_shapes import build_parser as make_model_parser
+    from pagedserve.plan import build_parser as plan_parser
     from pagedserve.scheduler.__main__ import build_parser as scheduler_service_parser
+    from pagedserve.tune import build_parser as tune_parser
 
     sub = _subparsers(build_parser())
     return {
@@ -494,6 +505,8 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
         "bench": bench_parser(),
         "bench --log-likelihood": loglik_parser(),
         "make-model": make_model_parser(),
+        "plan": plan_parser(),
+        "tune": tune_parser(),
     }
 
 
@@ -508,6 +521,14 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve.entrypoints.openai.api_server import main as openai_main
 
         return openai_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from pagedserve.plan import main as plan_main
+
+        return plan_main(argv[1:])
+    if argv and argv[0] == "tune":
+        from pagedserve.tune import main as tune_main
+
+        return tune_main(argv[1:])
     if argv and argv[0] == "make-model":
         from pagedserve.model_shapes import main as make_model_main
 

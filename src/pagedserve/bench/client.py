@@ -169,13 +169,20 @@ async def measure_pass(
     request_rate: float,
     options: SendOptions,
     label: str,
+    arrivals: Sequence[float] | None = None,
 ) -> PassResult:
     """One pass, whatever carries the requests: each is sent at its arrival time (once
     --max-concurrency admits it) by `send`, and the scheduler's counters are read through
-    `get_stats` before, during (this pass's peak KV use) and after."""
+    `get_stats` before, during (this pass's peak KV use) and after.
+
+    Args:
+        arrivals: each request's send offset in seconds (a replayed log's); default: drawn for
+            `request_rate` (`arrival_times`).
+    """
     from tqdm import tqdm
 
-    arrivals = arrival_times(len(requests), request_rate, options.seed)
+    if arrivals is None:
+        arrivals = arrival_times(len(requests), request_rate, options.seed)
     before = await get_stats()
     sem = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
     peaks = PassPeaks()
@@ -214,6 +221,7 @@ async def _run_pass(
     request_rate: float,
     options: SendOptions,
     label: str,
+    arrivals: Sequence[float] | None = None,
 ) -> PassResult:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -224,6 +232,7 @@ async def _run_pass(
             request_rate,
             options,
             label,
+            arrivals,
         )
 
 
@@ -233,9 +242,11 @@ def run_pass(
     request_rate: float,
     options: SendOptions,
     label: str = "bench",
+    arrivals: Sequence[float] | None = None,
 ) -> PassResult:
-    """Sends `requests` (arriving at `request_rate`) and waits for all of them."""
-    return asyncio.run(_run_pass(address, requests, request_rate, options, label))
+    """Sends `requests` (arriving at `request_rate`, or at the offsets `arrivals`) and waits for all
+    of them."""
+    return asyncio.run(_run_pass(address, requests, request_rate, options, label, arrivals))
 
 
 def get_model_info(address: str, timeout: float = 10.0) -> generation_pb2.ModelInfo:

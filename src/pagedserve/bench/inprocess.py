@@ -143,16 +143,21 @@ async def _measure(
             await engine_task
 
 
-def executor_config(model: str, executor_args: str) -> ExecutorConfig:
-    """--executor-args, read by the executor's own parser (so both passes get the same flags)."""
-    parser = add_cli_args(argparse.ArgumentParser(prog="pagedserve bench --executor-args"))
+def executor_config(
+    model: str, executor_args: str, prog: str = "pagedserve bench --executor-args"
+) -> ExecutorConfig:
+    """--executor-args, read by the executor's own parser (so both passes get the same flags); a bad
+    one ends the program as argparse does, under `prog`."""
+    parser = add_cli_args(argparse.ArgumentParser(prog=prog))
     ns = parser.parse_args(["--model", model, *shlex.split(executor_args)])
     return ExecutorConfig.from_args(ns, parser=parser)
 
 
-def service_config(model: str, scheduler_args: str) -> ServiceConfig:
+def service_config(
+    model: str, scheduler_args: str, prog: str = "pagedserve bench --scheduler-args"
+) -> ServiceConfig:
     """--scheduler-args, read by the scheduler's own parser."""
-    parser = argparse.ArgumentParser(prog="pagedserve bench --scheduler-args")
+    parser = argparse.ArgumentParser(prog=prog)
     ServiceConfig.add_cli_args(parser)
     ns = parser.parse_args(["--model", model, *shlex.split(scheduler_args)])
     return ServiceConfig.from_args(ns, parser=parser)

@@ -44,19 +44,161 @@ def _executor_answers(address: str) -> bool:
     return True
 
 
-def _check_alive(procs: dict[str, subprocess.Popen], log_dir: Path) -> None:
+def _check_alive(procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
     for name, proc in procs.items():
         if proc.poll() is not None:
-            tail = (log_dir / f"{name}.log").read_text(errors="replace")[-4000:]
+            tail = logs[name].read_text(errors="replace")[-4000:]
             raise LaunchError(f"{name} exited with {proc.returncode}; its log ends:\n{tail}")
 
 
-def _wait_until(ready, procs: dict[str, subprocess.Popen], log_dir: Path, deadline: float, what: str) -> None:
+def _wait_until(
+    ready, procs: dict[str, subprocess.Popen], logs: dict[str, Path], deadline: float, what: str
+) -> None:
     while not ready():
-        _check_alive(procs, log_dir)
+        _check_alive(procs, logs)
         if time.monotonic() > deadline:
-            raise LaunchError(f"{what} not ready; see {log_dir}")
+            raise LaunchError(
+                f"{what} not ready; see {', '.join(sorted({str(p.parent) for p in logs.values()}))}"
+            )
         time.sleep(0.5)
+
+
+class LaunchedExecutors:
+    """Executors launched by `launched_executors`; `scheduler()` starts a scheduler in front of them.
+
+    Several schedulers may drive them one after another (`pagedserve tune` keeps the executors of
+    one executor setting and restarts only the scheduler for scheduler-only settings): a scheduler
+    stopped with SIGTERM gives the leases back, so the next one attaches at once, and since the
+    prefix cache lives in the scheduler, each starts with an empty one."""
+
+    def __init__(self, model: str, log_dir: Path, env: dict[str, str], deadline: float) -> None:
+        self.model = model
+        self.log_dir = log_dir
+        self.env = env
+        self.deadline = deadline
+        self.addresses: list[str] = []
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}  # each process's log file
+
+    def start(
+        self, name: str, cmd: list[str], child_env: dict[str, str], log_dir: Path | None = None
+    ) -> None:
+        log_dir = log_dir or self.log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.logs[name] = log_dir / f"{name}.log"
+        with open(self.logs[name], "w") as log:
+            self.procs[name] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=REPO
+            )
+
+    def stop(self, names: Sequence[str]) -> None:
+        """SIGTERM, then SIGKILL after 15 s, in the order given."""
+        procs = [self.procs.pop(name) for name in names if name in self.procs]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    @contextlib.contextmanager
+    def scheduler(
+        self, scheduler_args: Sequence[str] = (), log_dir: Path | None = None, timeout: float | None = None
+    ) -> Iterator[str]:
+        """A scheduler over these executors; yields its address once GetModelInfo answers and every
+        executor is attached (a pass that began with one would place its first requests all there),
+        and stops it on exit (the executors keep running)."""
+        log_dir = log_dir or self.log_dir
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        command = [sys.executable, "-m", "pagedserve.scheduler", "--model", self.model, "--host", "127.0.0.1",
+                   "--port", str(port), *(a for e in self.addresses for a in ("--executor", e)),
+                   *scheduler_args]  # fmt: skip
+        deadline = self.deadline if timeout is None else time.monotonic() + timeout
+        try:
+            self.start("scheduler", command, self.env, log_dir)
+            print(
+                f"bench: launched {len(self.addresses)} executor(s) + scheduler on {address} "
+                f"(logs in {log_dir})",
+                file=sys.stderr,
+            )
+
+            def scheduler_ready() -> bool:
+                try:
+                    get_model_info(address, timeout=2)
+                    with grpc.insecure_channel(address) as channel:
+                        listed = admin_pb2_grpc.AdminStub(channel).ListExecutors(
+                            admin_pb2.ListExecutorsRequest(), timeout=2
+                        )
+                    return sum(e.attached for e in listed.executors) == len(self.addresses)
+                except grpc.RpcError:
+                    return False
+
+            _wait_until(scheduler_ready, self.procs, self.logs, deadline, "services")
+            yield address
+        finally:
+            self.stop(["scheduler"])
+
+
+@contextlib.contextmanager
+def launched_executors(
+    model: str,
+    log_dir: Path,
+    executor_args: Sequence[str] = (),
+    timeout: float = 900.0,
+    data_parallel_size: int = 1,
+    device: str = "auto",
+    gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
+) -> Iterator[LaunchedExecutors]:
+    """Runs `data_parallel_size` executors as processes on loopback (placed as `pagedserve serve`
+    places them) and stops them on exit, schedulers first.
+
+    Args:
+        device, gpu_memory_utilization, tensor_parallel_size: what `executor_args` set (the
+            executors' placement divides the utilization among executors sharing a GPU, and gives
+            each tensor-parallel executor its own GPUs).
+        timeout: seconds until every service launched through the result (schedulers included)
+            must serve.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    placements = place_executors(
+        data_parallel_size,
+        base_port=0,
+        gpu_memory_utilization=gpu_memory_utilization,
+        num_gpus=visible_gpu_count(device),
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        tensor_parallel_size=tensor_parallel_size,
+    )
+    services = LaunchedExecutors(model, log_dir, env, time.monotonic() + timeout)
+    try:
+        for p in placements:
+            executor_port = free_port()
+            address = f"127.0.0.1:{executor_port}"
+            services.addresses.append(address)
+            name = "executor" if data_parallel_size == 1 else f"executor-{p.index}"
+            share = []
+            if p.gpu_memory_utilization != gpu_memory_utilization:  # the last flag wins
+                share = ["--gpu-memory-utilization", f"{p.gpu_memory_utilization:.4f}"]
+            command = [sys.executable, "-m", "pagedserve.executor", "--model", model, "--host", "127.0.0.1",
+                       "--port", str(executor_port), *executor_args, *share]  # fmt: skip
+            services.start(name, command, {**env, **p.env})
+            if p.shares_gpu:  # it sizes its KV pool from the GPU memory free when it starts
+                _wait_until(
+                    lambda a=address: _executor_answers(a),
+                    services.procs,
+                    services.logs,
+                    services.deadline,
+                    name,
+                )
+        yield services
+    finally:
+        services.stop(list(reversed(services.procs)))
 
 
 @contextlib.contextmanager
@@ -72,80 +214,10 @@ def launched_server(
     tensor_parallel_size: int = 1,
 ) -> Iterator[str]:
     """Runs `data_parallel_size` executors and a scheduler as processes on loopback; yields the
-    scheduler's address once GetModelInfo answers and every executor is attached (a pass that began
-    with one would place its first requests all there), and stops them all (scheduler first) on exit.
-
-    Args:
-        device, gpu_memory_utilization, tensor_parallel_size: what `executor_args` set (the
-            executors' placement divides the utilization among executors sharing a GPU, and gives
-            each tensor-parallel executor its own GPUs).
-    """
-    port = free_port()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    placements = place_executors(
-        data_parallel_size,
-        base_port=0,
-        gpu_memory_utilization=gpu_memory_utilization,
-        num_gpus=visible_gpu_count(device),
-        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-        tensor_parallel_size=tensor_parallel_size,
-    )
-    executors = []  # (name, command, env, wait until it answers before starting the next)
-    addresses = []
-    for p in placements:
-        executor_port = free_port()
-        addresses.append(f"127.0.0.1:{executor_port}")
-        name = "executor" if data_parallel_size == 1 else f"executor-{p.index}"
-        share = []
-        if p.gpu_memory_utilization != gpu_memory_utilization:  # the last flag wins
-            share = ["--gpu-memory-utilization", f"{p.gpu_memory_utilization:.4f}"]
-        command = [sys.executable, "-m", "pagedserve.executor", "--model", model, "--host", "127.0.0.1",
-                   "--port", str(executor_port), *executor_args, *share]  # fmt: skip
-        executors.append((name, command, {**env, **p.env}, p.shares_gpu))
-    scheduler = [sys.executable, "-m", "pagedserve.scheduler", "--model", model, "--host", "127.0.0.1",
-                 "--port", str(port), *(a for address in addresses for a in ("--executor", address)),
-                 *scheduler_args]  # fmt: skip
-    procs: dict[str, subprocess.Popen] = {}
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-
-    def start(name: str, cmd: list[str], child_env: dict[str, str]) -> None:
-        with open(log_dir / f"{name}.log", "w") as log:
-            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=REPO)
-
-    try:
-        for (name, cmd, child_env, one_at_a_time), executor_address in zip(executors, addresses, strict=True):
-            start(name, cmd, child_env)
-            if one_at_a_time:  # it sizes its KV pool from the GPU memory free when it starts
-                _wait_until(lambda a=executor_address: _executor_answers(a), procs, log_dir, deadline, name)
-        start("scheduler", scheduler, env)
-        print(
-            f"bench: launched {len(executors)} executor(s) + scheduler on {address} (logs in {log_dir})",
-            file=sys.stderr,
-        )
-
-        def scheduler_ready() -> bool:
-            try:
-                get_model_info(address, timeout=2)
-                with grpc.insecure_channel(address) as channel:
-                    listed = admin_pb2_grpc.AdminStub(channel).ListExecutors(
-                        admin_pb2.ListExecutorsRequest(), timeout=2
-                    )
-                return sum(e.attached for e in listed.executors) == data_parallel_size
-            except grpc.RpcError:
-                return False
-
-        _wait_until(scheduler_ready, procs, log_dir, deadline, "services")
+    scheduler's address once every executor is attached, and stops them all (scheduler first) on
+    exit. See `launched_executors` for the arguments."""
+    with launched_executors(
+        model, log_dir, executor_args, timeout, data_parallel_size, device, gpu_memory_utilization,
+        tensor_parallel_size,
+    ) as executors, executors.scheduler(scheduler_args) as address:  # fmt: skip
         yield address
-    finally:
-        for proc in reversed(procs.values()):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in reversed(procs.values()):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
