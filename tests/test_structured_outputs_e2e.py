@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow
 
 # A template that declares tools as Hermes-style templates do (a system block listing them).
 CHAT_TEMPLATE = (
-    "{% if tools %}<s>system: tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}"
+    "{% if tools %}<s>system: tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n"
+    "{% endif %}"
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
@@ -57,7 +58,9 @@ SCHEMAS = {
     "array_enum": {
         "type": "object",
         "properties": {
-            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
+            "tags": {
+                "type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3
+            },
             "level": {"enum": ["low", "high", 3]},
         },
         "required": ["tags", "level"],
@@ -77,7 +80,9 @@ SCHEMAS = {
         "$defs": {"point": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}],
                             "items": False, "minItems": 2}},
         "type": "object",
-        "properties": {"at": {"$ref": "#/$defs/point"}, "kind": {"anyOf": [{"const": "a"}, {"type": "null"}]}},
+        "properties": {
+            "at": {"$ref": "#/$defs/point"}, "kind": {"anyOf": [{"const": "a"}, {"type": "null"}]}
+        },
         "required": ["at", "kind"],
         "additionalProperties": False,
     },
@@ -89,7 +94,9 @@ WEATHER = {
         "description": "the weather in a city",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}
+            },
             "required": ["city", "days"],
             "additionalProperties": False,
         },
@@ -226,14 +233,18 @@ def test_json_schemas_validate_at_temperature_one(client):
 
 
 def test_regex_choice_and_grammar(client, serve):
-    grammar = 'root ::= pair ("," pair){0,2}\npair ::= key "=" value\nkey ::= [a-z]{1,4}\nvalue ::= [0-9]{1,3} | "true"'
+    grammar = (
+        'root ::= pair ("," pair){0,2}\npair ::= key "=" value\nkey ::= [a-z]{1,4}\n'
+        'value ::= [0-9]{1,3} | "true"'
+    )
     regex = r"[A-Z][a-z]{2,5}-\d{2}"
     choices = ["yes", "no", "it depends"]
-    completion = lambda extra: (
-        lambda: client.completions.create(  # noqa: E731
+
+    def completion(extra):
+        return lambda: client.completions.create(
             model="tiny-tools", prompt="Say:", max_tokens=40, extra_body=extra, **HOT
         )
-    )
+
     results = in_parallel(
         *[completion({"guided_regex": regex}) for _ in range(3)],
         *[completion({"guided_choice": choices}) for _ in range(3)],
@@ -313,7 +324,10 @@ def test_named_and_required_tool_calls_plain_and_streamed(client):
 def test_auto_tool_choice_parses_hermes_calls(client):
     """tool_choice auto: the tools reach the chat template, and a `<tool_call>` the model writes
     (forced here by a regex, as a trained model would write it) comes back as a tool call."""
-    regex = r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", "days": [1-7]\}\}</tool_call>'
+    regex = (
+        r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
+        r'\{"city": "(Paris|Oslo)", "days": [1-7]\}\}</tool_call>'
+    )
     kwargs = dict(
         tools=[WEATHER], tool_choice="auto", max_tokens=120, extra_body={"guided_regex": regex}, **HOT
     )
@@ -403,15 +417,18 @@ def test_constraints_that_cannot_be_enforced_are_400_naming_the_field(serve, ext
 def test_bad_tools_are_400(client, serve):
     url = f"{serve[1]}/v1/chat/completions"
     base = {"model": "tiny-tools", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    unknown = {"type": "function", "function": {"name": "no"}}
     cases = [
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": unknown}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools.1.function.name"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}], "tool_choice": "required"},
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+             "tool_choice": "required"},
             "tools.0.function.parameters",
         ),
-        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
     ]  # fmt: skip
     for extra, param in cases:
         response = httpx.post(url, json=base | extra, timeout=60)
