@@ -408,7 +408,7 @@ def test_every_architecture_the_loader_accepts_has_a_row():
 # generator), and `--ssl-*` / `--executor-ssl-*` written as families.
 OTHER_TOOLS_FLAGS = {
     "--build-arg", "--force-recreate", "--from-literal", "--replicas", "--scale", "--profile", "--strict",
-    "--check", "--ssl", "--executor-ssl",
+    "--check", "--ssl", "--executor-ssl", "--hypothesis-show-statistics",
 }  # fmt: skip
 
 

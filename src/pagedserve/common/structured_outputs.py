@@ -321,6 +321,15 @@ class StructuredOutputsRule(Rule):
             checked = _text(kind, raw)
         return StructuredOutputs(kind, checked, bool(whitespace))
 
+    def from_text(self, text: Any) -> Any:
+        """The command line's word: the constraint as JSON (`'{"regex": "[0-9]+"}'`)."""
+        if not isinstance(text, str):
+            return text
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
     def describe(self) -> str:
         return (
             "an object with one of `json` (a JSON schema), `json_object` (true), `regex`, `choice` (a list "

@@ -289,6 +289,7 @@ class RequestParams:
         doc="constrains the output to a JSON schema, any JSON object, a regex, one of some strings or "
         "an EBNF grammar (docs/structured-outputs.md); the scheduler refuses what does not compile",
         wire=StructuredOutputWire(),
+        flag="--structured-outputs",
     )
     priority: int = declare(
         Integer(INT32_MIN, INT32_MAX),
