@@ -22,6 +22,8 @@
 #   w4-cpu     W4 on CPU executors (scripts/w4-cpu.sh): 1, 2, 3, 4 executors, prefix routing vs
 #              round robin and least loaded
 #   tp         W1 over one executor at --tensor-parallel-size 1 and 2 (needs 2 GPUs), step traces
+#   w1-json    W1 and W1-JSON (a JSON schema on every request) with the throughput flags, one after
+#              the other, + python -m benchmarks.structured_masks (mask time per plan, 512 requests)
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
@@ -63,7 +65,7 @@ if wants step; then
 fi
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m benchmarks.fp8 --result-file "$OUT/fp8-kernels.json"; fi
 if wants fp8-quality; then run fp8-quality 300 python3 -m benchmarks.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
-if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp; then
+if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp || wants w1-json; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
@@ -151,3 +153,11 @@ fi
 for trace in "$OUT"/w1*trace*.jsonl; do  # where each W1 pass's GPU time went
   [ -f "$trace" ] && { echo "=== $trace"; python3 -m pagedserve.executor.step_trace "$trace" | sed -n 1,8p; python3 -m pagedserve.executor.step_trace "$trace" | tail -n 1; }
 done
+if wants w1-json; then  # issue 31: structured outputs' cost, W1 against W1-JSON in one run
+  json_args=(--num-warmups 8 --executor-args "$W1_EXECUTOR_FLAGS" --scheduler-args "$W1_SCHEDULER_FLAGS")
+  [ -n "${QUICK:-}" ] && json_args=(--num-prompts 8 --input-len 16:64 --output-len 4:16 --executor-args "--device cpu")
+  bench w1-json-off 300 --workload W1 "${json_args[@]}"
+  bench w1-json-on 300 --workload W1-JSON "${json_args[@]}"
+  run w1-json-masks 300 python3 -m benchmarks.structured_masks --model "$MODEL" --requests 512 --steps 300 \
+    --result-file "$OUT/w1-json-masks.json"
+fi
