@@ -114,6 +114,9 @@ def test_schema_features_xgrammar_would_ignore_are_refused(schema, words):
 
 
 def test_schema_features_that_are_enforced_pass():
+    def branch(k):
+        return {"type": "object", "properties": {"k": {"const": k}}, "required": ["k"]}
+
     check_json_schema(
         {
             "$defs": {"n": {"type": "integer", "minimum": 0, "maximum": 9, "multipleOf": 3}},
@@ -122,11 +125,11 @@ def test_schema_features_that_are_enforced_pass():
             "x-note": "ignored",
             "properties": {
                 "n": {"$ref": "#/$defs/n"},
-                "kind": {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
-                                   {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+                "kind": {"oneOf": [branch("a"), branch("b")]},
                 "d": {"type": "string", "format": "date"},
                 "s": {"type": ["string", "null"], "pattern": "^a+$", "maxLength": 5},
-                "t": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": False, "uniqueItems": False},
+                "t": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": False,
+                      "uniqueItems": False},
             },
             "patternProperties": {"^x": {"type": "null"}},
             "additionalProperties": False,
