@@ -401,3 +401,38 @@ def test_tool_choices_that_cannot_be_served(tools, choice, declares, param):
     with pytest.raises(ToolChoiceError) as info:
         plan_tools(tools, choice, None, declares)
     assert info.value.param == param
+
+
+# ---- the gateway's body forms ---------------------------------------------------------------------
+
+
+def test_the_gateways_constraint_fields_become_one_constraint():
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    def values(**body):
+        request = CompletionRequest.model_validate({"prompt": "x", **body})
+        return request.request_values()["structured_outputs"], request.aliases()
+
+    schema = {"type": "object"}
+    assert values(guided_json=schema, structured_outputs={"disable_any_whitespace": True}) == (
+        {"json": schema, "disable_any_whitespace": True},
+        {"structured_outputs": "guided_json"},
+    )
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    assert values(response_format=fmt)[0] == {"json": schema}
+    assert values(response_format={"type": "text"}) == (None, {})
+    # Options with nothing to apply to are a constraint of no kind: refused, as at every door.
+    assert values(structured_outputs={"disable_any_whitespace": True})[0] == {"disable_any_whitespace": True}
+    with pytest.raises(InvalidRequest) as info:
+        values(guided_regex="a", guided_choice=["b"])
+    assert info.value.field == "guided_choice" and "guided_regex" in info.value.reason
+    chat = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "structured_outputs": {"disable_any_whitespace": True},
+        }
+    )
+    assert chat.request_values()["structured_outputs"] is None
+    assert chat.constraint_options() == {"disable_any_whitespace": True}

@@ -160,13 +160,19 @@ class SamplingRequest(OpenAIModel):
             if getattr(self, name) is not None:
                 sources[name] = {kind: getattr(self, name)}
         options = self.constraint_options()
-        if self.structured_outputs is not None and not (options and options == self.structured_outputs):
+        # Options alone with nothing to apply them to are refused as a constraint of no kind.
+        if self.structured_outputs is not None and not (options and (sources or self.tools_constrain)):
             sources["structured_outputs"] = self.structured_outputs
         if options:  # the options alone apply to the constraint another field gives
             for name, constraint in sources.items():
                 if name != "structured_outputs" and isinstance(constraint, dict):
                     sources[name] = constraint | options
         return sources
+
+    @property
+    def tools_constrain(self) -> bool:
+        """Whether chat's tools give the constraint (tool_choice "required" or a named function)."""
+        return False
 
     def constraint_options(self) -> dict[str, Any]:
         """`structured_outputs` when it holds only options (`disable_any_whitespace`): they apply
@@ -299,6 +305,10 @@ class ChatCompletionRequest(SamplingRequest):
         if value:
             raise ValueError("only the sampled token's logprob is available: give 0 or leave it out")
         return value
+
+    @property
+    def tools_constrain(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
 
     @property
     def tool_dicts(self) -> list[dict[str, Any]] | None:
