@@ -11,9 +11,10 @@ executor only applies the packed next-token masks the plan carries. Here:
   (`Scheduler.process_output`), able to `rollback(n)` tokens taken back (speculative decoding),
   and filling its row of the step's bitmask when the request samples.
 
-JSON schemas go through xgrammar's converter to EBNF first, where one rule is corrected: xgrammar
-0.2.9 lets a length-bounded string (minLength/maxLength) hold raw control characters, which JSON
-forbids (the output would not parse with a strict JSON parser). The EBNF is compiled as a grammar.
+JSON schemas and regexes go through xgrammar's converters to EBNF first, where character classes
+are corrected (`_CLASS_FIXES`): xgrammar 0.2.9 lets a length-bounded JSON string hold raw control
+characters, which JSON forbids, and lets any class reaching U+10FFFF hold UTF-16 surrogates, which
+UTF-8 cannot. The EBNF is then compiled as a grammar.
 """
 
 from __future__ import annotations
@@ -38,9 +39,21 @@ log = structlog.get_logger()
 # Distinct constraints kept compiled (each holds a token mask cache: ~vocab/8 bytes per state).
 GRAMMAR_CACHE_SIZE = 256
 COMPILE_THREADS = 2
-# xgrammar's length-bounded string character class, and the one JSON allows (no control characters).
-_LOOSE_STRING_CHARS = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
+# Character classes of xgrammar's EBNF that admit what UTF-8 text cannot hold, and what replaces
+# them: a length-bounded JSON string's admits control characters (JSON forbids them raw); every
+# class that reaches U+10FFFF admits the surrogates U+D800-U+DFFF, whose 3-byte forms are not UTF-8
+# (the output would decode to U+FFFD, and a maxLength would count three characters).
+_CLASS_FIXES = (
+    ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]'),
+    ('[^\\0-\\x1f\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n\\uD800-\\uDFFF]'),
+    ("[\\0-\\U0010ffff]", "[\\0-\\uD7FF\\uE000-\\U0010ffff]"),
+)
+
+
+def _utf8_only(ebnf: str) -> str:
+    for loose, strict in _CLASS_FIXES:
+        ebnf = ebnf.replace(loose, strict)
+    return ebnf
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -58,12 +71,12 @@ def constraint_ebnf(spec: StructuredOutputs) -> str:
 
         return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.value)
     if spec.kind == "regex":
-        return str(xgr.Grammar.from_regex(spec.value))
+        return _utf8_only(str(xgr.Grammar.from_regex(spec.value)))
     if spec.kind == "grammar":
         return spec.value
     schema = spec.value if spec.kind == "json" else '{"type": "object"}'
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=not spec.disable_any_whitespace))
-    return ebnf.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS)
+    return _utf8_only(ebnf)
 
 
 def _reason(exc: Exception) -> str:

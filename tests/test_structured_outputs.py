@@ -171,13 +171,14 @@ def _sample_outputs(tokenizer, pool, spec, n=20, seed=0):
 
 
 def test_bounded_strings_hold_no_control_characters(compiler):
-    """xgrammar 0.2.9 lets a string with maxLength hold raw control characters; the EBNF is
-    corrected, so every output is strict JSON."""
+    """xgrammar 0.2.9 lets a string with maxLength hold raw control characters, and any string
+    UTF-16 surrogates; the EBNF is corrected, so every output is strict JSON in UTF-8."""
     tokenizer, pool = compiler
     schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}, "required": ["s"]}
     spec = validate_request({"prompt": "x", "structured_outputs": {"json": schema}}).structured_outputs
     assert "\\0-\\x1f" in constraint_ebnf(spec).split("root_prop_0_characters ::=")[1].splitlines()[0]
-    for text in _sample_outputs(tokenizer, pool, spec, n=30):
+    for text in _sample_outputs(tokenizer, pool, spec, n=60):
+        assert "\ufffd" not in text, text  # no surrogate's bytes either (not UTF-8)
         jsonschema.validate(json.loads(text), schema)
 
 
