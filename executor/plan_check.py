@@ -72,6 +72,7 @@ def validate_plan(
     # Removing a sequence we do not hold is allowed (idempotent), e.g. an abort racing its finish.
     kept = set(held).difference(plan.removed_seq_ids)
     seen: set[int] = set()
+    sampling: set[int] = set()  # the requests whose computed tokens reach their end in this step
     total_tokens = 0
     params: list[SamplingParams] = []
     for req in plan.new_requests:
@@ -98,6 +99,8 @@ def validate_plan(
             params.append(sampling_from_proto(req.sampling))
         except ValueError as e:
             raise PlanError(f"{where}: {e}") from None
+        if req.num_new_tokens and req.num_computed_tokens + req.num_new_tokens == len(req.token_ids):
+            sampling.add(req.seq_id)
         total_tokens += req.num_new_tokens
     for req in plan.running:
         where = f"running seq_id={req.seq_id}"
@@ -120,11 +123,14 @@ def validate_plan(
             table_ends=ends,
             unchecked_blocks=[b for t in req.new_blocks for b in t.block_ids],  # held ones: checked
         )
+        if req.num_new_tokens and state.num_computed + req.num_new_tokens == state.num_tokens:
+            sampling.add(req.seq_id)
         total_tokens += req.num_new_tokens
     if total_tokens > limits.max_num_batched_tokens:
         raise PlanError(
             f"plan computes {total_tokens} tokens > max_num_batched_tokens {limits.max_num_batched_tokens}"
         )
+    _check_masks(plan, sampling, limits.vocab_size)
     if len(seen) > limits.max_num_seqs:
         raise PlanError(f"plan schedules {len(seen)} sequences > max_num_seqs {limits.max_num_seqs}")
     if len(kept) + len(plan.new_requests) > limits.max_held_requests:
@@ -133,6 +139,27 @@ def validate_plan(
             f"{limits.max_held_requests} (remove finished requests first)"
         )
     return params
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words per token-bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+def _check_masks(plan: executor_pb2.StepPlan, sampling: set[int], vocab_size: int) -> None:
+    """Structured outputs: one mask row per listed request, each of which samples in this step."""
+    masked = list(plan.masked_seq_ids)
+    if len(set(masked)) != len(masked):
+        raise PlanError("masked_seq_ids: a request appears twice")
+    for seq_id in masked:
+        if seq_id not in sampling:
+            raise PlanError(f"masked_seq_ids: seq_id={seq_id} does not sample in this step")
+    expected = len(masked) * mask_words(vocab_size) * 4
+    if len(plan.token_bitmask) != expected:
+        raise PlanError(
+            f"token_bitmask: {len(plan.token_bitmask)} bytes, {len(masked)} masks of vocab_size "
+            f"{vocab_size} take {expected}"
+        )
 
 
 def _check_request_tokens(where: str, req: executor_pb2.NewRequest, vocab: int) -> None:

@@ -28,10 +28,10 @@ from pagedserve.executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixe
 from pagedserve.executor.kv_cache import KVCache, KVCacheLayout, MemoryProfile, check_fits, size_pools
 from pagedserve.executor.loader import ModelSpec, UnsupportedModelError, load_model_spec, load_weights
 from pagedserve.executor.model import CausalLM
-from pagedserve.executor.plan_check import PlanError, PlanLimits, validate_plan
+from pagedserve.executor.plan_check import PlanError, PlanLimits, mask_words, validate_plan
 from pagedserve.executor.profiling import memory_in_use, profile_cuda
 from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
-from pagedserve.executor.sampler import SamplingParams, prompt_logprobs, sample
+from pagedserve.executor.sampler import SamplingParams, TokenMasks, prompt_logprobs, sample
 from pagedserve.executor.step_inputs import (
     HostBatch,
     RequestSlots,
@@ -40,7 +40,7 @@ from pagedserve.executor.step_inputs import (
     stage_batch,
 )
 from pagedserve.executor.step_trace import StepRecord, StepTracer
-from pagedserve.executor.transfer import int64_to_device, to_host
+from pagedserve.executor.transfer import bytes_to_device, int64_to_device, to_device, to_host
 from pagedserve.protos import executor_pb2
 
 log = structlog.get_logger(__name__)
@@ -338,7 +338,7 @@ class ModelRunner:
         kv.swap_in([m.src for m in plan.swap_in], [m.dst for m in plan.swap_in])
         scheduled = [s for s in self._admit(plan, new_params) if s.num_new > 0]
         if scheduled:
-            self._launch_forward(scheduled, pending)
+            self._launch_forward(scheduled, pending, plan)
         stats = self.stats
         stats.steps += 1
         stats.tokens_computed += sum(s.num_new for s in scheduled)
@@ -450,7 +450,9 @@ class ModelRunner:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         return np.concatenate(rows).astype(np.int64), np.concatenate(targets).astype(np.int64)
 
-    def _launch_forward(self, scheduled: list[_Scheduled], pending: PendingStep) -> None:
+    def _launch_forward(
+        self, scheduled: list[_Scheduled], pending: PendingStep, plan: executor_pb2.StepPlan
+    ) -> None:
         """Queues the forward pass (a CUDA graph replay when one fits), the sampler, the
         device-side token feed and the copy of the sampled tokens to the host."""
         batch = self._host_batch(scheduled)
@@ -488,7 +490,21 @@ class ModelRunner:
                 pending.done = torch.cuda.Event()
                 pending.done.record()
             return
-        self._sample(logits, sample_rows, sampling, pending)
+        self._sample(logits, sample_rows, sampling, pending, self._token_masks(plan, sampling))
+
+    def _token_masks(self, plan: executor_pb2.StepPlan, sampling: list[RequestState]) -> TokenMasks | None:
+        """The plan's packed next-token masks (structured outputs) on the device, lined up with the
+        sampling rows they belong to (validated: each masked request samples in this step)."""
+        if not plan.masked_seq_ids:
+            return None
+        index = {seq_id: i for i, seq_id in enumerate(plan.masked_seq_ids)}
+        rows = [i for i, st in enumerate(sampling) if st.seq_id in index]
+        order = [index[sampling[i].seq_id] for i in rows]
+        shape = (len(index), mask_words(self.spec.vocab_size))
+        bitmask = bytes_to_device(plan.token_bitmask, torch.int32, shape, self.device)
+        if order != list(range(len(order))):
+            bitmask = bitmask[to_device(order, torch.int64, self.device)]
+        return TokenMasks(to_device(rows, torch.int64, self.device), bitmask)
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, num_sampled: int, targets: torch.Tensor, pending: PendingStep
@@ -504,15 +520,17 @@ class ModelRunner:
         sample_rows: torch.Tensor,
         sampling: list[RequestState],
         pending: PendingStep,
+        masks: TokenMasks | None = None,
     ) -> None:
-        """Samples each sampling request's next token, feeds it to its next step on the device
-        and starts copying the tokens to the host."""
+        """Samples each sampling request's next token (within its mask, if it has one), feeds it
+        to its next step on the device and starts copying the tokens to the host."""
         banned = [st.sampling.banned_ids(st.num_tokens - st.num_prompt) for st in sampling]
         result = sample(
             logits,
             [st.sampling for st in sampling],
             [st.num_tokens for st in sampling],  # the position each sampled token takes
             banned if any(banned) else None,
+            masks,
         )
         self._feed(sample_rows, result.token_ids)
         for st in sampling:

@@ -9,6 +9,10 @@ A seeded row draws its noise from a generator seeded with mix(seed, position of 
 token): its tokens depend only on its own logits, seed and position, never on which other rows share
 the batch, or on whether the request was pre-empted and re-created in between.
 
+Structured outputs: rows with a token bitmask (the scheduler's packed next-token mask, see
+`TokenMasks`) have every token it forbids set to -inf first, so whatever the parameters the sampled
+token is one the grammar allows; logprobs stay those of the model's own distribution.
+
 Nothing here waits for the device: per-row parameters travel through pinned memory
 (`executor.transfer.to_device`), so the executor can queue the next step behind this one. An
 all-greedy batch without logprobs costs a single argmax.
@@ -115,6 +119,34 @@ def _exponential_noise(probs: torch.Tensor, params: Sequence[SamplingParams], po
     return noise
 
 
+@dataclass(frozen=True)
+class TokenMasks:
+    """Packed next-token masks for some rows of a batch: `bitmask` int32 [len(rows), words] on the
+    device, bit t % 32 of word t / 32 set where token t is allowed; `rows` int64, their batch rows."""
+
+    rows: torch.Tensor
+    bitmask: torch.Tensor
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+    """`logits` with -inf where the masks forbid (a new tensor; the rows without one unchanged).
+    The bits are unpacked on the device: one shift-and-compare over [rows, words, 32]."""
+    vocab = logits.shape[1]
+    shifts = _BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((masks.bitmask[:, :, None] >> shifts) & 1).bool().reshape(len(masks.bitmask), -1)
+    allowed = allowed[:, :vocab]
+    if allowed.shape[1] < vocab:  # a mask narrower than the logits forbids the rest
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits = logits.clone()
+    logits[masks.rows] = logits[masks.rows].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
 def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
     rows = [i for i, ids in enumerate(banned) for _ in ids]
     if not rows:
@@ -131,6 +163,7 @@ def sample(
     params: Sequence[SamplingParams],
     positions: Sequence[int],
     banned: Sequence[Sequence[int]] | None = None,
+    masks: TokenMasks | None = None,
 ) -> SamplerOutput:
     """Samples one token per row, without waiting for the device (the result stays on it).
 
@@ -141,8 +174,11 @@ def sample(
             are mixed with it so every position draws fresh, reproducible noise).
         banned: per row, token ids that must not be sampled (min_tokens). Logprobs are still those
             of the raw distribution.
+        masks: structured outputs: the rows that may sample only what their bitmask allows.
     """
     raw = logits
+    if masks is not None:
+        logits = apply_token_masks(logits, masks)
     if banned is not None:
         logits = _ban(logits, banned)
     token_ids = logits.argmax(dim=-1)  # all that an all-greedy batch needs

@@ -99,12 +99,16 @@ class TPWorkerRunner(ModelRunner):
     ) -> None:
         return None  # no logits here: rank 0 reports prompt logprobs
 
+    def _token_masks(self, plan: executor_pb2.StepPlan, sampling: list[RequestState]) -> None:
+        return None  # rank 0 samples, within the masks
+
     def _sample(
         self,
         logits: torch.Tensor | None,
         sample_rows: torch.Tensor,
         sampling: list[RequestState],
         pending: PendingStep,
+        masks: object = None,
     ) -> None:
         tokens = torch.empty(len(sampling), dtype=torch.int64, device=self.device)
         self.group.broadcast_tokens(tokens)

@@ -77,6 +77,23 @@ def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device)
     return host.to(device, non_blocking=True)
 
 
+def bytes_to_device(
+    data: bytes, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """A packed buffer (a plan's bytes field) as a device tensor of `shape`, in one non-blocking
+    copy through pinned memory."""
+    src = (
+        torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+        if data
+        else torch.empty(shape, dtype=dtype)
+    )
+    if device.type == "cpu":
+        return src
+    host = torch.empty(shape, dtype=dtype, pin_memory=True)
+    host.copy_(src)
+    return host.to(device, non_blocking=True)
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """Starts copying `t` to (pinned) host memory; read it only after a later event has completed."""
     if t.device.type == "cpu":

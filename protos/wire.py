@@ -78,6 +78,11 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024  # distinct ids
 # A request_id is echoed in every streamed message.
 MAX_REQUEST_ID_CHARS = 512
+# A constraint (structured outputs): a JSON schema, regex or grammar of at most 1 Mi characters, or
+# at most 1024 choices of at most 1024 characters each. Compiled once per distinct constraint.
+MAX_CONSTRAINT_CHARS = 1 << 20
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024
 # A prompt's size before the model's max_model_len is known: a text of up to 4 Mi characters (16
 # MiB of UTF-8 at most; about a million tokens) or up to 1 Mi token ids (also the most stop token
 # ids a list may hold, repeats included). With the limits above, every request these allow fits in

@@ -77,9 +77,13 @@ class Completion:
         self._held_logprobs: list[float] = []
         self._undecoded: list[int] = []  # held tokens not detokenized yet (no stop strings)
 
-    def add_token(self, token_id: int, logprob: float | None = None) -> Delta | None:
+    def add_token(
+        self, token_id: int, logprob: float | None = None, grammar_ended: bool = False
+    ) -> Delta | None:
         """Accounts for one sampled token; returns the delta to stream now, or None while the
-        token is held back (see the module doc)."""
+        token is held back (see the module doc). `grammar_ended`: the token completed the request's
+        grammar (structured outputs: the stop token where the grammar may end), which ends it as a
+        stop token does, even with ignore_eos."""
         if self.finish_reason is not None:
             raise RuntimeError("token added to a finished completion")
         self.num_tokens += 1
@@ -88,7 +92,7 @@ class Completion:
             self._held_logprobs.append(logprob)
         stop = self.stop
         may_stop = self.num_tokens >= stop.min_tokens
-        if may_stop and token_id in stop.stop_token_ids:
+        if grammar_ended or (may_stop and token_id in stop.stop_token_ids):
             self.finish_reason = FinishReason.STOP  # the stop token's own text is not streamed
         elif stop.stop_strings:
             self._text += self._detokenizer.add(token_id)

@@ -12,6 +12,16 @@ N arrives. A request whose scheduled tokens reach ``num_tokens`` samples a token
 can already give the request its decode token, which the executor feeds itself, and
 ``process_output`` later fills in the value.
 
+Structured outputs break that for constrained requests: the mask of a request's next token depends
+on the token before it, which is still on the device while plan N+1 is made. So a constrained
+request is given tokens only when no output of it is pending (``_num_tokens_wanted``): it samples in
+every other plan while the pipeline is full (plan N samples it, plan N+1 skips it, output N arrives
+and advances its matcher, plan N+2 samples it with a mask made from every token before). Its masks
+are filled when the plan is finished (``_finish_step``), as vLLM V1 fills them at schedule time.
+Unconstrained requests are untouched: without a constrained request a plan carries no mask and
+nothing here costs anything. The price is the constrained requests' own speed (half the tokens per
+step at most); the executor is never made to wait.
+
 Order within a step:
 1. running requests, by (priority, arrival): decodes and ongoing prefill chunks; a request that
    needs a block when none is free pre-empts the lowest-priority, latest-arrived running request
@@ -29,12 +39,14 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
 from pagedserve.scheduler.block_pool import BlockHash
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import NO_HIT, BlockSpan, KVCacheManager, PrefixHit
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
+from pagedserve.scheduler.structured import batch_matcher, fill_bitmasks
 
 log = structlog.get_logger()
 
@@ -68,6 +80,9 @@ class StepPlan:
     ``sampling_seq_ids`` lists, in plan order (new_requests, then running), the requests whose
     computed tokens reach their end in this step: the executor's StepOutput carries one token for
     each. It is not part of the wire message.
+
+    ``masked_seq_ids`` / ``token_bitmask``: the constrained requests among them and their packed
+    next-token masks, one int32 row each (structured outputs; empty without any).
     """
 
     step_id: int
@@ -77,6 +92,8 @@ class StepPlan:
     new_requests: list[NewRequestPlan] = field(default_factory=list)
     running: list[RunningPlan] = field(default_factory=list)
     sampling_seq_ids: list[SeqId] = field(default_factory=list)
+    masked_seq_ids: list[SeqId] = field(default_factory=list)
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -162,6 +179,8 @@ class Scheduler:
         self._prompt_tokens_computed = 0
         self._prefix_hit_tokens = 0
         self._prefix_query_tokens = 0
+        self._batch_matcher = None  # xgrammar's, made for the first plan with constrained requests
+        self.mask_seconds: list[float] = []  # per plan with masks: the time filling them took
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -443,11 +462,29 @@ class Scheduler:
         plan.sampling_seq_ids += [p.seq_id for p in plan.running if p.seq_id in step.sampling]
         if plan.sampling_seq_ids:
             self._in_flight[plan.step_id] = set(plan.sampling_seq_ids)
+            self._fill_masks(plan)
         in_use = self.kv_cache_manager.block_pool.num_blocks_in_use
         if in_use > self._peak_blocks_in_use:
             self._peak_blocks_in_use = in_use
             self._peak_slot_utilization = self._slot_utilization()
         return plan
+
+    def _fill_masks(self, plan: StepPlan) -> None:
+        """The next-token masks of the constrained requests that sample in `plan` (none: no cost
+        beyond one attribute read per sampling request)."""
+        requests = self._requests
+        constrained = [r for seq_id in plan.sampling_seq_ids if (r := requests[seq_id]).grammar is not None]
+        if not constrained:
+            return
+        start = time.perf_counter()
+        if self._batch_matcher is None and len(constrained) >= 16:
+            self._batch_matcher = batch_matcher()
+        grammars = [r.grammar for r in constrained]
+        plan.masked_seq_ids = [r.seq_id for r in constrained]
+        plan.token_bitmask = fill_bitmasks(grammars, grammars[0].vocab_size, self._batch_matcher)
+        self.mask_seconds.append(time.perf_counter() - start)
+        if len(self.mask_seconds) > 4096:
+            del self.mask_seconds[:2048]
 
     # ---- outputs -------------------------------------------------------------------------------
 
@@ -474,6 +511,8 @@ class Scheduler:
                 continue
             request.output_token_ids.append(token_id)
             request.num_pending_outputs -= 1
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                log.error("token outside the grammar", seq_id=seq_id, token_id=token_id, step_id=step_id)
             updated.append(request)
             if len(request.output_token_ids) >= request.max_tokens:
                 self.abort_request(request.seq_id)
@@ -483,9 +522,11 @@ class Scheduler:
 
     def _num_tokens_wanted(self, request: Request) -> int:
         """Tokens the request lacks; 0 once its last allowed token is sampled (the final token's
-        KV is never needed)."""
+        KV is never needed), and 0 for a constrained request while a token of it is in flight."""
         if request.num_sampled_tokens >= request.max_tokens:
             return 0
+        if request.grammar is not None and request.num_pending_outputs:
+            return 0  # its next mask needs the token in flight (see the module docstring)
         return request.num_tokens - request.num_computed_tokens
 
     def _remove_running(self, request: Request) -> None:

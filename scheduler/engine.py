@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from pagedserve.common.structured_outputs import StructuredOutputs
 from pagedserve.protos import executor_pb2
 from pagedserve.protos.executor_pb2 import BlockTable
 from pagedserve.scheduler.completion import Completion, Delta, StopConditions
@@ -44,6 +45,7 @@ from pagedserve.scheduler.replica import (
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 from pagedserve.scheduler.router import Router
 from pagedserve.scheduler.service_config import ServiceConfig
+from pagedserve.scheduler.structured import GrammarCompilerPool, RequestGrammar
 from pagedserve.scheduler.transport import ExecutorTransport, GrpcTransport
 
 __all__ = [
@@ -120,6 +122,9 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
         swap_in=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.swap_in],
         new_requests=[new_request(r) for r in plan.new_requests],
     )
+    if plan.masked_seq_ids:  # structured outputs: one packed row per constrained sampling request
+        message.masked_seq_ids.extend(plan.masked_seq_ids)
+        message.token_bitmask = plan.token_bitmask.astype("<i4", copy=False).tobytes()
     # One per running request every step: add() in place, and no empty block list to convert,
     # build them at a third of the cost of constructing each message.
     add_running = message.running.add
@@ -144,6 +149,7 @@ def resumed_request(old: Request) -> Request:
         priority=old.priority,
         output_token_ids=list(old.output_token_ids),
         num_cached_prompt_tokens=old.num_cached_prompt_tokens,
+        grammar=old.grammar,  # it has accepted exactly the outputs carried over
         # Counted as a preemption once admitted, so that its usage keeps the first admission's hit.
         num_preemptions=old.num_preemptions + int(admitted),
     )
@@ -185,6 +191,7 @@ class Engine:
         self._serving = asyncio.Event()
         self._last_info: ExecutorInfo | None = None
         self._released = False
+        self._grammars: GrammarCompilerPool | None = None
         self.scheduler_id = f"scheduler@{socket.gethostname()}:{config.port}"
         self.steps = 0
         self.tokens_generated = 0
@@ -257,9 +264,11 @@ class Engine:
         sampling: SamplingOptions,
         stop: StopConditions,
         priority: int = 0,
+        grammar: RequestGrammar | None = None,
     ) -> ActiveRequest:
         """Queues a validated request on an executor (or, with none attached, here until one
-        attaches); its deltas arrive on the returned ActiveRequest."""
+        attaches); its deltas arrive on the returned ActiveRequest. `grammar`: its matcher, for a
+        constrained request (`compile_grammar`)."""
         if self._last_info is None:
             raise EngineUnavailable("no executor has attached yet")
         if self._released:
@@ -274,6 +283,7 @@ class Engine:
             max_tokens=stop.max_tokens,
             sampling=sampling,
             priority=priority,
+            grammar=grammar,
         )
         active = ActiveRequest(
             request_id,
@@ -283,6 +293,24 @@ class Engine:
         self._active[seq_id] = active
         self._place(active)
         return active
+
+    def grammar_compiler(self) -> GrammarCompilerPool:
+        """The compiler for the model the executors serve (made on first use; again if another
+        model's executors replaced them: a grammar's masks are as wide as the vocabulary)."""
+        info = self.model_info()
+        if info is None:
+            raise EngineUnavailable("no executor has attached yet")
+        pool = self._grammars
+        if pool is None or pool.vocab_size != info.vocab_size or pool.stop_token_ids != info.eos_token_ids:
+            if pool is not None:
+                pool.close()
+            pool = self._grammars = GrammarCompilerPool(self.tokenizer, info.vocab_size, info.eos_token_ids)
+        return pool
+
+    async def compile_grammar(self, spec: StructuredOutputs) -> RequestGrammar:
+        """A matcher for a constraint, compiled on the compiler's threads (once per distinct
+        constraint): only the caller waits. Raises InvalidRequest if it does not compile."""
+        return await self.grammar_compiler().grammar(spec)
 
     def abort(self, active: ActiveRequest) -> None:
         """Drops a request whose client went away; its blocks return to the pool."""
@@ -385,8 +413,14 @@ class Engine:
             if completion.finish_reason is not None:
                 continue  # the one discarded token after a late stop
             self.tokens_generated += 1
-            logprob = logprobs[i] if active.request.sampling.return_logprobs else None
-            delta = completion.add_token(token_id, logprob)
+            request = active.request
+            logprob = logprobs[i] if request.sampling.return_logprobs else None
+            grammar = request.grammar
+            if grammar is not None and grammar.failed:
+                delta = completion.abort()  # a token the mask should have excluded (logged)
+            else:
+                ended = grammar is not None and grammar.is_terminated
+                delta = completion.add_token(token_id, logprob, ended)
             if delta is None:
                 continue  # held back (--stream-interval)
             active.deltas.put_nowait(delta)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.structured import RequestGrammar
 
 SeqId = NewType("SeqId", int)
 
@@ -54,6 +57,9 @@ class Request:
         arrival: arrival order, set by ``Scheduler.add_request``; breaks priority ties.
         arrival_time: time.monotonic() when the request was created (queue time starts here).
         first_scheduled_time: time.monotonic() when a step first scheduled it (queue time ends).
+        grammar: structured outputs: its matcher, which has accepted exactly `output_token_ids`
+            (None: unconstrained). A constrained request samples only with no output pending
+            (see scheduler/core.py), so that its mask is computed from every token before it.
     """
 
     seq_id: SeqId
@@ -70,6 +76,7 @@ class Request:
     arrival: int = field(default=-1, repr=False)
     arrival_time: float = field(default_factory=time.monotonic, repr=False)
     first_scheduled_time: float | None = field(default=None, repr=False)
+    grammar: RequestGrammar | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,11 +2,12 @@
 
 Every bad input is refused with INVALID_ARGUMENT and a message that starts with the field it names
 (`max_tokens: ...`): the one validation every door runs (pagedserve.common.validation), then what
-needs the model (scheduler/admission.py); bytes that do not parse as the request message are
-refused too (a string that is not UTF-8 named as its field). UNAVAILABLE before any executor has
-attached (the model's limits are unknown), while the scheduler drains and when it stops;
-RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. While executors come and go,
-requests wait in the engine for one (scheduler/engine.py). A client that cancels its stream, or
+needs the model (scheduler/admission.py) and, for structured outputs, the compile of the request's
+grammar (scheduler/structured.py: awaited by this request alone); bytes that do not parse as the
+request message are refused too (a string that is not UTF-8 named as its field). UNAVAILABLE
+before any executor has attached (the model's limits are unknown), while the scheduler drains and
+when it stops; RESOURCE_EXHAUSTED when the engine holds --max-queue-len requests. While executors
+come and go, requests wait in the engine for one (scheduler/engine.py). A client that cancels its stream, or
 whose deadline passes (grpc.aio cancels the handler then), aborts its request, whose blocks return
 to the pool at once. The public port serves TLS with --ssl-certfile/--ssl-keyfile (mTLS with
 --ssl-ca-certs), and --client-rate-limit throttles each client (scheduler/throttle.py).
@@ -163,12 +164,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._check_not_draining()  # tokenizing takes time: the drain may have begun meanwhile
             info = self._info()  # after tokenizing: the executor may have changed meanwhile
             check_prompt(prompt_ids, info)
+            stop = stop_conditions(params, len(prompt_ids), info)
+            grammar = None
+            if params.structured_outputs is not None:  # this request alone waits for its compile
+                grammar = await self.engine.compile_grammar(params.structured_outputs)
+                self._check_not_draining()
             active = self.engine.submit(
-                request_id,
-                prompt_ids,
-                sampling_options(params),
-                stop_conditions(params, len(prompt_ids), info),
-                priority=params.priority,
+                request_id, prompt_ids, sampling_options(params), stop, params.priority, grammar
             )
         except (InvalidRequest, EngineUnavailable, EngineFull, Draining) as exc:
             await self._abort(context, exc)

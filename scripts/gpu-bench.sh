@@ -34,6 +34,8 @@
 #              plan --measure in a fresh process per utilization) at 0.85, 0.90, 0.92
 #   tune       `pagedserve tune` over W3-like traffic (192 requests, Poisson 16 req/s): max_num_seqs
 #              64/128/256 x prefix caching on/off at utilization 0.90; table, tune.json, tune.png
+#   w1-json    W1 and W1-JSON (a JSON schema on every request) with the throughput flags, one after
+#              the other, + python -m benchmarks.structured_masks (mask time per plan, 512 requests)
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
@@ -77,7 +79,7 @@ if wants moe; then run moe 300 python3 -m benchmarks.moe --result-file "$OUT/moe
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m benchmarks.fp8 --result-file "$OUT/fp8-kernels.json"; fi
 if wants fp8-quality; then run fp8-quality 300 python3 -m benchmarks.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
 if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp \
-  || wants plan || wants tune; then
+  || wants plan || wants tune || wants w1-json; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
@@ -203,3 +205,11 @@ fi
 for trace in "$OUT"/w1*trace*.jsonl; do  # where each W1 pass's GPU time went
   [ -f "$trace" ] && { echo "=== $trace"; python3 -m pagedserve.executor.step_trace "$trace" | sed -n 1,8p; python3 -m pagedserve.executor.step_trace "$trace" | tail -n 1; }
 done
+if wants w1-json; then  # issue 31: structured outputs' cost, W1 against W1-JSON in one run
+  json_args=(--num-warmups 8 --executor-args "$W1_EXECUTOR_FLAGS" --scheduler-args "$W1_SCHEDULER_FLAGS")
+  [ -n "${QUICK:-}" ] && json_args=(--num-prompts 8 --input-len 16:64 --output-len 4:16 --executor-args "--device cpu")
+  bench w1-json-off 300 --workload W1 "${json_args[@]}"
+  bench w1-json-on 300 --workload W1-JSON "${json_args[@]}"
+  run w1-json-masks 300 python3 -m benchmarks.structured_masks --model "$MODEL" --requests 512 --steps 300 \
+    --result-file "$OUT/w1-json-masks.json"
+fi

@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.entrypoints.outputs import CompletionOutput, RequestOutput
-    from pagedserve.entrypoints.sampling_params import SamplingParams
+    from pagedserve.entrypoints.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "pagedserve.entrypoints.llm",
     "SamplingParams": "pagedserve.entrypoints.sampling_params",
+    "StructuredOutputsParams": "pagedserve.entrypoints.sampling_params",
     "RequestOutput": "pagedserve.entrypoints.outputs",
     "CompletionOutput": "pagedserve.entrypoints.outputs",
 }
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -39,10 +39,12 @@ def make_request(
     priority: int = 0,
     return_logprobs: bool = False,
     request_id: str = "",
+    structured_outputs: dict | None = None,
 ) -> generation_pb2.GenerateRequest:
     """Builds a GenerateRequest; None leaves a field unset (the server's default). Raises
     InvalidRequest (a ValueError) naming the field for a value the server would refuse, or that
-    its wire type cannot carry (the one validation, pagedserve.common.validation)."""
+    its wire type cannot carry (the one validation, pagedserve.common.validation).
+    `structured_outputs`: a constraint, e.g. `{"json": schema}` or `{"regex": "[0-9]+"}`."""
     return to_proto(
         validate_request(
             {
@@ -59,6 +61,7 @@ def make_request(
                 "priority": priority,
                 "logprobs": 0 if return_logprobs else None,
                 "request_id": request_id,
+                "structured_outputs": structured_outputs,
             }
         )
     )

@@ -255,6 +255,7 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
         prefix_len=prefix_len,
         seed=args.seed,
         num_prefixes=pick("num_prefixes") if dataset == "shared-prefix" else 1,
+        structured_outputs=preset.get("structured_outputs"),
     )
     if args.request_rates:
         rates = [float(x) for x in args.request_rates.split(",") if x.strip()]

@@ -101,6 +101,7 @@ def build_request(req: BenchRequest, options: SendOptions, tag: str) -> generati
         seed=options.seed * 1_000_003 + req.index if options.temperature > 0 else None,
         ignore_eos=options.ignore_eos,
         request_id=f"bench-{re.sub(r'[^A-Za-z0-9.]+', '-', tag)}-{req.index}",
+        structured_outputs=req.structured_outputs,
     )
 
 

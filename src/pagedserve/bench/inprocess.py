@@ -68,12 +68,16 @@ async def _send_direct(engine: Engine, req: BenchRequest, options: SendOptions, 
                 raise EngineUnavailable("no executor has attached yet")
             params = validate_request(values_from_proto(request))
             prompt = list(request.token_ids.ids)
+            grammar = None
+            if params.structured_outputs is not None:  # as the service: compiled once, awaited here
+                grammar = await engine.compile_grammar(params.structured_outputs)
             active = engine.submit(
                 request.request_id,
                 prompt,
                 sampling_options(params),
                 stop_conditions(params, len(prompt), info),
                 priority=params.priority,
+                grammar=grammar,
             )
             while True:
                 item = await next_delta(active.deltas)

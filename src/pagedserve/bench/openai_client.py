@@ -59,7 +59,8 @@ async def _send(client, model: str, req: BenchRequest, options: SendOptions, str
         max_tokens=req.output_len,
         temperature=options.temperature,
         seed=options.seed * 1_000_003 + req.index if options.temperature > 0 else None,
-        extra_body={"ignore_eos": options.ignore_eos, "return_token_ids": True},
+        extra_body={"ignore_eos": options.ignore_eos, "return_token_ids": True}
+        | ({"structured_outputs": req.structured_outputs} if req.structured_outputs else {}),
         timeout=options.timeout,
     )
     record.start = time.perf_counter()

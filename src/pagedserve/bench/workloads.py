@@ -1,6 +1,7 @@
 """Benchmark workloads: request lengths, token-id prompts and arrival times (W1, W2, W3 of
 the README's Workloads section are presets of these: W4 compares routing over several executors,
-W5 is the KV-bound workload of the FP8 KV cache)."""
+W5 is the KV-bound workload of the FP8 KV cache, W1-JSON is W1 with a JSON schema on every request,
+the cost of structured outputs)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class Workload:
     prefix_len: int = 0
     seed: int = 1
     num_prefixes: int = 1
+    structured_outputs: dict | None = None  # a constraint on every request (W1-JSON)
 
     def __post_init__(self) -> None:
         if self.dataset not in ("random", "shared-prefix"):
@@ -60,6 +62,21 @@ class Workload:
         if self.num_prefixes < 1:
             raise ValueError("num_prefixes must be positive")
 
+
+# W1-JSON: an object of 4 typed fields, the last a free text of at least 4,096 characters, so that
+# (as in W1, with ignore_eos) every output runs to its max_tokens of 64 to 512 and only the
+# constraint differs: an integer and a number with bounds, an enum, then the text.
+W1_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+        "label": {"enum": ["alpha", "beta", "gamma", "delta"]},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "summary": {"type": "string", "minLength": 4096},
+    },
+    "required": ["id", "label", "score", "summary"],
+    "additionalProperties": False,
+}
 
 # the README's Workloads; W3 is W1's lengths with Poisson arrivals (the rate comes from the command line).
 PRESETS: dict[str, dict] = {
@@ -89,6 +106,15 @@ PRESETS: dict[str, dict] = {
     # KV-bound: every request at once, far more KV than a bf16 pool holds on one H200 (the FP8
     # KV cache comparison; needs --max-model-len >= 12512 on the executor).
     "W5": dict(dataset="random", num_prompts=128, input_len="12000", output_len="512", request_rate="inf"),
+    # Issue 31: W1 with W1_JSON_SCHEMA on every request (structured outputs' cost against W1).
+    "W1-JSON": dict(
+        dataset="random",
+        num_prompts=512,
+        input_len="128:1024",
+        output_len="64:512",
+        request_rate="inf",
+        structured_outputs={"json": W1_JSON_SCHEMA},
+    ),
 }
 DEFAULTS = dict(
     dataset="random",
@@ -106,6 +132,7 @@ class BenchRequest:
     index: int
     prompt: tuple[int, ...]
     output_len: int
+    structured_outputs: dict | None = None
 
 
 def token_id_range(vocab_size: int) -> tuple[int, int]:
@@ -134,7 +161,7 @@ def generate_requests(
         if max_model_len is not None:
             prompt = prompt[: max_model_len - 1]
             output_len = max(1, min(output_len, max_model_len - len(prompt)))
-        requests.append(BenchRequest(index, tuple(prompt), output_len))
+        requests.append(BenchRequest(index, tuple(prompt), output_len, workload.structured_outputs))
     return requests
 
 

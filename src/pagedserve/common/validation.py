@@ -37,6 +37,7 @@ from pagedserve.common.rules import (
     Text,
     TextList,
 )
+from pagedserve.common.structured_outputs import StructuredOutputs, StructuredOutputsRule
 from pagedserve.protos import generation_pb2
 from pagedserve.protos.wire import (
     FLOAT32_MAX,
@@ -116,6 +117,41 @@ class PromptWire:
         return list(request.token_ids.ids) if which == "token_ids" else None
 
 
+class StructuredOutputWire:
+    """`structured_output`: a oneof of the constraint kinds, plus disable_any_whitespace."""
+
+    path = "structured_output"
+    _WIRE_NAMES = {
+        "json": "json_schema",
+        "json_object": "json_object",
+        "regex": "regex",
+        "grammar": "grammar",
+    }
+
+    def put(self, request: generation_pb2.GenerateRequest, value: Any) -> None:
+        if value is None:
+            return
+        out = request.structured_output
+        if value.kind == "choice":
+            out.choice.choices.extend(value.value)
+        elif value.kind == "json_object":
+            out.json_object = True
+        else:
+            setattr(out, self._WIRE_NAMES[value.kind], value.value)
+        out.disable_any_whitespace = value.disable_any_whitespace
+
+    def get(self, request: generation_pb2.GenerateRequest) -> Any:
+        if not request.HasField("structured_output"):
+            return None
+        wire = request.structured_output
+        which = wire.WhichOneof("kind")
+        if which is None:  # only the option set: the rule refuses it, naming what is missing
+            return {"disable_any_whitespace": wire.disable_any_whitespace}
+        kind = {v: k for k, v in self._WIRE_NAMES.items()}.get(which, which)
+        value: Any = list(wire.choice.choices) if which == "choice" else getattr(wire, which)
+        return {kind: value, "disable_any_whitespace": wire.disable_any_whitespace}
+
+
 class LogprobsWire:
     """The wire asks for the sampled token's logprob or not (`return_logprobs`): logprobs 0 or 1."""
 
@@ -128,7 +164,7 @@ class LogprobsWire:
         return 0 if request.return_logprobs else None
 
 
-Wire = WirePath | PromptWire | LogprobsWire
+Wire = WirePath | PromptWire | LogprobsWire | StructuredOutputWire
 
 
 @dataclass(frozen=True)
@@ -247,6 +283,14 @@ class RequestParams:
     n: int = declare(
         Integer(1, 1, hint=" (one completion per request is supported)"), 1, doc="completions per prompt"
     )
+    structured_outputs: StructuredOutputs | None = declare(
+        StructuredOutputsRule(),
+        None,
+        doc="constrains the output to a JSON schema, any JSON object, a regex, one of some strings or "
+        "an EBNF grammar (docs/structured-outputs.md); the scheduler refuses what does not compile",
+        wire=StructuredOutputWire(),
+        flag="--structured-outputs",
+    )
     priority: int = declare(
         Integer(INT32_MIN, INT32_MAX),
         0,
@@ -286,8 +330,18 @@ def _min_tokens_within_max_tokens(values: Mapping[str, Any]) -> None:
         raise InvalidRequest("min_tokens", f"({min_tokens}) exceeds max_tokens ({max_tokens})")
 
 
+def _no_min_tokens_with_a_constraint(values: Mapping[str, Any]) -> None:
+    """A grammar decides where the output may end (EOS is allowed only there): banning EOS until
+    min_tokens could leave a constrained request no token it may sample."""
+    if values.get("structured_outputs") is not None and values.get("min_tokens"):
+        raise InvalidRequest(
+            "structured_outputs", "cannot be combined with min_tokens (the grammar decides where it ends)"
+        )
+
+
 CROSS_FIELD_CHECKS: dict[str, tuple[Callable[[Mapping[str, Any]], None], ...]] = {
     "min_tokens": (_min_tokens_within_max_tokens,),
+    "structured_outputs": (_no_min_tokens_with_a_constraint,),
 }
 """Rules over several fields, by the field after whose own check they run (the last one they
 read, so that the order of checks stays the order of the fields); each skips fields not given."""

@@ -29,9 +29,14 @@ def load_chat_template(source: str | Path | None) -> str | None:
 
 
 def render_chat(
-    tokenizer: Any, conversation: list[dict[str, Any]], chat_template: str | None = None
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text of `conversation` with the generation prompt appended, and its token ids.
+    `tools` (OpenAI's form) are given to the template, which declares them to the model as it
+    was trained to see them (a template that does not mention them ignores them).
 
     The text is tokenized without adding special tokens: a template writes the BOS it wants itself
     (Llama-3's does), and adding another would give the model a prompt it was not trained on.
@@ -45,7 +50,7 @@ def render_chat(
         )
     try:
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False, add_generation_prompt=True
+            conversation, chat_template=template, tokenize=False, add_generation_prompt=True, tools=tools
         )
     except Exception as exc:  # jinja2 errors, raise_exception() in the template, bad message shapes
         raise ChatTemplateError(f"the chat template cannot render these messages: {exc}") from exc

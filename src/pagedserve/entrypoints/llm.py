@@ -31,6 +31,7 @@ import structlog
 
 from pagedserve.common.logs import configure_logging
 from pagedserve.common.rules import shown
+from pagedserve.common.structured_outputs import StructuredOutputs
 from pagedserve.common.validation import InvalidRequest, validate_request
 from pagedserve.entrypoints.chat_utils import render_chat
 from pagedserve.entrypoints.inprocess import InProcessTransport
@@ -44,6 +45,7 @@ from pagedserve.scheduler.engine import Engine, ExecutorInfo
 from pagedserve.scheduler.request import SamplingOptions
 from pagedserve.scheduler.service import load_tokenizer, next_delta
 from pagedserve.scheduler.service_config import ServiceConfig
+from pagedserve.scheduler.structured import RequestGrammar
 
 T = TypeVar("T")
 
@@ -72,6 +74,7 @@ class _Prompt:
     stop: StopConditions
     priority: int
     logprobs: bool
+    grammar: RequestGrammar | None = None
 
 
 class _EngineThread:
@@ -112,6 +115,10 @@ class _EngineThread:
             self.task.result()  # raises the engine's error
             raise RuntimeError("the engine stopped")
         return work_task.result()
+
+    async def compile_grammar(self, spec: StructuredOutputs) -> RequestGrammar:
+        assert self.engine is not None
+        return await self.unless_engine_dies(self.engine.compile_grammar(spec))
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs `coro` on the engine's loop and waits for it; Ctrl-C cancels it (its requests are
@@ -338,10 +345,15 @@ class LLM:
                 ids = list(self.tokenizer.encode(ids)) if isinstance(ids, str) else list(ids)
                 check_prompt(ids, info)  # then what needs the model, as the scheduler checks it
                 sampling, stop = sampling_options(request), stop_conditions(request, len(ids), info)
+                grammar = None
+                if request.structured_outputs is not None:  # compiled once per distinct constraint
+                    grammar = self._engine.call(self._engine.compile_grammar(request.structured_outputs))
             except InvalidRequest as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
             prepared.append(
-                _Prompt(str(number), text, ids, sampling, stop, request.priority, p.logprobs is not None)
+                _Prompt(
+                    str(number), text, ids, sampling, stop, request.priority, p.logprobs is not None, grammar
+                )
             )
         return prepared
 
@@ -380,7 +392,9 @@ class LLM:
         engine = self._engine.engine
         assert engine is not None
         request_id = prompt.request_id
-        active = engine.submit(request_id, prompt.token_ids, prompt.sampling, prompt.stop, prompt.priority)
+        active = engine.submit(
+            request_id, prompt.token_ids, prompt.sampling, prompt.stop, prompt.priority, prompt.grammar
+        )
         token_ids: list[int] = []
         text: list[str] = []
         logprobs: list[float] = []

@@ -16,6 +16,29 @@ from pagedserve.protos import generation_pb2
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's names): exactly one of `json` (a JSON schema, as a dict
+    or its JSON text), `regex`, `choice` (a list of strings), `grammar` (EBNF) or `json_object`
+    (True: any JSON object). `disable_any_whitespace`: JSON with no whitespace beyond ", " and ": ".
+    Checked by the one validation when the SamplingParams holding it is made; a regex or grammar
+    that does not compile is refused by `LLM.generate` before anything runs."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The constraint as the one validation takes it (unset kinds left out)."""
+        out = {k: v for k, v in vars(self).items() if v is not None and k != "disable_any_whitespace"}
+        if self.disable_any_whitespace:
+            out["disable_any_whitespace"] = self.disable_any_whitespace
+        return out
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to sample and when to stop; invalid values raise ValueError naming the field (None, for
     any of them, means the default: for max_tokens, up to max_model_len).
@@ -32,6 +55,7 @@ class SamplingParams:
         stop_token_ids: token ids that end the completion, besides EOS.
         ignore_eos: keep generating after EOS.
         logprobs: 0 or 1 returns the sampled token's logprob per token (no top-k alternatives).
+        structured_outputs: constrains the output (`StructuredOutputsParams`).
     """
 
     n: int = 1
@@ -45,6 +69,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _checked: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +89,11 @@ class SamplingParams:
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "logprobs": self.logprobs,
+            "structured_outputs": (
+                self.structured_outputs.as_dict()
+                if isinstance(self.structured_outputs, StructuredOutputsParams)
+                else self.structured_outputs
+            ),
         }
 
     @property

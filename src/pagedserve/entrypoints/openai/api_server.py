@@ -7,7 +7,8 @@ It is stateless: each request becomes one `Generate` stream on the public gRPC A
 (round robin, UNAVAILABLE ones skipped), and any number of gateways can run side by side.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with
-`stream: true` as server-sent events), GET /health, GET /metrics. Errors have OpenAI's shape
+`stream: true` as server-sent events; structured outputs and chat's tool calls as
+docs/structured-outputs.md describes), GET /health, GET /metrics. Errors have OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: 400 bad request (FastAPI's own 422s included,
 and every refusal of the one validation, pagedserve.common.validation, naming the field as
 `param`), 404 unknown model or path, 429 the scheduler's queue is full, 503 no scheduler serving;
@@ -47,9 +48,13 @@ from pagedserve.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     ModelCard,
     ModelList,
+    ToolCall,
 )
 from pagedserve.entrypoints.openai.schedulers import SchedulerPool
 from pagedserve.entrypoints.openai.serving import (
@@ -62,7 +67,15 @@ from pagedserve.entrypoints.openai.serving import (
     from_rpc_error,
     generate_request,
     new_id,
+    tool_plan,
     usage_info,
+)
+from pagedserve.entrypoints.openai.tool_calls import (
+    ToolCallDelta,
+    ToolCallParser,
+    merge_calls,
+    new_call_id,
+    template_message,
 )
 from pagedserve.protos import generation_pb2
 
@@ -190,7 +203,7 @@ def build_app(gateway: Gateway) -> FastAPI:
             want_logprobs = body.logprobs is not None
             if want_logprobs:
                 await gateway.tokenizer()  # fail before the request runs, not after
-            generation = Generation(gateway, endpoint, raw)
+            generation = Generation(gateway, endpoint, raw, body.aliases())
             await generation.begin(request)
         if body.stream:
             return StreamingResponse(
@@ -220,18 +233,22 @@ def build_app(gateway: Gateway) -> FastAPI:
             check_sampling(body)
             model = await gateway.check_model(body.model)
             request_id = new_id("chatcmpl")
-            _, prompt_ids = await gateway.chat_prompt([m.as_template_input() for m in body.messages])
-            request = generate_request(body, request_id, prompt_ids)
-            generation = Generation(gateway, endpoint, raw, body.aliases())
+            tools = tool_plan(body, await gateway.template() if body.tools else None)
+            messages = [template_message(m.as_template_input()) for m in body.messages]
+            _, prompt_ids = await gateway.chat_prompt(messages, body.tool_dicts)
+            request = generate_request(body, request_id, prompt_ids, tools)
+            aliases = body.aliases() | ({"structured_outputs": "tools"} if tools.constraint else {})
+            generation = Generation(gateway, endpoint, raw, aliases)
             await generation.begin(request)
         if body.stream:
             return StreamingResponse(
-                _chat_events(gateway, generation, body, model, request_id),
+                _chat_events(gateway, generation, body, model, request_id, ToolCallParser(tools)),
                 media_type="text/event-stream",
                 headers=SSE_HEADERS,
             )
         done = await generation.collect()
-        choice = ChatChoice(message=ChatMessageOut(content=done.text), finish_reason=generation.finish_reason)
+        message, finish = _chat_message(ToolCallParser(tools), done.text, generation.finish_reason)
+        choice = ChatChoice(message=message, finish_reason=finish)
         if body.logprobs:
             choice.logprobs = await _chat_logprobs(gateway, done.token_ids, done.logprobs)
         return _json(
@@ -239,6 +256,38 @@ def build_app(gateway: Gateway) -> FastAPI:
         )
 
     return app
+
+
+def _tool_calls_finish(finish: str | None, num_calls: int) -> str | None:
+    """OpenAI's finish reason: "tool_calls" when the output ended by itself with calls in it."""
+    return "tool_calls" if num_calls and finish == "stop" else finish
+
+
+def _chat_message(parser: ToolCallParser, text: str, finish: str | None) -> tuple[ChatMessageOut, str | None]:
+    """A whole chat output as OpenAI's message: its text, or its tool calls and what text is left."""
+    if not parser.active:
+        return ChatMessageOut(content=text), finish
+    parsed, tail = parser.feed(text), parser.finish()
+    calls = merge_calls(parsed.calls + tail.calls)
+    content = parsed.content + tail.content
+    tool_calls = [
+        ToolCall(id=c.id or new_call_id(), function=FunctionCall(name=c.name or "", arguments=c.arguments))
+        for c in calls
+    ]
+    message = ChatMessageOut(content=content or (None if tool_calls else ""), tool_calls=tool_calls or None)
+    return message, _tool_calls_finish(finish, len(tool_calls))
+
+
+def _delta_calls(pieces: list[ToolCallDelta]) -> list[DeltaToolCall]:
+    return [
+        DeltaToolCall(
+            index=p.index,
+            id=p.id,
+            type="function" if p.id else None,
+            function=DeltaFunctionCall(name=p.name, arguments=p.arguments),
+        )
+        for p in pieces
+    ]
 
 
 async def _completion_logprobs(
@@ -303,7 +352,12 @@ async def _completion_events(
 
 
 async def _chat_events(
-    gateway: Gateway, generation: Generation, body: ChatCompletionRequest, model: str, request_id: str
+    gateway: Gateway,
+    generation: Generation,
+    body: ChatCompletionRequest,
+    model: str,
+    request_id: str,
+    parser: ToolCallParser,
 ) -> AsyncIterator[str]:
     created = int(generation.created)
     tokenizer = await gateway.tokenizer() if body.logprobs else None
@@ -330,8 +384,20 @@ async def _chat_events(
                     for i, lp in zip(message.token_ids, message.logprobs, strict=True)
                 ]
             )
-        if message.text or logprobs is not None or finish is not None:
-            out.append(chunk(DeltaMessage(content=message.text or None), finish, logprobs))
+        content, calls = message.text, []
+        if parser.active:
+            parsed = parser.feed(message.text)
+            if finish is not None:
+                tail = parser.finish()
+                parsed.content += tail.content
+                parsed.calls += tail.calls
+                finish = _tool_calls_finish(finish, parser.num_calls)
+            content, calls = parsed.content, _delta_calls(parsed.calls)
+        if calls:
+            out.append(chunk(DeltaMessage(content=content or None, tool_calls=calls), None, logprobs))
+            logprobs, content = None, ""
+        if content or logprobs is not None or finish is not None:
+            out.append(chunk(DeltaMessage(content=content or None), finish, logprobs))
         if finish is not None and body.include_usage:
             usage = usage_info(message.usage)
             out.append(

@@ -6,7 +6,13 @@ for. The fields a generation request has at every door (`temperature`, `max_toke
 are parsed as any JSON here and checked by the one validation (pagedserve.common.validation), so
 that their verdict is the same as over gRPC, on the command line and in `LLM`; their OpenAPI
 schema is their rule's. A field only this API has, whose value pagedserve cannot honour
-(penalties, echo, tools, top logprobs), is refused by its validator, so the 400 names it as `param`.
+(penalties, echo, top logprobs), is refused by its validator, so the 400 names it as `param`.
+
+Structured outputs arrive in any of OpenAI's and vLLM's forms: `response_format` (`json_object`,
+`json_schema`), vLLM's `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, and its
+newer `structured_outputs` object; each becomes the one validation's `structured_outputs`, and a
+refusal names the field the body used. Chat's `tools` and `tool_choice` are read by
+entrypoints/openai/tool_calls.py.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, field_validator
 
 from pagedserve.common.rules import Text
-from pagedserve.common.validation import FIELDS
+from pagedserve.common.structured_outputs import OPTIONS
+from pagedserve.common.validation import FIELDS, InvalidRequest
 
 
 class OpenAIModel(BaseModel):
@@ -52,6 +59,38 @@ class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: Any = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> dict[str, Any] | None:
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise InvalidRequest("structured_outputs", "json_schema.schema must be given")
+            return {"json": self.json_schema.schema_}
+        return None
+
+
+# The body's fields that carry a constraint, and the form each gives to `structured_outputs`.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
 class SamplingRequest(OpenAIModel):
     """The fields completions and chat completions share."""
 
@@ -73,6 +112,13 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: checked("ignore_eos") = None
     priority: checked("priority") = None
     stop_token_ids: checked("stop_token_ids") = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* extras.
+    response_format: ResponseFormat | None = None
+    structured_outputs: checked("structured_outputs") = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -94,12 +140,64 @@ class SamplingRequest(OpenAIModel):
 
     def request_values(self) -> dict[str, Any]:
         """The body's fields the one validation checks, by their names there (all of them that this
-        body has under the same name; see the subclasses for the others)."""
-        return {name: getattr(self, name) for name in FIELDS if name in type(self).model_fields}
+        body has under the same name; see the subclasses for the others). Raises InvalidRequest
+        when the body gives more than one constraint."""
+        values = {name: getattr(self, name) for name in FIELDS if name in type(self).model_fields}
+        values["structured_outputs"] = self.constraint()
+        return values
+
+    def constraint_sources(self) -> dict[str, Any]:
+        """The constraint each of the body's fields gives, by the field's name (those it gives)."""
+        sources: dict[str, Any] = {}
+        if self.response_format is not None:
+            try:
+                constraint = self.response_format.constraint()
+            except InvalidRequest as exc:
+                raise InvalidRequest("response_format", exc.reason) from None
+            if constraint is not None:
+                sources["response_format"] = constraint
+        for name, kind in _GUIDED.items():
+            if getattr(self, name) is not None:
+                sources[name] = {kind: getattr(self, name)}
+        options = self.constraint_options()
+        # Options alone with nothing to apply them to are refused as a constraint of no kind.
+        if self.structured_outputs is not None and not (options and (sources or self.tools_constrain)):
+            sources["structured_outputs"] = self.structured_outputs
+        if options:  # the options alone apply to the constraint another field gives
+            for name, constraint in sources.items():
+                if name != "structured_outputs" and isinstance(constraint, dict):
+                    sources[name] = constraint | options
+        return sources
+
+    @property
+    def tools_constrain(self) -> bool:
+        """Whether chat's tools give the constraint (tool_choice "required" or a named function)."""
+        return False
+
+    def constraint_options(self) -> dict[str, Any]:
+        """`structured_outputs` when it holds only options (`disable_any_whitespace`): they apply
+        to the constraint given by response_format, guided_* or chat's tools."""
+        extra = self.structured_outputs
+        if isinstance(extra, dict) and extra and set(extra) <= set(OPTIONS):
+            return dict(extra)
+        return {}
+
+    def constraint(self) -> Any:
+        """The one constraint the body gives (None: none); `disable_any_whitespace` alone in
+        `structured_outputs` applies to a constraint given by another field."""
+        sources = self.constraint_sources()
+        if len(sources) > 1:
+            first, second = list(sources)[:2]
+            raise InvalidRequest(second, f"gives a constraint, and so does {first}: give one")
+        return next(iter(sources.values()), None)
 
     def aliases(self) -> dict[str, str]:
         """The body's name of each validated field it gives under another name (for `param`)."""
-        return {}
+        try:
+            sources = list(self.constraint_sources())
+        except InvalidRequest:
+            return {"structured_outputs": "response_format"}
+        return {"structured_outputs": sources[0]} if sources else {}
 
 
 class CompletionRequest(SamplingRequest):
@@ -154,6 +252,8 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer names the call
 
     @field_validator("role", "name")
     @classmethod
@@ -168,7 +268,23 @@ class ChatMessage(OpenAIModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -179,7 +295,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: checked("max_tokens") = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -188,12 +306,16 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("only the sampled token's logprob is available: give 0 or leave it out")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list | None) -> list | None:
-        if value:
-            raise ValueError("tools are not supported")
-        return value
+    @property
+    def tools_constrain(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's form)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools]
 
     def request_values(self) -> dict[str, Any]:
         values = super().request_values()
@@ -203,7 +325,7 @@ class ChatCompletionRequest(SamplingRequest):
         return values
 
     def aliases(self) -> dict[str, str]:
-        names = {"prompt": "messages"}
+        names = {"prompt": "messages", **super().aliases()}
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names
@@ -262,9 +384,21 @@ class ChatLogProbs(OpenAIModel):
     content: list[ChatLogProb] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(OpenAIModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda v: not v)
 
 
 class ChatChoice(OpenAIModel):
@@ -283,9 +417,24 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = Field(None, exclude_if=lambda v: v is None)
+    arguments: str = ""
+
+
+class DeltaToolCall(OpenAIModel):
+    """A piece of a streamed call: the first of each call has its id, type and name."""
+
+    index: int
+    id: str | None = Field(None, exclude_if=lambda v: v is None)
+    type: Literal["function"] | None = Field(None, exclude_if=lambda v: v is None)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=lambda v: not v)
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -31,8 +31,14 @@ from pagedserve.common.validation import (
 )
 from pagedserve.entrypoints.chat_utils import ChatTemplateError, render_chat
 from pagedserve.entrypoints.openai.metrics import GatewayMetrics
-from pagedserve.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, SamplingRequest, UsageInfo
 from pagedserve.entrypoints.openai.schedulers import NoScheduler, SchedulerPool
+from pagedserve.entrypoints.openai.tool_calls import (
+    ToolChoiceError,
+    ToolPlan,
+    plan_tools,
+    template_declares_tools,
+)
 from pagedserve.protos import generation_pb2
 
 log = structlog.get_logger()
@@ -147,26 +153,40 @@ class Gateway:
                     ) from None  # fmt: skip
             return self._tokenizer
 
-    async def chat_prompt(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    async def template(self) -> str | None:
+        """The chat template requests are rendered with (--chat-template, else the tokenizer's)."""
+        return self.chat_template or getattr(await self.tokenizer(), "chat_template", None)
+
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[int]]:
         tokenizer = await self.tokenizer()
         try:
-            return await asyncio.to_thread(render_chat, tokenizer, messages, self.chat_template)
+            return await asyncio.to_thread(render_chat, tokenizer, messages, self.chat_template, tools)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
 
 
 def generate_request(
-    body: SamplingRequest, request_id: str, prompt: str | list[int] | None = None
+    body: SamplingRequest,
+    request_id: str,
+    prompt: str | list[int] | None = None,
+    tools: ToolPlan | None = None,
 ) -> generation_pb2.GenerateRequest:
     """The body as a GenerateRequest, through the one validation every door runs (`prompt`: the
-    chat's rendered prompt; a completion's is its body's own)."""
-    values = body.request_values() | {"request_id": request_id}
-    if prompt is not None:
-        values["prompt"] = prompt
+    chat's rendered prompt; a completion's is its body's own; `tools`: chat's tool plan, whose
+    constraint is the request's)."""
+    aliases = body.aliases()
     try:
+        values = body.request_values() | {"request_id": request_id}
+        if prompt is not None:
+            values["prompt"] = prompt
+        if tools is not None and tools.constraint is not None:
+            values["structured_outputs"] = tools.constraint | body.constraint_options()
+            aliases = aliases | {"structured_outputs": "tools"}
         return to_proto(validate_request(values))
     except InvalidRequest as exc:
-        raise invalid_request(exc, body.aliases()) from None
+        raise invalid_request(exc, aliases) from None
 
 
 def check_sampling(body: SamplingRequest) -> None:
@@ -175,6 +195,26 @@ def check_sampling(body: SamplingRequest) -> None:
         check_fields({k: v for k, v in body.request_values().items() if k != "prompt"})
     except InvalidRequest as exc:
         raise invalid_request(exc, body.aliases()) from None
+
+
+def tool_plan(body: ChatCompletionRequest, template: str | None) -> ToolPlan:
+    """What the chat's `tools` and `tool_choice` ask (see tool_calls.py), as a 400 if nothing."""
+    try:
+        plan = plan_tools(
+            body.tool_dicts, body.tool_choice, body.parallel_tool_calls, template_declares_tools(template)
+        )
+    except ToolChoiceError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    if plan.constraint is not None:
+        try:
+            other = next(iter(body.constraint_sources()), None)
+        except InvalidRequest:
+            other = "response_format"
+        if other is not None:
+            raise bad_request(
+                f"tool_choice: {plan.mode} tool calls cannot be combined with {other}", "tool_choice"
+            )
+    return plan
 
 
 def new_id(prefix: str) -> str:
