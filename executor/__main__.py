@@ -16,11 +16,18 @@ from pagedserve.common.auth import TokenError
 from pagedserve.common.logs import configure_logging
 from pagedserve.common.tls import TlsConfigError
 from pagedserve.executor.config import ExecutorConfig, add_cli_args
-from pagedserve.executor.kv_cache import KVCacheTooSmallError
+from pagedserve.executor.kv_cache import HostPoolError, KVCacheTooSmallError
 from pagedserve.executor.loader import UnsupportedModelError
 
 # What no restart fixes (UnsupportedModelError covers the FP8 and tensor-parallel refusals too).
-CONFIG_ERRORS = (UnsupportedModelError, KVCacheTooSmallError, FileNotFoundError, TokenError, TlsConfigError)
+CONFIG_ERRORS = (
+    UnsupportedModelError,
+    KVCacheTooSmallError,
+    HostPoolError,
+    FileNotFoundError,
+    TokenError,
+    TlsConfigError,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,6 +40,8 @@ class ExecutorConfig:
             activations and KV pool together).
         num_gpu_blocks_override: fixes the size of the device KV pool, skipping the sizing.
         swap_space: GiB of CPU memory for the swap pool.
+        kv_offloading_size: GiB of CPU memory for the prefix cache's CPU tier (0: none); with the
+            swap pool it is one pinned host pool (executor.kv_cache, scheduler.kv_tier).
         cpu_kv_cache_space: GiB of the device KV pool when the device is the CPU.
         max_num_batched_tokens: most tokens in one step; the profiling pass runs this many.
         max_num_seqs: most sequences in one step.
@@ -75,6 +77,7 @@ class ExecutorConfig:
     gpu_memory_utilization: float = 0.90
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0
+    kv_offloading_size: float = 0.0
     cpu_kv_cache_space: float = 4.0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -109,8 +112,10 @@ class ExecutorConfig:
             problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             problems.append(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
-        if self.swap_space < 0:
+        if not self.swap_space >= 0:  # also refuses nan
             problems.append(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if not 0 <= self.kv_offloading_size < float("inf"):
+            problems.append(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
         if self.cpu_kv_cache_space <= 0:
             problems.append(f"cpu_kv_cache_space must be > 0 GiB, got {self.cpu_kv_cache_space}")
         if self.max_num_batched_tokens < 1:
@@ -155,6 +160,10 @@ class ExecutorConfig:
     @property
     def swap_space_bytes(self) -> int:
         return int(self.swap_space * _GIB)
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        return int(self.kv_offloading_size * _GIB)
 
     @property
     def cpu_kv_cache_bytes(self) -> int:
@@ -229,6 +238,11 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
         help="a fixed KV pool size in blocks instead of sizing it",
     )
     group.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap pool")
+    group.add_argument(
+        "--kv-offloading-size", type=float, default=0.0,
+        help="GiB of host memory for a CPU tier below the prefix cache: blocks the GPU pool evicts "
+        "are kept there and loaded back instead of recomputed (default 0: off)",
+    )  # fmt: skip
     group.add_argument(
         "--cpu-kv-cache-space", type=float, default=4.0, help="GiB of KV pool when running on the CPU"
     )

@@ -36,6 +36,21 @@ class KVCacheTooSmallError(RuntimeError):
     """The pool cannot hold one sequence of max_model_len; the message says what would fit."""
 
 
+class HostPoolError(RuntimeError):
+    """The host pool (--swap-space + --kv-offloading-size) is more than this machine can hold."""
+
+
+def host_memory_available() -> int | None:
+    """Bytes the kernel says it can give without swapping (MemAvailable); None where unknown."""
+    try:
+        for line in open("/proc/meminfo"):  # noqa: SIM115 - read to the line
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     """Shape and dtype of one block, shared by the device and CPU pools.
@@ -127,8 +142,9 @@ class PoolSizing:
     `pagedserve plan` prints it)."""
 
     num_gpu_blocks: int
-    num_cpu_blocks: int
+    num_cpu_blocks: int  # the host pool: the swap pool and the CPU tier together
     why: str
+    num_cpu_offload_blocks: int = 0  # the CPU tier's share of the host pool
 
 
 def size_pools(
@@ -143,7 +159,8 @@ def size_pools(
     """The one decision of both pools' sizes, shared by the executor (`ModelRunner.from_model`, with
     a measured `memory`) and `pagedserve plan` (with an estimated one), so that the two differ only
     by the profile: --num-gpu-blocks-override if given, else on CUDA what `gpu_num_blocks` leaves
-    after `memory`, else the CPU's `cpu_device_num_blocks`; the swap pool is --swap-space's worth.
+    after `memory`, else the CPU's `cpu_device_num_blocks`; the host pool is --swap-space's worth plus
+    --kv-offloading-size's (the CPU tier's share), one pool so that the two cannot over-commit it.
 
     Raises:
         ValueError: on CUDA without an override and without `memory`.
@@ -169,7 +186,9 @@ def size_pools(
             layout, config.cpu_kv_cache_bytes, config.max_num_seqs, max_model_len, sliding_windows
         )
         why = f"--cpu-kv-cache-space {config.cpu_kv_cache_space} GiB"
-    return PoolSizing(num_blocks, config.swap_space_bytes // layout.bytes_per_block, why)
+    per_block = layout.bytes_per_block
+    num_offload = config.kv_offloading_bytes // per_block
+    return PoolSizing(num_blocks, config.swap_space_bytes // per_block + num_offload, why, num_offload)
 
 
 def check_fits(
@@ -213,12 +232,26 @@ class KVCache:
             layout.pool_shape(num_device_blocks), dtype=layout.storage_dtype, device=device
         )
         # Pinned on CUDA so block copies are asynchronous and run at full PCIe bandwidth; only
-        # swapped-out blocks are ever read back, so no need to initialise it.
-        self.cpu_pool = torch.empty(
-            layout.cpu_pool_shape(num_cpu_blocks),
-            dtype=layout.storage_dtype,
-            pin_memory=device.type == "cuda",
-        )
+        # swapped-out and offloaded blocks are ever read back, so no need to initialise it.
+        host_bytes = num_cpu_blocks * layout.bytes_per_block
+        available = host_memory_available()
+        if available is not None and host_bytes > available:
+            raise HostPoolError(
+                f"the host pool (--swap-space + --kv-offloading-size: {num_cpu_blocks} blocks, "
+                f"{host_bytes / 2**30:.1f} GiB) is more than the {available / 2**30:.1f} GiB of memory "
+                "this machine has available: lower --swap-space or --kv-offloading-size"
+            )
+        try:
+            self.cpu_pool = torch.empty(
+                layout.cpu_pool_shape(num_cpu_blocks),
+                dtype=layout.storage_dtype,
+                pin_memory=device.type == "cuda",
+            )
+        except RuntimeError as exc:  # pinning beyond what the driver or ulimit -l allows
+            raise HostPoolError(
+                f"cannot pin a host pool of {host_bytes / 2**30:.1f} GiB (--swap-space + "
+                f"--kv-offloading-size): {exc}"
+            ) from None
 
     def layer_caches(
         self, layer_slot: Sequence[int] | None = None

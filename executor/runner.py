@@ -185,6 +185,8 @@ class ModelRunner:
         )
         self._busy_until = 0.0
         self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
+        # Of the host pool (kv_cache.num_cpu_blocks), the share the CPU tier may hold (from_model).
+        self.num_cpu_offload_blocks = 0
         self.memory_profile: MemoryProfile | None = None  # what from_model measured on CUDA
         self.tracer: StepTracer | None = None  # from_model sets it for --step-trace
         self.graphs: StepGraphs | None = None
@@ -254,8 +256,10 @@ class ModelRunner:
         graph_reserve = 0 if memory is None else memory.graph_reserve_bytes
         sizing = size_pools(layout, config, max_model_len, device.type, windows, memory, in_use_at_start)
         num_blocks, num_cpu_blocks, why = sizing.num_gpu_blocks, sizing.num_cpu_blocks, sizing.why
+        num_offload = sizing.num_cpu_offload_blocks
         if min_over_ranks is not None:
             num_blocks, num_cpu_blocks = min_over_ranks(num_blocks), min_over_ranks(num_cpu_blocks)
+            num_offload = min(min_over_ranks(num_offload), num_cpu_blocks)
             why += ", the smallest over the tensor-parallel ranks"
         check_fits(
             layout, num_blocks, max_model_len, why=why, sliding_windows=windows,
@@ -275,8 +279,9 @@ class ModelRunner:
             kv_cache_groups=[w or 0 for w in windows],
             num_gpu_blocks=num_blocks,
             num_cpu_blocks=num_cpu_blocks,
+            num_cpu_offload_blocks=num_offload,
             kv_pool_gib=round(num_blocks * layout.bytes_per_block / 2**30, 3),
-            swap_pool_gib=round(num_cpu_blocks * layout.bytes_per_block / 2**30, 3),
+            host_pool_gib=round(num_cpu_blocks * layout.bytes_per_block / 2**30, 3),
             weights_gib=round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 3),
             cuda_graphs=cuda_graphs,
             sizing=why,
@@ -291,6 +296,7 @@ class ModelRunner:
         )
         runner.graph_reserve_bytes = graph_reserve
         runner.memory_profile = memory
+        runner.num_cpu_offload_blocks = num_offload
         if config.step_trace:
             runner.tracer = StepTracer(config.step_trace, device)
         # An FP8 pool without scales from the checkpoint takes them from the first real step.

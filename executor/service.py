@@ -159,6 +159,8 @@ def attach_response(
         max_num_batched_tokens=runner.max_num_batched_tokens,
         lease_timeout_ms=round(lease_timeout_s * 1000),
         kv_cache_groups=runner.kv_groups.to_proto(),
+        num_cpu_offload_blocks=runner.num_cpu_offload_blocks,
+        bytes_per_block=runner.kv_cache.layout.bytes_per_block,
     )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pagedserve/v1/admin.proto\x12\rpagedserve.v1\"\x16\n\x14ListExecutorsRequest\"I\n\x15ListExecutorsResponse\x12\x30\n\texecutors\x18\x01 \x03(\x0b\x32\x1d.pagedserve.v1.ExecutorStatus\"\xee\x01\n\x0e\x45xecutorStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08\x61ttached\x18\x02 \x01(\x08\x12\x13\n\x0blease_epoch\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x06 \x01(\r\x12\x19\n\x11gpu_blocks_in_use\x18\x07 \x01(\r\x12\x17\n\x0frequests_routed\x18\x08 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x04\x12\r\n\x05state\x18\n \x01(\t\"\x1a\n\x18GetSchedulerStatsRequest\"\xd7\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x04\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x19\n\x11gpu_blocks_in_use\x18\x06 \x01(\r\x12\x1e\n\x16peak_gpu_blocks_in_use\x18\x07 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_free_blocks\x18\x08 \x01(\r\x12\x18\n\x10slot_utilization\x18\t \x01(\x01\x12\x1d\n\x15peak_slot_utilization\x18\n \x01(\x01\x12\x1e\n\x16prompt_tokens_computed\x18\x0b \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0c \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\r \x01(\x04\x12\r\n\x05steps\x18\x0e \x01(\x04\x12\x18\n\x10tokens_generated\x18\x0f \x01(\x04\x12\x1b\n\x13num_active_requests\x18\x10 \x01(\r\x12\x1b\n\x13process_cpu_seconds\x18\x11 \x01(\x01\x32\xb7\x01\n\x05\x41\x64min\x12R\n\x08GetStats\x12\'.pagedserve.v1.GetSchedulerStatsRequest\x1a\x1d.pagedserve.v1.SchedulerStats\x12Z\n\rListExecutors\x12#.pagedserve.v1.ListExecutorsRequest\x1a$.pagedserve.v1.ListExecutorsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pagedserve/v1/admin.proto\x12\rpagedserve.v1\"\x16\n\x14ListExecutorsRequest\"I\n\x15ListExecutorsResponse\x12\x30\n\texecutors\x18\x01 \x03(\x0b\x32\x1d.pagedserve.v1.ExecutorStatus\"\xe1\x02\n\x0e\x45xecutorStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08\x61ttached\x18\x02 \x01(\x08\x12\x13\n\x0blease_epoch\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x06 \x01(\r\x12\x19\n\x11gpu_blocks_in_use\x18\x07 \x01(\r\x12\x17\n\x0frequests_routed\x18\x08 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\t \x01(\x04\x12\r\n\x05state\x18\n \x01(\t\x12\x17\n\x0f\x63pu_tier_blocks\x18\x0b \x01(\r\x12#\n\x1b\x63pu_prefix_cache_hit_tokens\x18\x0c \x01(\x04\x12\x1a\n\x12kv_offloaded_bytes\x18\r \x01(\x04\x12\x17\n\x0fkv_loaded_bytes\x18\x0e \x01(\x04\"\x1a\n\x18GetSchedulerStatsRequest\"\xee\x04\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x04\x12\x16\n\x0enum_gpu_blocks\x18\x05 \x01(\r\x12\x19\n\x11gpu_blocks_in_use\x18\x06 \x01(\r\x12\x1e\n\x16peak_gpu_blocks_in_use\x18\x07 \x01(\r\x12\x1a\n\x12\x63\x61\x63hed_free_blocks\x18\x08 \x01(\r\x12\x18\n\x10slot_utilization\x18\t \x01(\x01\x12\x1d\n\x15peak_slot_utilization\x18\n \x01(\x01\x12\x1e\n\x16prompt_tokens_computed\x18\x0b \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x0c \x01(\x04\x12!\n\x19prefix_cache_query_tokens\x18\r \x01(\x04\x12\r\n\x05steps\x18\x0e \x01(\x04\x12\x18\n\x10tokens_generated\x18\x0f \x01(\x04\x12\x1b\n\x13num_active_requests\x18\x10 \x01(\r\x12\x1b\n\x13process_cpu_seconds\x18\x11 \x01(\x01\x12#\n\x1b\x63pu_prefix_cache_hit_tokens\x18\x12 \x01(\x04\x12\x1b\n\x13kv_offloaded_blocks\x18\x13 \x01(\x04\x12\x18\n\x10kv_loaded_blocks\x18\x14 \x01(\x04\x12\x17\n\x0f\x63pu_tier_blocks\x18\x15 \x01(\r\x12 \n\x18\x63pu_tier_capacity_blocks\x18\x16 \x01(\r2\xb7\x01\n\x05\x41\x64min\x12R\n\x08GetStats\x12\'.pagedserve.v1.GetSchedulerStatsRequest\x1a\x1d.pagedserve.v1.SchedulerStats\x12Z\n\rListExecutors\x12#.pagedserve.v1.ListExecutorsRequest\x1a$.pagedserve.v1.ListExecutorsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTEXECUTORSRESPONSE']._serialized_start=68
   _globals['_LISTEXECUTORSRESPONSE']._serialized_end=141
   _globals['_EXECUTORSTATUS']._serialized_start=144
-  _globals['_EXECUTORSTATUS']._serialized_end=382
-  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_start=384
-  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_end=410
-  _globals['_SCHEDULERSTATS']._serialized_start=413
-  _globals['_SCHEDULERSTATS']._serialized_end=884
-  _globals['_ADMIN']._serialized_start=887
-  _globals['_ADMIN']._serialized_end=1070
+  _globals['_EXECUTORSTATUS']._serialized_end=497
+  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_start=499
+  _globals['_GETSCHEDULERSTATSREQUEST']._serialized_end=525
+  _globals['_SCHEDULERSTATS']._serialized_start=528
+  _globals['_SCHEDULERSTATS']._serialized_end=1150
+  _globals['_ADMIN']._serialized_start=1153
+  _globals['_ADMIN']._serialized_end=1336
 # @@protoc_insertion_point(module_scope)

@@ -128,6 +128,10 @@ class BlockPool:
         self._free = FreeBlockQueue(self.blocks)
         self._cached: list[dict[BlockHash, Block]] = [{} for _ in range(num_groups)]
         self._num_cached_free = 0
+        # With a CPU tier below the prefix cache, each cached block that `allocate` evicts is
+        # recorded here as (block id, group, hash), for the KV-cache manager to offload.
+        self.record_evictions = False
+        self.evicted: list[tuple[int, int, BlockHash]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -171,6 +175,8 @@ class BlockPool:
             block = self._free.popleft()
             if block.block_hash is not None:
                 del self._cached[block.group][block.block_hash]
+                if self.record_evictions:
+                    self.evicted.append((block.block_id, block.group, block.block_hash))
                 block.block_hash = None
                 self._num_cached_free -= 1
             block.ref_count = 1

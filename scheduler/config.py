@@ -26,6 +26,8 @@ class SchedulerConfig:
             the CPU pool and back).
         sliding_windows: the executor's KV-cache groups: per group None (full attention) or its
             sliding window (see scheduler.kv_cache_manager).
+        num_cpu_offload_blocks: of the num_cpu_blocks, the most the prefix cache's CPU tier may
+            hold (0: no tier; see scheduler.kv_tier).
     """
 
     block_size: int = 16
@@ -37,6 +39,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     sliding_windows: tuple[int | None, ...] = (None,)
+    num_cpu_offload_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -51,6 +54,14 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be a non-negative integer, got {self.num_cpu_blocks!r}")
+        if (
+            not isinstance(self.num_cpu_offload_blocks, int)
+            or not 0 <= self.num_cpu_offload_blocks <= self.num_cpu_blocks
+        ):
+            raise ValueError(
+                f"num_cpu_offload_blocks must be in [0, num_cpu_blocks={self.num_cpu_blocks}], "
+                f"got {self.num_cpu_offload_blocks!r}"
+            )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"

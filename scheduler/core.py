@@ -125,6 +125,11 @@ class SchedulerStats:
     prompt_tokens_computed: int  # tokens computed at prompt positions, recomputation included
     prefix_cache_hit_tokens: int  # tokens taken from the prefix cache, over all admissions
     prefix_cache_query_tokens: int  # known tokens of all admissions looked up in the cache
+    cpu_prefix_cache_hit_tokens: int = 0  # of the hits, tokens loaded from the CPU tier
+    kv_offloaded_blocks: int = 0  # blocks copied GPU -> CPU tier (on eviction)
+    kv_loaded_blocks: int = 0  # blocks copied CPU tier -> GPU (on a hit)
+    cpu_tier_blocks: int = 0  # gauge: blocks the CPU tier holds
+    cpu_tier_capacity_blocks: int = 0  # gauge: the most it may hold
 
 
 @dataclass(slots=True)
@@ -160,6 +165,7 @@ class Scheduler:
             config.num_cpu_blocks,
             config.enable_prefix_caching,
             config.sliding_windows,
+            config.num_cpu_offload_blocks,
         )
         self._requests: dict[SeqId, Request] = {}  # every unfinished request
         self._waiting: list[Request] = []
@@ -179,6 +185,7 @@ class Scheduler:
         self._prompt_tokens_computed = 0
         self._prefix_hit_tokens = 0
         self._prefix_query_tokens = 0
+        self._cpu_prefix_hit_tokens = 0
         self._batch_matcher = None  # xgrammar's, made for the first plan with constrained requests
         self.mask_seconds: list[float] = []  # per plan with masks: the time filling them took
 
@@ -350,8 +357,10 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             self._prefix_hit_tokens += num_cached_tokens
             self._prefix_query_tokens += request.num_tokens
+            self._cpu_prefix_hit_tokens += hit.num_cpu_blocks * self.config.block_size
         if request.num_preemptions == 0:  # first admission
             request.num_cached_prompt_tokens = num_cached_tokens
+            request.num_cpu_cached_prompt_tokens = hit.num_cpu_blocks * self.config.block_size
         request.num_computed_tokens = num_cached_tokens
         self._start_running(request, num_new, step)
         return 0
@@ -458,6 +467,9 @@ class Scheduler:
     def _finish_step(self, step: _Step) -> StepPlan:
         """Fills in the sampling list, records the step as in flight, and updates the statistics."""
         plan = step.plan
+        offloads, loads = self.kv_cache_manager.take_tier_moves()
+        plan.swap_out += offloads  # the CPU tier's copies ride on the swap moves (scheduler.kv_tier)
+        plan.swap_in += loads
         plan.sampling_seq_ids = [p.seq_id for p in plan.new_requests if p.seq_id in step.sampling]
         plan.sampling_seq_ids += [p.seq_id for p in plan.running if p.seq_id in step.sampling]
         if plan.sampling_seq_ids:
@@ -562,6 +574,11 @@ class Scheduler:
             prompt_tokens_computed=self._prompt_tokens_computed,
             prefix_cache_hit_tokens=self._prefix_hit_tokens,
             prefix_cache_query_tokens=self._prefix_query_tokens,
+            cpu_prefix_cache_hit_tokens=self._cpu_prefix_hit_tokens,
+            kv_offloaded_blocks=self.kv_cache_manager.num_offloaded_blocks,
+            kv_loaded_blocks=self.kv_cache_manager.num_loaded_blocks,
+            cpu_tier_blocks=len(tier) if (tier := self.kv_cache_manager.tier) is not None else 0,
+            cpu_tier_capacity_blocks=tier.capacity if tier is not None else 0,
         )
 
     @property
@@ -585,16 +602,24 @@ class Scheduler:
         ) + sum(r.num_tokens - r.num_computed_tokens for r in self._swapped)
 
     def num_prefix_hit_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of the chain `block_hashes` are in the prefix cache or in the
-        prompt of a queued request (computed before a request queued now would start): the hit
-        such a request is expected to get here."""
-        num_cached = self.kv_cache_manager.num_cached_blocks(block_hashes)
+        """How many leading blocks of the chain `block_hashes` are in the prefix cache (either
+        tier) or in the prompt of a queued request (computed before a request queued now would
+        start): the hit such a request is expected to get here."""
+        return self.prefix_hit_blocks(block_hashes)[0]
+
+    def prefix_hit_blocks(self, block_hashes: Sequence[BlockHash]) -> tuple[int, int]:
+        """`num_prefix_hit_blocks`, and how many of those blocks would be loaded from the CPU tier
+        rather than found on the GPU (the router weighs a load between a hit and a miss)."""
+        hit = self.kv_cache_manager.lookup_prefix(block_hashes)
+        num_cached = hit.num_tokens // self.config.block_size
         num_queued = 0
         for block_hash in block_hashes:
             if not self._queued_hashes[block_hash]:
                 break
             num_queued += 1
-        return max(num_cached, num_queued)
+        if num_queued > num_cached:
+            return num_queued, 0  # a queued request computes them on the GPU first
+        return num_cached, hit.num_cpu_blocks
 
     def _forget_queued_prefix(self, seq_id: SeqId) -> None:
         """Drops a request's prefix from the router's view once it is admitted (its blocks are then

@@ -149,6 +149,7 @@ def resumed_request(old: Request) -> Request:
         priority=old.priority,
         output_token_ids=list(old.output_token_ids),
         num_cached_prompt_tokens=old.num_cached_prompt_tokens,
+        num_cpu_cached_prompt_tokens=old.num_cpu_cached_prompt_tokens,
         grammar=old.grammar,  # it has accepted exactly the outputs carried over
         # Counted as a preemption once admitted, so that its usage keeps the first admission's hit.
         num_preemptions=old.num_preemptions + int(admitted),
@@ -235,6 +236,8 @@ class Engine:
                 sum(s.slot_utilization * s.gpu_blocks_in_use for s in cores) / in_use if in_use else 0.0
             ),
             peak_slot_utilization=max((s.peak_slot_utilization for s in cores), default=0.0),
+            cpu_tier_blocks=sum(s.cpu_tier_blocks for s in cores),
+            cpu_tier_capacity_blocks=sum(s.cpu_tier_capacity_blocks for s in cores),
             **counters,
         )
 

@@ -28,6 +28,14 @@ blocks [0, L) in each full group, but only blocks [first_needed(L * block_size),
 group, which is what the next query reads: the hit is the longest L every group can serve (what
 vLLM's hybrid KV-cache manager does). Out-of-window blocks a sliding group released stay in the
 prefix cache's LRU, so a later request with the same prefix can still find them.
+
+CPU tier (`--kv-offloading-size`, scheduler.kv_tier): when the GPU pool evicts a cached block the
+tier does not hold, the block's KV is copied to a host block first (a `swap_out` move of the plan
+that reuses the GPU block, which the executor runs before anything writes it); a prefix the GPU
+pool misses but the tier holds is loaded back (`swap_in` moves into fresh GPU blocks, registered in
+the GPU prefix cache at once, since the executor loads them before the step reads them) instead of
+computed again. Hits are found in one pass over the chain, the GPU pool first, then the tier, with
+the same rules per group (`CpuBlock` marks a tier hit in a `PrefixHit`).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from pagedserve.scheduler.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from pagedserve.scheduler.kv_tier import CpuTier
 from pagedserve.scheduler.request import Request, SeqId
 
 # A group's span of a block table on the wire: (table index of the first id, the ids).
@@ -59,17 +68,31 @@ class _Table:
 
 
 @dataclass(frozen=True, slots=True)
+class CpuBlock:
+    """A prefix-cache hit in the CPU tier: the host block that holds it."""
+
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixHit:
     """Cached blocks a waiting request can start from (``get_computed_blocks``): per group, the
-    first entries of its table (None before a sliding group's window), covering `num_tokens`."""
+    first entries of its table (None before a sliding group's window; a `CpuBlock` where the CPU
+    tier holds the block), covering `num_tokens`."""
 
-    tables: tuple[tuple[Block | None, ...], ...] = ()
+    tables: tuple[tuple[Block | CpuBlock | None, ...], ...] = ()
     num_tokens: int = 0
 
     @property
     def blocks(self) -> Iterator[Block]:
-        """Every cached block of the hit, over all groups."""
-        return (block for table in self.tables for block in table if block is not None)
+        """Every cached GPU block of the hit, over all groups."""
+        return (block for table in self.tables for block in table if isinstance(block, Block))
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Blocks of the hit the CPU tier holds (in the first group that has any: all groups hold
+        the same positions, each in its own blocks)."""
+        return max((sum(isinstance(b, CpuBlock) for b in table) for table in self.tables), default=0)
 
 
 NO_HIT = PrefixHit()
@@ -85,6 +108,8 @@ class KVCacheManager:
         enable_prefix_caching: look up and register full blocks by hash.
         sliding_windows: one entry per KV-cache group, in the executor's order: None for full
             attention, else the window (the positions a query sees, itself included).
+        num_cpu_offload_blocks: the most host blocks the CPU tier may hold (0: no tier); they come
+            out of the `num_cpu_blocks` the swap pool also draws on.
     """
 
     def __init__(
@@ -94,6 +119,7 @@ class KVCacheManager:
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         sliding_windows: Sequence[int | None] = (None,),
+        num_cpu_offload_blocks: int = 0,
     ) -> None:
         if not sliding_windows or any(w is not None and w < 1 for w in sliding_windows):
             raise ValueError(
@@ -121,6 +147,21 @@ class KVCacheManager:
         # CPU blocks read by this step's swap_in: the executor runs swap_out before swap_in, so they
         # must not be handed to a swap_out of the same step.
         self._cpu_release_after_step: list[int] = []
+        # The CPU tier (None: off), its moves for the plan being built, and the host blocks those
+        # moves read or write (no other move of the step may reuse them).
+        if num_cpu_offload_blocks and not enable_prefix_caching:
+            num_cpu_offload_blocks = 0  # a tier of the prefix cache needs the prefix cache
+        if num_cpu_offload_blocks > num_cpu_blocks:
+            raise ValueError(
+                f"the CPU tier ({num_cpu_offload_blocks}) exceeds the host pool ({num_cpu_blocks})"
+            )
+        self.tier = CpuTier(num_cpu_offload_blocks) if num_cpu_offload_blocks else None
+        self.block_pool.record_evictions = self.tier is not None
+        self._offloads: list[tuple[int, int]] = []  # (gpu block, host block)
+        self._loads: list[tuple[int, int]] = []  # (host block, gpu block)
+        self._host_blocks_busy: set[int] = set()
+        self.num_offloaded_blocks = 0  # counters: GPU -> host and host -> GPU over the manager's life
+        self.num_loaded_blocks = 0
 
     def _first_needed(self, group: int, num_computed: int) -> int:
         """The first table entry a query at position `num_computed` can read in `group` (0 for
@@ -182,13 +223,21 @@ class KVCacheManager:
 
     def _longest_hit(self, hash_of: Callable[[int], BlockHash], max_blocks: int) -> PrefixHit:
         """The longest prefix of at most `max_blocks` blocks that every group can serve from the
-        cache (see the module doc), with each group's blocks. A pure lookup: no ref count or LRU
-        position changes."""
-        get = self.block_pool.get_cached_block
+        cache, GPU or CPU tier (see the module doc), with each group's blocks. A pure lookup: no ref
+        count or LRU position changes."""
+        cached, tier = self.block_pool.get_cached_block, self.tier
+
+        def get(block_hash: BlockHash, group: int) -> Block | CpuBlock | None:
+            block = cached(block_hash, group)
+            if block is None and tier is not None:
+                slot = tier.get((group, block_hash))
+                return None if slot is None else CpuBlock(slot)
+            return block
+
         length = max_blocks
-        chains: dict[int, list[Block]] = {}
+        chains: dict[int, list[Block | CpuBlock]] = {}
         for group in self._full_groups:  # the whole chain from the first block
-            chain: list[Block] = []
+            chain: list[Block | CpuBlock] = []
             for index in range(length):
                 block = get(hash_of(index), group)
                 if block is None:
@@ -198,7 +247,7 @@ class KVCacheManager:
             length = len(chain)
         # A sliding group needs the blocks its window reaches at the hit's end; a missing one means
         # the hit must end at or before it. `length` only shrinks, so this ends.
-        found: dict[tuple[int, int], Block | None] = {}
+        found: dict[tuple[int, int], Block | CpuBlock | None] = {}
         settled = False
         while not settled and length > 0:
             settled = True
@@ -213,7 +262,7 @@ class KVCacheManager:
                     break
         if length == 0:
             return NO_HIT
-        tables: list[tuple[Block | None, ...]] = []
+        tables: list[tuple[Block | CpuBlock | None, ...]] = []
         for group in range(self.num_groups):
             if group in chains:
                 tables.append(tuple(chains[group][:length]))
@@ -247,13 +296,17 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, token_ids[index * size : (index + 1) * size]))
         return hashes
 
-    def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of the chain `block_hashes` this pool's prefix cache can serve:
-        the exact hit a request with this chain would get now. A pure lookup: no ref count, no LRU
-        position changes."""
+    def lookup_prefix(self, block_hashes: Sequence[BlockHash]) -> PrefixHit:
+        """The exact hit (GPU and CPU tier) a request whose prompt has the chain `block_hashes` would
+        get now. A pure lookup: no ref count, no LRU position changes."""
         if not self.enable_prefix_caching:
-            return 0
-        return self._longest_hit(block_hashes.__getitem__, len(block_hashes)).num_tokens // self.block_size
+            return NO_HIT
+        return self._longest_hit(block_hashes.__getitem__, len(block_hashes))
+
+    def num_cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of the chain `block_hashes` the prefix cache (both tiers) can
+        serve now."""
+        return self.lookup_prefix(block_hashes).num_tokens // self.block_size
 
     def cache_full_blocks(self, request: Request) -> bool:
         """Registers the request's blocks that are full of known, scheduled tokens in the prefix
@@ -315,7 +368,10 @@ class KVCacheManager:
         self.block_pool.touch(hit.blocks)
         if tables is None:
             if hit.tables:
-                tables = [_Table(list(t), _first_held(t)) for t in hit.tables]
+                tables = [
+                    _Table(self._load_from_tier(request, g, t), _first_held(t))
+                    for g, t in enumerate(hit.tables)
+                ]
                 self._num_cached_blocks[request.seq_id] = hit.num_tokens // self.block_size
             else:
                 tables = [_Table([]) for _ in range(self.num_groups)]
@@ -327,7 +383,81 @@ class KVCacheManager:
             new = self.block_pool.allocate(max(0, end - first))
             table.blocks.extend(new)
             spans.append((first, [block.block_id for block in new]))
+        self._offload_evicted()
         return spans if num_needed else []
+
+    def _load_from_tier(
+        self, request: Request, group: int, table: Sequence[Block | CpuBlock | None]
+    ) -> list[Block | None]:
+        """A hit's table for `group` with each CPU-tier hit given a fresh GPU block, its load
+        planned (host -> GPU) and the block registered in the GPU prefix cache: the executor loads
+        it before the step reads it."""
+        slots = [b.slot for b in table if isinstance(b, CpuBlock)]
+        if not slots:
+            return list(table)  # type: ignore[arg-type]
+        assert self.tier is not None
+        self._host_blocks_busy.update(slots)  # not a free host block for this step's other moves
+        blocks: list[Block | None] = []
+        for index, entry in enumerate(table):
+            if isinstance(entry, CpuBlock):
+                (block,) = self.block_pool.allocate(1)
+                block_hash = self._block_hash(request, index)
+                self.tier.touch((group, block_hash))
+                self.block_pool.cache_block(block, block_hash, group)
+                self._loads.append((entry.slot, block.block_id))
+                self.num_loaded_blocks += 1
+                entry = block
+            blocks.append(entry)
+        return blocks
+
+    def _offload_evicted(self) -> None:
+        """Plans the copy to the CPU tier of each cached block the pool just evicted that the tier
+        does not hold yet (before the block's new owner writes it: swap_out runs first)."""
+        evicted = self.block_pool.evicted
+        if not evicted:
+            return
+        assert self.tier is not None
+        for block_id, group, block_hash in evicted:
+            key = (group, block_hash)
+            if key in self.tier:
+                continue  # offloaded when it was evicted before: the same KV
+            slot = self._host_block_for_tier()
+            if slot is None:
+                continue  # every host block is busy this step: this one is recomputed if needed
+            self.tier.insert(key, slot)
+            self._offloads.append((block_id, slot))
+            self._host_blocks_busy.add(slot)
+            self.num_offloaded_blocks += 1
+        evicted.clear()
+
+    def _host_block_for_tier(self) -> int | None:
+        """A free host block while the tier has room, else the tier's least recently used one."""
+        assert self.tier is not None
+        if not self.tier.is_full and self._cpu_free:
+            return self._cpu_free.pop()
+        return self.tier.evict(keep=self._host_blocks_busy)
+
+    def _take_host_blocks(self, count: int) -> list[int] | None:
+        """`count` host blocks for a swap-out: free ones, then the CPU tier's least recently used
+        (a pre-empted request's KV before a cached prefix); None (nothing changed) if too few."""
+        short = count - len(self._cpu_free)
+        if short > 0:
+            if self.tier is None:
+                return None
+            if len(self.tier) - len(self._host_blocks_busy) < short:  # busy ones: counted as kept
+                return None
+            for _ in range(short):
+                slot = self.tier.evict(keep=self._host_blocks_busy)
+                if slot is None:
+                    return None
+                self._cpu_free.append(slot)
+        return [self._cpu_free.pop() for _ in range(count)]
+
+    def take_tier_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The CPU tier's moves of the plan being built: (GPU -> host offloads, host -> GPU loads)."""
+        moves = self._offloads, self._loads
+        self._offloads, self._loads = [], []
+        return moves
 
     def _release_out_of_window(self, request: Request, tables: list[_Table]) -> None:
         """Releases each sliding group's blocks before the first one a query at the request's next
@@ -369,7 +499,8 @@ class KVCacheManager:
         if tables is not None:
             return sum(max(0, end - len(t.blocks)) for t in tables)
         if hit.tables:
-            return sum(max(0, end - len(t)) for t in hit.tables)
+            loads = sum(isinstance(b, CpuBlock) for t in hit.tables for b in t)
+            return loads + sum(max(0, end - len(t)) for t in hit.tables)
         return end * self.num_groups
 
     def _num_allocatable_blocks(self, hit: PrefixHit = NO_HIT) -> int:
@@ -406,12 +537,15 @@ class KVCacheManager:
         computed = request.num_computed_tokens
         end = _cdiv(computed, self.block_size)
         starts = [max(t.first, self._first_needed(g, computed)) for g, t in enumerate(tables)]
-        if sum(max(0, end - start) for start in starts) > len(self._cpu_free):
+        host_blocks = self._take_host_blocks(sum(max(0, end - start) for start in starts))
+        if host_blocks is None:
             return None
+        self._host_blocks_busy.update(host_blocks)
+        handed_out = iter(host_blocks)
         moves: list[tuple[int, int]] = []
         cpu_tables: list[BlockSpan] = []
         for table, start in zip(tables, starts, strict=True):
-            cpu_ids = [self._cpu_free.pop() for _ in range(start, end)]
+            cpu_ids = [next(handed_out) for _ in range(start, end)]
             held = table.blocks[start:end]
             moves += [(block.block_id, cpu) for block, cpu in zip(held, cpu_ids, strict=True)]  # type: ignore[union-attr]
             cpu_tables.append((start, cpu_ids))
@@ -435,6 +569,7 @@ class KVCacheManager:
             gpu_blocks = self.block_pool.allocate(max(end, first + len(cpu_ids)) - first)
             tables.append(_Table([None] * first + gpu_blocks, first))  # type: ignore[operator]
             moves += [(cpu, block.block_id) for cpu, block in zip(cpu_ids, gpu_blocks, strict=False)]
+        self._offload_evicted()
         self._tables[request.seq_id] = tables
         del self._cpu_tables[request.seq_id]
         self._cpu_release_after_step.extend(cpu for _, ids in cpu_tables for cpu in ids)
@@ -446,9 +581,11 @@ class KVCacheManager:
             self._cpu_free.extend(reversed(cpu_ids))
 
     def end_step(self) -> None:
-        """Called once a plan is complete: CPU blocks read by its swap_in become free."""
+        """Called once a plan is complete: CPU blocks read by its swap_in become free, and its
+        moves' host blocks may serve the next plan's."""
         self._cpu_free.extend(reversed(self._cpu_release_after_step))
         self._cpu_release_after_step.clear()
+        self._host_blocks_busy.clear()
 
 
 def _first_held(table: Sequence[Block | None]) -> int:

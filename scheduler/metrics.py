@@ -209,6 +209,23 @@ class SchedulerCollector(Collector):
             "Prompt tokens computed by the executors (prefix hits excluded, recomputation included).",
             s.prompt_tokens_computed,
         )
+        yield counter(
+            "cpu_prefix_cache_hits",
+            "Of the prefix-cache hits, tokens loaded from the CPU tier (--kv-offloading-size).",
+            s.cpu_prefix_cache_hit_tokens,
+        )
+        yield gauge("cpu_tier_blocks", "KV blocks the prefix cache's CPU tiers hold.", s.cpu_tier_blocks)
+        yield gauge(
+            "cpu_tier_capacity_blocks", "KV blocks the CPU tiers may hold.", s.cpu_tier_capacity_blocks
+        )
+        moved = CounterMetricFamily(
+            PREFIX + "kv_offload_bytes",
+            "KV bytes copied between the GPU pools and the CPU tiers, by direction.",
+            labels=["model_name", "direction"],
+        )
+        moved.add_metric([self._model_name, "gpu_to_cpu"], sum(e.kv_offloaded_bytes for e in snap.executors))
+        moved.add_metric([self._model_name, "cpu_to_gpu"], sum(e.kv_loaded_bytes for e in snap.executors))
+        yield moved
         yield from self._per_executor(snap.executors)
 
     def _per_executor(self, executors: list[ExecutorStatusView]) -> Iterator[Metric]:

@@ -57,6 +57,9 @@ COUNTERS = (
     "prompt_tokens_computed",
     "prefix_cache_hit_tokens",
     "prefix_cache_query_tokens",
+    "cpu_prefix_cache_hit_tokens",
+    "kv_offloaded_blocks",
+    "kv_loaded_blocks",
 )
 
 
@@ -80,6 +83,8 @@ class ExecutorInfo:
     lease_timeout_ms: int = 0
     # Per KV-cache group (executor.kv_groups): None for full attention, else its sliding window.
     sliding_windows: tuple[int | None, ...] = (None,)
+    num_cpu_offload_blocks: int = 0  # the CPU tier's share of num_cpu_blocks
+    bytes_per_block: int = 0
 
     def mismatch(self, other: ExecutorInfo) -> str | None:
         """Why an executor reporting `other` cannot serve beside this one (None: it can). Requests
@@ -109,6 +114,10 @@ class ExecutorStatusView:
     state: str
     steps: int
     busy_seconds: float
+    cpu_tier_blocks: int = 0  # blocks its prefix cache's CPU tier holds now
+    cpu_prefix_cache_hit_tokens: int = 0  # of the hits, tokens loaded from the tier
+    kv_offloaded_bytes: int = 0  # GPU -> CPU tier, over the executor's life here
+    kv_loaded_bytes: int = 0  # CPU tier -> GPU
 
 
 class ReplicaHost(Protocol):
@@ -198,13 +207,15 @@ class ExecutorReplica:
         core = self.scheduler
         assert core is not None
         manager = core.kv_cache_manager
+        hit_blocks, cpu_hit_blocks = core.prefix_hit_blocks(block_hashes) if block_hashes else (0, 0)
         return ExecutorLoad(
             num_running=core.num_running_requests,
             num_waiting=core.num_queued_requests,
             queued_tokens=core.num_queued_tokens,
             num_free_blocks=manager.block_pool.num_free_blocks,
             block_size=manager.block_size,
-            hit_blocks=core.num_prefix_hit_blocks(block_hashes) if block_hashes else 0,
+            hit_blocks=hit_blocks,
+            cpu_hit_blocks=cpu_hit_blocks,
         )
 
     def add_request(self, request: Request, block_hashes: Sequence[BlockHash] = ()) -> None:
@@ -240,6 +251,8 @@ class ExecutorReplica:
     def status(self) -> ExecutorStatusView:
         core = self.scheduler
         pool = core.kv_cache_manager.block_pool if core is not None else None
+        counters = self.counters()
+        block_bytes = self.info.bytes_per_block if self.info is not None else 0
         return ExecutorStatusView(
             address=self.address,
             attached=core is not None,
@@ -249,10 +262,14 @@ class ExecutorReplica:
             num_gpu_blocks=pool.num_blocks if pool is not None else 0,
             gpu_blocks_in_use=pool.num_blocks_in_use if pool is not None else 0,
             requests_routed=self.requests_routed,
-            prefix_cache_hit_tokens=self.counters()["prefix_cache_hit_tokens"],
+            prefix_cache_hit_tokens=counters["prefix_cache_hit_tokens"],
             state=self.state,
             steps=self.steps,
             busy_seconds=self.busy_seconds,
+            cpu_tier_blocks=core.stats.cpu_tier_blocks if core is not None else 0,
+            cpu_prefix_cache_hit_tokens=counters["cpu_prefix_cache_hit_tokens"],
+            kv_offloaded_bytes=counters["kv_offloaded_blocks"] * block_bytes,
+            kv_loaded_bytes=counters["kv_loaded_blocks"] * block_bytes,
         )
 
     # ---- life cycle ---------------------------------------------------------------------------
@@ -343,6 +360,8 @@ class ExecutorReplica:
             device=reply.device,
             lease_timeout_ms=reply.lease_timeout_ms,
             sliding_windows=tuple(g.sliding_window or None for g in reply.kv_cache_groups) or (None,),
+            num_cpu_offload_blocks=reply.num_cpu_offload_blocks,
+            bytes_per_block=reply.bytes_per_block,
         )
 
     def _start_core(self, reply: executor_pb2.AttachResponse, info: ExecutorInfo) -> None:
@@ -360,6 +379,7 @@ class ExecutorReplica:
                 enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=config.preemption_mode,
                 sliding_windows=info.sliding_windows,
+                num_cpu_offload_blocks=info.num_cpu_offload_blocks if config.enable_prefix_caching else 0,
             )
         )
         self._heartbeats = True

@@ -51,7 +51,9 @@ class Request:
         output_token_ids: sampled tokens whose values are known.
         num_pending_outputs: sampled tokens whose values have not arrived yet.
         num_computed_tokens: tokens whose KV is (or will be, once in-flight plans run) in its blocks.
-        num_cached_prompt_tokens: prompt tokens taken from the prefix cache at first admission.
+        num_cached_prompt_tokens: prompt tokens taken from the prefix cache at first admission
+            (both tiers).
+        num_cpu_cached_prompt_tokens: those of them loaded from the CPU tier.
         num_preemptions: how many times it was pre-empted.
         status: see RequestStatus.
         arrival: arrival order, set by ``Scheduler.add_request``; breaks priority ties.
@@ -71,6 +73,7 @@ class Request:
     num_pending_outputs: int = 0
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    num_cpu_cached_prompt_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     arrival: int = field(default=-1, repr=False)

@@ -11,13 +11,19 @@ Policy `prefix` (the default) picks the executor of least estimated cost, in tok
 stand between the request and its first token::
 
     cost(e) = (T - hit_blocks(e) * block_size)       # prompt tokens it must compute there
+            + CPU_TIER_TOKEN_COST * block_size * cpu_hit_blocks(e)
+                                                      # of the hit, blocks loaded from the CPU tier
             + queued_tokens(e)                        # prefill of requests waiting there (a shared
                                                       #   prefix counted once)
             + DECODE_TOKEN_WEIGHT * num_running(e)    # decodes sharing every step with it
             + block_size * blocks_short(e)            # blocks it would wait for (or pre-empt)
             + block_size * (max_hit - hit_blocks(e))  # blocks the pool would compute a second time
 
-where T is the request's known tokens and max_hit the best hit of any executor. The last term is the
+where T is the request's known tokens and max_hit the best hit of any executor. A hit in an
+executor's CPU tier (`--kv-offloading-size`) costs bandwidth, not FLOPs: loading a block's KV over
+PCIe takes about a fifth of the time computing its tokens does (Llama-3.1-8B: 2 MiB per block at
+~25 GB/s, ~80 us, against ~0.4 ms of prefill at ~600 TFLOP/s), so such a block counts as a fifth
+of a miss (CPU_TIER_TOKEN_COST). The last term is the
 work a miss adds to the pool as a whole: an executor that recomputes a prefix another one holds
 spends that time on no one else, so a miss costs its blocks twice, once in this request's wait and
 once as work done again. A one-block hit is thus worth two running requests less
@@ -49,6 +55,8 @@ ROUTING_POLICIES = ("prefix", "round_robin", "least_loaded")
 
 # Tokens of cost per running request: one block's worth (see the module docstring).
 DECODE_TOKEN_WEIGHT = 16
+# What a token of a hit in the CPU tier costs, against 1 for a token computed (the module docstring).
+CPU_TIER_TOKEN_COST = 0.2
 # An executor whose load exceeds the least-loaded one's by more than this is no candidate.
 HOT_LOAD_FACTOR = 1.5
 HOT_LOAD_MARGIN = 4
@@ -64,8 +72,9 @@ class ExecutorLoad:
         queued_tokens: tokens its queued requests still have to compute.
         num_free_blocks: free GPU blocks (cached free ones included: they can be evicted).
         block_size: tokens per block.
-        hit_blocks: the request's leading full prompt blocks whose hash chain is cached there, or
-            is the prefix of a request queued there.
+        hit_blocks: the request's leading full prompt blocks whose hash chain is cached there (GPU
+            pool or CPU tier), or is the prefix of a request queued there.
+        cpu_hit_blocks: of those, the blocks its CPU tier would load.
     """
 
     num_running: int
@@ -74,6 +83,7 @@ class ExecutorLoad:
     num_free_blocks: int
     block_size: int
     hit_blocks: int = 0
+    cpu_hit_blocks: int = 0
 
     @property
     def load(self) -> int:
@@ -84,16 +94,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def cost(num_tokens: int, executor: ExecutorLoad, use_hit: bool = True, max_hit: int = 0) -> int:
+def cost(num_tokens: int, executor: ExecutorLoad, use_hit: bool = True, max_hit: int = 0) -> float:
     """The estimated tokens of work ahead of the request's first token on `executor`, plus the
     blocks of the best hit elsewhere (`max_hit`) it would compute again (see the module docstring)."""
     hit = executor.hit_blocks if use_hit else 0
+    loaded = executor.cpu_hit_blocks if use_hit else 0
     size = executor.block_size
     blocks_needed = _cdiv(num_tokens + 1, size) - hit
     blocks_short = max(0, blocks_needed - executor.num_free_blocks)
     return (
         num_tokens
         - hit * size
+        + CPU_TIER_TOKEN_COST * loaded * size
         + executor.queued_tokens
         + DECODE_TOKEN_WEIGHT * executor.num_running
         + size * blocks_short
@@ -128,7 +140,7 @@ class Router:
         use_hit = self.policy == "prefix"
         min_load = min(e.load for e in executors)
         max_hit = max(e.hit_blocks for e in executors) if use_hit else 0
-        best, best_cost = -1, 0
+        best, best_cost = -1, 0.0
         for offset in range(n):  # from the round-robin position: ties go round robin
             i = (start + offset) % n
             executor = executors[i]

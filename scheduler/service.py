@@ -234,6 +234,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 response.usage.prompt_tokens = len(request.prompt_token_ids)
                 response.usage.completion_tokens = active.completion.num_tokens
                 response.usage.cached_prompt_tokens = request.num_cached_prompt_tokens
+                response.usage.cpu_cached_prompt_tokens = request.num_cpu_cached_prompt_tokens
                 recorder.ended(request, item.finish_reason)
                 yield response
                 return

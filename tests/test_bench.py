@@ -157,6 +157,21 @@ def test_explicit_flags_override_the_preset():
     assert workload.input_len == LengthRange(128, 1024)
 
 
+def test_w6_is_conversations_whose_turns_follow_each_other():
+    """W6: 64 conversations x 6 turns of 256 new tokens and 128 answer tokens, 0.5 s apart; request
+    c * 6 + t is conversation c's turn t, carrying only its own new tokens (the sender prepends the
+    conversation so far: tests/test_kv_tier_e2e.py runs it)."""
+    workload, rates = bench.resolve(bench.build_parser().parse_args(["--workload", "W6"]))
+    assert (workload.dataset, workload.num_prompts, workload.num_turns) == ("multi-turn", 64, 6)
+    assert workload.think_time == 0.5 and rates == [float("inf")]
+    requests = bench.generate_requests(workload, vocab_size=128256)
+    assert len(requests) == 384
+    assert [(r.conversation, r.turn) for r in requests[5:8]] == [(0, 5), (1, 0), (1, 1)]
+    assert all(len(r.prompt) == 256 and r.output_len == 128 and r.think_time == 0.5 for r in requests)
+    with pytest.raises(SystemExit, match="--num-turns needs --dataset multi-turn"):
+        bench.resolve(bench.build_parser().parse_args(["--workload", "W1", "--num-turns", "3"]))
+
+
 def test_small_vocabulary_and_context_are_respected():
     workload = Workload("random", 50, LengthRange(100, 300), LengthRange(100, 300), seed=3)
     requests = bench.generate_requests(workload, vocab_size=512, max_model_len=256)

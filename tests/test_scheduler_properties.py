@@ -190,8 +190,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         enable_prefix_caching=st.booleans(),
         preemption_mode=st.sampled_from(["recompute", "swap"]),
         sliding_windows=st.sampled_from(GROUPS),
+        tier_share=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
     )
-    def setup(self, block_size, max_model_len, extra_blocks, sliding_windows, max_num_batched_tokens, **rest):
+    def setup(
+        self,
+        block_size,
+        max_model_len,
+        extra_blocks,
+        sliding_windows,
+        max_num_batched_tokens,
+        tier_share,
+        **rest,
+    ):
         needed = blocks_per_sequence(max_model_len, block_size, sliding_windows, max_num_batched_tokens)
         self.config = SchedulerConfig(
             block_size=block_size,
@@ -199,6 +209,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_gpu_blocks=needed + extra_blocks,
             sliding_windows=sliding_windows,
             max_num_batched_tokens=max_num_batched_tokens,
+            # A CPU tier of the prefix cache on part or all of the host pool (scheduler.kv_tier).
+            num_cpu_offload_blocks=int(tier_share * rest["num_cpu_blocks"]),
             **rest,
         )
         self.scheduler = Scheduler(self.config)
@@ -285,8 +297,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             "a request is never removed and run in one plan"
         )
         assert len(set(plan.removed_seq_ids)) == len(plan.removed_seq_ids)
-        # swap_out runs first: it must not overwrite a CPU block this plan's swap_in reads.
-        assert not {cpu for _, cpu in plan.swap_out} & {cpu for cpu, _ in plan.swap_in}
+        # swap_out runs first: it must not overwrite a CPU block this plan's swap_in reads, unless
+        # both are the CPU tier's (a block evicted to the tier and hit there in one step: the load
+        # reads what the offload wrote).
+        tier = self.scheduler.kv_cache_manager.tier
+        tier_slots = {slot for _, slot in tier.items()} if tier is not None else set()
+        assert {cpu for _, cpu in plan.swap_out} & {cpu for cpu, _ in plan.swap_in} <= tier_slots
 
     def chain_hashes(self, tokens: list[int]) -> None:
         """Records the hash of every full block of a token sequence, for the content check."""
@@ -357,7 +373,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(cpu) == sum(cdiv(computed, size) - first for first in visible)
             cpu_held += cpu
         assert len(set(cpu_held)) == len(cpu_held)
-        assert len(cpu_held) + kv.num_free_cpu_blocks == self.config.num_cpu_blocks
+        tier = [] if kv.tier is None else kv.tier.items()
+        assert len(tier) <= self.config.num_cpu_offload_blocks
+        assert not {slot for _, slot in tier} & set(cpu_held), "a host block serves one owner"
+        assert len(cpu_held) + kv.num_free_cpu_blocks + len(tier) == self.config.num_cpu_blocks
+        for (_, block_hash), slot in tier:  # the tier's host blocks hold the tokens of their hash
+            assert block_hash in self.known_hashes
+            assert self.executor.cpu[slot] == self.known_hashes[block_hash]
         live = [r for r in self.requests.values() if r.status is not RequestStatus.FINISHED]
         assert len(live) == len(s.waiting) + len(s.running) + len(s.swapped)
         assert s.has_unfinished_requests() == bool(live)
@@ -404,7 +426,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert pool.num_blocks_in_use == 0
         assert all(b.ref_count == 0 for b in pool.blocks)
         assert pool.num_free_blocks == pool.num_blocks
-        assert self.scheduler.kv_cache_manager.num_free_cpu_blocks == self.config.num_cpu_blocks
+        kv = self.scheduler.kv_cache_manager
+        assert kv.num_free_cpu_blocks + (len(kv.tier) if kv.tier else 0) == self.config.num_cpu_blocks
         for request in self.requests.values():
             assert request.status is RequestStatus.FINISHED
         stats = self.scheduler.stats

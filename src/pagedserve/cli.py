@@ -406,6 +406,8 @@ EXECUTOR_COLUMNS = (
     ("blocks", "num_gpu_blocks"),
     ("routed", "requests_routed"),
     ("prefix hit tokens", "prefix_cache_hit_tokens"),
+    ("cpu tier blocks", "cpu_tier_blocks"),
+    ("cpu tier hit tokens", "cpu_prefix_cache_hit_tokens"),
 )
 
 

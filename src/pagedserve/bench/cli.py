@@ -20,6 +20,7 @@ from pagedserve.bench.launch import LaunchError, launched_server
 from pagedserve.bench.metrics import compare_outputs, output_matches, summarize
 from pagedserve.bench.report import baseline_table, results_table, write_plot
 from pagedserve.bench.workloads import (
+    DATASETS,
     DEFAULTS,
     PRESETS,
     BenchRequest,
@@ -96,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a preset of the workloads in docs/performance/index.md; explicit flags override it",
     )
     p.add_argument(
-        "--dataset", choices=("random", "shared-prefix"), help="random token ids, or prompts sharing prefixes"
+        "--dataset",
+        choices=DATASETS,
+        help="random token ids, prompts sharing prefixes, or multi-turn conversations (W6)",
     )
     p.add_argument("--num-prompts", type=_positive_int, help="requests per pass")
     p.add_argument(
@@ -124,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="requests in flight at most (default: no limit)",
+    )
+    p.add_argument(
+        "--num-turns",
+        type=_positive_int,
+        help="multi-turn: turns per conversation (--num-prompts: conversations)",
+    )
+    p.add_argument(
+        "--think-time",
+        type=_non_negative_float,
+        help="multi-turn: seconds between an answer and the next turn",
     )
     p.add_argument("--seed", type=int, default=1, help="seed of the generated prompts and lengths")
     p.add_argument(
@@ -242,6 +255,10 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
         if getattr(args, flag) is not None and dataset != "shared-prefix":
             name = "--" + flag.replace("_", "-")
             raise SystemExit(f"pagedserve bench: {name} needs --dataset shared-prefix (or --workload W2, W4)")
+    for flag in ("num_turns", "think_time"):
+        if getattr(args, flag) is not None and dataset != "multi-turn":
+            name = "--" + flag.replace("_", "-")
+            raise SystemExit(f"pagedserve bench: {name} needs --dataset multi-turn (or --workload W6)")
     prefix_len = pick("prefix_len") if dataset == "shared-prefix" else 0
     if dataset == "shared-prefix" and args.prefix_len is None and "prefix_len" not in preset:
         prefix_len = 256
@@ -256,6 +273,8 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
         seed=args.seed,
         num_prefixes=pick("num_prefixes") if dataset == "shared-prefix" else 1,
         structured_outputs=preset.get("structured_outputs"),
+        num_turns=pick("num_turns") if dataset == "multi-turn" else 1,
+        think_time=pick("think_time") if dataset == "multi-turn" else 0.0,
     )
     if args.request_rates:
         rates = [float(x) for x in args.request_rates.split(",") if x.strip()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import sys
 import time
@@ -31,6 +32,7 @@ class RequestRecord:
     message_tokens: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     cached_prompt_tokens: int = 0
+    cpu_cached_prompt_tokens: int = 0  # of those, loaded from the CPU tier
     finish_reason: str = ""
     error: str = ""  # gRPC status name (and details) when the request failed
 
@@ -125,6 +127,7 @@ async def _send(
             if response.finish_reason:
                 record.finish_reason = generation_pb2.FinishReason.Name(response.finish_reason)
                 record.cached_prompt_tokens = response.usage.cached_prompt_tokens
+                record.cpu_cached_prompt_tokens = response.usage.cpu_cached_prompt_tokens
     except grpc.aio.AioRpcError as exc:
         record.error = f"{exc.code().name}: {exc.details()}"
     record.end = time.perf_counter()
@@ -174,7 +177,9 @@ async def measure_pass(
 ) -> PassResult:
     """One pass, whatever carries the requests: each is sent at its arrival time (once
     --max-concurrency admits it) by `send`, and the scheduler's counters are read through
-    `get_stats` before, during (this pass's peak KV use) and after.
+    `get_stats` before, during (this pass's peak KV use) and after. A multi-turn request (turn >
+    0) is sent `think_time` after its conversation's previous turn ended, with the conversation so
+    far (every earlier prompt and answer) before its own tokens; turn 0 goes at its arrival time.
 
     Args:
         arrivals: each request's send offset in seconds (a replayed log's); default: drawn for
@@ -188,6 +193,11 @@ async def measure_pass(
     sem = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
     peaks = PassPeaks()
     done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # (conversation, turn) -> the turn's whole prompt and what came back, for the next turn.
+    turns: dict[tuple[int, int], asyncio.Future] = {
+        (r.conversation, r.turn): loop.create_future() for r in requests if r.conversation is not None
+    }
 
     async def sample_stats() -> None:
         while not done.is_set():
@@ -196,9 +206,16 @@ async def measure_pass(
                 await asyncio.wait_for(done.wait(), 0.25)
 
     async def send_at(req: BenchRequest, at: float, bar) -> RequestRecord:
-        await asyncio.sleep(max(0.0, at - time.perf_counter()))
+        if req.turn > 0:
+            history, answer = await turns[req.conversation, req.turn - 1]
+            await asyncio.sleep(req.think_time)
+            req = dataclasses.replace(req, prompt=history + tuple(answer.token_ids) + req.prompt)
+        else:
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
         async with sem if sem is not None else contextlib.nullcontext():
             record = await send(req)
+        if req.conversation is not None:
+            turns[req.conversation, req.turn].set_result((req.prompt, record))
         bar.update(1)
         return record
 

@@ -1,7 +1,8 @@
 """Benchmark workloads: request lengths, token-id prompts and arrival times (W1, W2, W3 of
 the README's Workloads section are presets of these: W4 compares routing over several executors,
 W5 is the KV-bound workload of the FP8 KV cache, W1-JSON is W1 with a JSON schema on every request,
-the cost of structured outputs)."""
+the cost of structured outputs, W6 is multi-turn chat, whose histories come back as prompts: the
+prefix cache's CPU tier)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,14 @@ class Workload:
     With `num_prefixes` > 1 there are that many distinct shared prefixes, and request i uses
     prefix i mod num_prefixes: the groups arrive interleaved (prefix 0, 1, ..., then 0 again), so
     a router that ignores the prefix cache spreads every group over every executor.
+
+    "multi-turn": `num_prompts` conversations of `num_turns` turns each; a turn adds `input_len`
+    user tokens to the conversation's history (every earlier prompt and answer) and is sent
+    `think_time` seconds after the previous turn's answer ended, so each prompt is the whole
+    conversation so far.
     """
 
-    dataset: str  # "random" or "shared-prefix"
+    dataset: str  # "random", "shared-prefix" or "multi-turn"
     num_prompts: int
     input_len: LengthRange
     output_len: LengthRange
@@ -51,10 +57,14 @@ class Workload:
     seed: int = 1
     num_prefixes: int = 1
     structured_outputs: dict | None = None  # a constraint on every request (W1-JSON)
+    num_turns: int = 1  # multi-turn: turns per conversation
+    think_time: float = 0.0  # multi-turn: seconds between an answer and the next turn
 
     def __post_init__(self) -> None:
-        if self.dataset not in ("random", "shared-prefix"):
+        if self.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {self.dataset!r}")
+        if self.num_turns < 1 or not 0 <= self.think_time < math.inf:
+            raise ValueError("num_turns must be positive and think_time a finite >= 0")
         if self.num_prompts < 1:
             raise ValueError("num_prompts must be positive")
         if self.output_len.lo < 1:
@@ -77,6 +87,8 @@ W1_JSON_SCHEMA = {
     "required": ["id", "label", "score", "summary"],
     "additionalProperties": False,
 }
+
+DATASETS = ("random", "shared-prefix", "multi-turn")
 
 # the README's Workloads; W3 is W1's lengths with Poisson arrivals (the rate comes from the command line).
 PRESETS: dict[str, dict] = {
@@ -115,6 +127,18 @@ PRESETS: dict[str, dict] = {
         request_rate="inf",
         structured_outputs={"json": W1_JSON_SCHEMA},
     ),
+    # Issue 29: multi-turn chat, 64 conversations x 6 turns of 256 user tokens and 128 output tokens,
+    # 0.5 s of think time: histories of up to 2,304 tokens come back as prompts (the CPU tier; run
+    # with a GPU pool of about a quarter of the histories: --num-gpu-blocks-override).
+    "W6": dict(
+        dataset="multi-turn",
+        num_prompts=64,
+        num_turns=6,
+        input_len="256",
+        output_len="128",
+        think_time=0.5,
+        request_rate="inf",
+    ),
 }
 DEFAULTS = dict(
     dataset="random",
@@ -124,15 +148,24 @@ DEFAULTS = dict(
     prefix_len=0,
     num_prefixes=1,
     request_rate="inf",
+    num_turns=1,
+    think_time=0.0,
 )
 
 
 @dataclass(frozen=True)
 class BenchRequest:
+    """One request. A multi-turn request (turn > 0) carries only its turn's new tokens in `prompt`:
+    the sender prepends the conversation so far once the previous turn's answer is in, after
+    `think_time` seconds."""
+
     index: int
     prompt: tuple[int, ...]
     output_len: int
     structured_outputs: dict | None = None
+    conversation: int | None = None
+    turn: int = 0
+    think_time: float = 0.0
 
 
 def token_id_range(vocab_size: int) -> tuple[int, int]:
@@ -151,6 +184,21 @@ def generate_requests(
     so the draws do not depend on the server."""
     rng = random.Random(workload.seed)
     lo, hi = token_id_range(vocab_size)
+    if workload.dataset == "multi-turn":  # conversation c's turn t is request c * num_turns + t
+        turns = workload.num_turns
+        return [
+            BenchRequest(
+                c * turns + t,
+                tuple(rng.randrange(lo, hi) for _ in range(workload.input_len.sample(rng))),
+                workload.output_len.sample(rng),
+                workload.structured_outputs,
+                conversation=c,
+                turn=t,
+                think_time=workload.think_time,
+            )
+            for c in range(workload.num_prompts)
+            for t in range(turns)
+        ]
     num_prefixes = workload.num_prefixes if workload.prefix_len else 1
     prefixes = [[rng.randrange(lo, hi) for _ in range(workload.prefix_len)] for _ in range(num_prefixes)]
     requests = []
