@@ -286,6 +286,20 @@ def wait_for_idle(services: Services, timeout: float = 20.0) -> admin_pb2.Schedu
         time.sleep(0.1)
 
 
+def with_chat_template(model_dir: Path, directory: Path, template: str) -> Path:
+    """A copy of the model directory whose tokenizer has `template` as its chat template (the tiny
+    models have none)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model_dir, directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The reference: Hugging Face greedy generation of one unpadded prompt."""
     import torch

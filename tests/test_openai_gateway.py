@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,15 @@ import openai
 import pytest
 
 from pagedserve.client import generate, make_request
-from tests.services import REPO, _env, free_port, running_services, scheduler_stats, wait_for_idle
+from tests.services import (
+    REPO,
+    _env,
+    free_port,
+    running_services,
+    scheduler_stats,
+    wait_for_idle,
+    with_chat_template,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -60,14 +67,7 @@ def running_gateway(log: Path, *args: str) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def chat_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model, its tokenizer given a chat template (it has none)."""
-    from transformers import AutoTokenizer
-
-    directory = tmp_path_factory.mktemp("chat") / "tiny-chat"
-    shutil.copytree(tiny_model_dir, directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    return directory
+    return with_chat_template(tiny_model_dir, tmp_path_factory.mktemp("chat") / "tiny-chat", CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

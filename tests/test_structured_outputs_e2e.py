@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import pytest
 
 from pagedserve.client import generate, make_request
 from pagedserve.protos import admin_pb2, admin_pb2_grpc
-from tests.services import REPO, _env, free_port
+from tests.services import REPO, _env, free_port, with_chat_template
 
 pytestmark = pytest.mark.slow
 
@@ -115,14 +114,8 @@ LONG_PROMPT = "The scheduler decides which requests run. " * 6  # > the 64-token
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoTokenizer
-
     directory = tmp_path_factory.mktemp("structured") / "tiny-tools"
-    shutil.copytree(tiny_model_dir, directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    return directory
+    return with_chat_template(tiny_model_dir, directory, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
