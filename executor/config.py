@@ -19,6 +19,7 @@ from pagedserve.executor.lease import DEFAULT_LEASE_TIMEOUT_S
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: read the checkpoint, or random weights
 QUANTIZATIONS = (None, "fp8")  # = executor.quantization's (not imported: this module stays light)
 KV_CACHE_DTYPES = ("auto", "fp8")
 DEFAULT_PORT = 50061
@@ -54,6 +55,9 @@ class ExecutorConfig:
             when unset; neither: open). See pagedserve.common.auth.
         ssl_certfile, ssl_keyfile: serve TLS only, with this certificate and key.
         ssl_ca_certs: also require client certificates signed by these CAs (mTLS).
+        load_format: "auto" reads the checkpoint's safetensors; "dummy" fills the weights with random
+            numbers instead (config.json and the tokenizer are still read): for benchmarks of shapes
+            whose checkpoint is too big to write (`pagedserve make-model --no-weights`).
         quantization: None, or "fp8": e4m3 weights with per-channel scales (quantized at load, or
             an FP8 checkpoint as is) and per-token activations (see executor.quantization).
         kv_cache_dtype: "auto" (the model dtype) or "fp8" (e4m3 with per-layer scales: about twice
@@ -88,6 +92,7 @@ class ExecutorConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
+    load_format: str = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     metrics_port: int | None = None
@@ -128,6 +133,8 @@ class ExecutorConfig:
             self.server_tls()
         except TlsConfigError as exc:
             problems.append(str(exc))
+        if self.load_format not in LOAD_FORMATS:
+            problems.append(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.quantization not in QUANTIZATIONS:
             problems.append(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -266,6 +273,13 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
         "--internal-token-file", default=None,
         help="file with the token every RPC must carry (default: $PAGEDSERVE_INTERNAL_TOKEN; none: open)",
     )  # fmt: skip
+    group.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="auto: read the checkpoint; dummy: random weights of the config's shape, for benchmarks "
+        "(pagedserve make-model --no-weights writes such a directory)",
+    )
     group.add_argument(
         "--quantization",
         choices=[q for q in QUANTIZATIONS if q],

@@ -45,6 +45,7 @@ __all__ = [
     "RopeConfig",
     "UnsupportedModelError",
     "family_of",
+    "init_dummy_weights",
     "iter_checkpoint",
     "load_model_spec",
     "load_weights",
@@ -317,3 +318,36 @@ def _copy(
         raise UnsupportedModelError(f"checkpoint shape {tuple(tensor.shape)} != expected {tuple(view.shape)}")
     view.copy_(tensor)
     filled[target] += view.numel()
+
+
+def init_dummy_weights(model: torch.nn.Module, spec: ModelSpec, seed: int = 0, std: float = 0.02) -> None:
+    """Fills `model`'s parameters with random weights instead of reading a checkpoint (vLLM's
+    `--load-format dummy`), for benchmarks of shapes whose checkpoint would not fit the disk (a
+    Qwen3-30B-A3B shape is 61 GB): normal(0, std) matrices drawn on the model's device, norms 1
+    (Gemma's (1 + weight) norms 0), biases 0. FP8 parameters are quantized from bf16 draws as a
+    checkpoint's would be, one expert at a time so that the bf16 copy stays small."""
+    from pagedserve.executor import quantization
+
+    params = dict(model.named_parameters())
+    generator: torch.Generator | None = None
+    with torch.no_grad():
+        for name, param in params.items():
+            if name.endswith(".weight_scale"):
+                continue  # filled with its weight
+            if name.endswith("norm.weight"):
+                param.fill_(0.0 if spec.norm == "gemma" else 1.0)
+                continue
+            if name.endswith(".bias"):
+                param.zero_()
+                continue
+            if generator is None or generator.device != param.device:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+            if not quantization.is_fp8_weight(param):
+                param.normal_(0.0, std, generator=generator)
+                continue
+            scale = params[name.removesuffix(".weight") + ".weight_scale"]
+            slices = [(param, scale)] if param.dim() == 2 else list(zip(param, scale, strict=True))
+            for weight, weight_scale in slices:
+                draw = torch.empty(weight.shape, dtype=torch.bfloat16, device=weight.device)
+                draw.normal_(0.0, std, generator=generator)
+                quantization.load_weight_slice(weight, weight_scale, 0, -1, draw)

@@ -26,7 +26,13 @@ import torch
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
 from pagedserve.executor.kv_cache import KVCache, KVCacheLayout, MemoryProfile, check_fits, size_pools
-from pagedserve.executor.loader import ModelSpec, UnsupportedModelError, load_model_spec, load_weights
+from pagedserve.executor.loader import (
+    ModelSpec,
+    UnsupportedModelError,
+    init_dummy_weights,
+    load_model_spec,
+    load_weights,
+)
 from pagedserve.executor.model import CausalLM
 from pagedserve.executor.plan_check import PlanError, PlanLimits, mask_words, validate_plan
 from pagedserve.executor.profiling import memory_in_use, profile_cuda
@@ -221,7 +227,10 @@ class ModelRunner:
             config.quantization,
             hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
         )
-        load_weights(model, spec, config.model)
+        if config.load_format == "dummy":
+            init_dummy_weights(model, spec)
+        else:
+            load_weights(model, spec, config.model)
         return cls.from_model(config, model, in_use_at_start=in_use_at_start)
 
     @classmethod

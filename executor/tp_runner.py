@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from pagedserve.executor.config import ExecutorConfig
-from pagedserve.executor.loader import load_model_spec, load_weights
+from pagedserve.executor.loader import init_dummy_weights, load_model_spec, load_weights
 from pagedserve.executor.model import CausalLM
 from pagedserve.executor.parallel import TPShard
 from pagedserve.executor.profiling import memory_in_use
@@ -138,7 +138,10 @@ def create_runner(config: ExecutorConfig, group: TensorParallelGroup) -> ModelRu
         computes_logits=group.rank == 0,
         hybrid_kv_cache=not config.disable_hybrid_kv_cache_manager,
     )
-    load_weights(model, spec, config.model, shard)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, spec, seed=group.rank)
+    else:
+        load_weights(model, spec, config.model, shard)
     cls = TPDriverRunner if group.rank == 0 else TPWorkerRunner
     runner = cls.from_model(
         config, model, in_use_at_start=in_use_at_start, min_over_ranks=group.min_over_ranks

@@ -29,7 +29,10 @@
 #              picks ("hybrid:" or "full-tables:--disable-hybrid-kv-cache-manager")
 #   w1-moe     W1 on the qwen3-30b-a3b shape: bf16 (+ the HF static baseline on MOE_HF_PROMPTS
 #              prompts, default 16; 0 skips it) and --quantization fp8 (MOE_VARIANTS picks), with
-#              step traces
+#              step traces (random weights drawn at start: --load-format dummy)
+#   w6-tier    W6 (multi-turn chat; a GPU pool of W6_GPU_BLOCKS=2304 blocks, a quarter of the histories)
+#              without and with a CPU tier of W6_TIER_GIB=20 GiB; python -m benchmarks.kv_tier_copy
+#              (the tier's copies vs the pinned host link); W1 with the tier off and on
 #   plan       `pagedserve plan`'s KV pool against the executor's real one (scripts/plan_check.py:
 #              plan --measure in a fresh process per utilization) at 0.85, 0.90, 0.92
 #   tune       `pagedserve tune` over W3-like traffic (192 requests, Poisson 16 req/s): max_num_seqs
@@ -79,7 +82,7 @@ if wants moe; then run moe 300 python3 -m benchmarks.moe --result-file "$OUT/moe
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m benchmarks.fp8 --result-file "$OUT/fp8-kernels.json"; fi
 if wants fp8-quality; then run fp8-quality 300 python3 -m benchmarks.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
 if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp \
-  || wants plan || wants tune || wants w1-json; then
+  || wants plan || wants tune || wants w1-json || wants w6-tier; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
@@ -171,16 +174,34 @@ if wants w5-gemma; then  # a second model: its own directory, written here if ab
 fi
 if wants w1-moe; then
   moe=${MOE_MODEL:-/tmp/qwen3-30b-a3b-shape}
-  [ -f "$moe/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape qwen3-30b-a3b --device "$device" "$moe"
+  # 61 GB of bf16 would nearly fill the machine's disk: config and tokenizer only, random weights at start
+  [ -f "$moe/config.json" ] || python3 -m pagedserve.cli make-model --shape qwen3-30b-a3b --no-weights "$moe"
   for variant in ${MOE_VARIANTS:-bf16 fp8}; do
     quant="" baseline=()
     [ "$variant" = fp8 ] && quant="--quantization fp8"
     [ "$variant" = bf16 ] && [ "${MOE_HF_PROMPTS:-16}" != 0 ] && baseline=(--baseline hf-static --baseline-num-prompts "${MOE_HF_PROMPTS:-16}")
     trace="$OUT/w1-moe-$variant-trace.jsonl"
     MODEL=$moe bench "w1-moe-$variant" 420 --workload W1 "${fp8_w1[@]}" "${baseline[@]}" --scheduler-args "$W1_SCHEDULER_FLAGS" \
-      --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS $quant --step-trace $trace"
+      --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS --load-format dummy $quant --step-trace $trace"
     run "w1-moe-$variant-steps" 60 python3 -m pagedserve.executor.step_trace "$trace"
   done
+fi
+if wants w6-tier; then  # issue 29: the CPU tier on W6, with a GPU pool of about a quarter of the histories
+  w6_pool="--num-gpu-blocks-override ${W6_GPU_BLOCKS:-2304}" w6_tier="--kv-offloading-size ${W6_TIER_GIB:-20}"
+  w6_args=(--num-warmups 0)
+  if [ -n "${QUICK:-}" ]; then
+    w6_args=(--num-prompts 4 --num-turns 3 --input-len 32 --output-len 8)
+    w6_pool="--device cpu --max-model-len 256 --num-gpu-blocks-override 32" w6_tier="--kv-offloading-size 0.05"
+  fi
+  bench w6-no-tier 300 --workload W6 "${w6_args[@]}" --executor-args "$w6_pool"
+  bench w6-tier 300 --workload W6 "${w6_args[@]}" --executor-args "$w6_pool $w6_tier"
+  if [ -z "${QUICK:-}" ]; then  # the tier's copies against the host link; W1 with the tier (no hits there)
+    run kv-tier-copy 120 python3 -m benchmarks.kv_tier_copy --result-file "$OUT/kv-tier-copy.json"
+    for variant in "off:" "on:$w6_tier"; do
+      bench "w1-tier-${variant%%:*}" 240 --workload W1 --num-warmups 8 --scheduler-args "$W1_SCHEDULER_FLAGS" \
+        --executor-args "$W1_EXECUTOR_FLAGS ${variant#*:}"
+    done
+  fi
 fi
 # plan and tune (issue 32). QUICK: the same commands on the CPU with the tiny model and a 2-point grid.
 plan_device=() tune_grid=(--max-num-seqs 64,128,256 --gpu-memory-utilization 0.90) tune_traffic=(--num-prompts 192 --request-rate 16)

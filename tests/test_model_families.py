@@ -364,3 +364,42 @@ def test_make_model_shapes_of_the_new_families_load_here_and_in_transformers(fam
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(_prompt_logits(model, prompt), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_dummy_weights_fill_every_parameter_of_a_weightless_directory(quantization, tmp_path, monkeypatch):
+    """`make-model --no-weights` + `--load-format dummy` (benchmark shapes too big for the disk): the
+    directory holds no weights, every parameter gets a random value (norms 1, FP8 experts quantized
+    per row), the forward runs, and the Hugging Face baseline builds the same shape from the config."""
+    import dataclasses
+
+    from pagedserve.bench.baselines import _load_hf_model
+    from pagedserve.executor.loader import init_dummy_weights
+    from pagedserve.model_shapes import SHAPES, write_shape_model
+
+    monkeypatch.setenv("PAGEDSERVE_FP8_REFERENCE", "1")
+    small = dataclasses.replace(
+        SHAPES["qwen3-30b-a3b"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024,
+        max_position_embeddings=256, num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2,
+    )  # fmt: skip
+    directory = write_shape_model(tmp_path / "m", small, progress=False, weights=False)
+    assert not list(directory.glob("*.safetensors"))
+    spec = load_model_spec(directory)
+    model = CausalLM(spec, MAX_LEN, CPU, torch.float32, quantization, hybrid_kv_cache=False)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.element_size() > 1:  # not FP8 (no NaN there)
+                param.fill_(float("nan"))
+    init_dummy_weights(model, spec)
+    for name, param in model.named_parameters():
+        assert torch.isfinite(param.float()).all(), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(param, torch.ones_like(param)), name
+    assert model.layers[0].mlp.experts.w13.weight.float().std() > 0
+    logits = _prompt_logits(model, _random_prompt(20, seed=6))
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    hf, _ = _load_hf_model(str(directory), "cpu")
+    assert sum(p.numel() for p in hf.parameters()) == sum(
+        p.numel() for n, p in model.named_parameters() if not n.endswith("weight_scale")
+    )

@@ -289,9 +289,15 @@ def write_tokenizer(directory: Path, vocab_size: int) -> tuple[int, int]:
 
 
 def write_shape_model(
-    directory: str | Path, shape: ModelShape, seed: int = 0, progress: bool = True, device: str = "cpu"
+    directory: str | Path,
+    shape: ModelShape,
+    seed: int = 0,
+    progress: bool = True,
+    device: str = "cpu",
+    weights: bool = True,
 ) -> Path:
-    """Writes config.json, generation_config.json, model.safetensors and the tokenizer files."""
+    """Writes config.json, generation_config.json, the tokenizer files and (unless `weights` is
+    False: served with --load-format dummy) model.safetensors."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     bos, eos = write_tokenizer(directory, shape.tokenizer_vocab_size)
@@ -299,7 +305,8 @@ def write_shape_model(
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    write_weights(directory / "model.safetensors", shape, seed=seed, progress=progress, device=device)
+    if weights:
+        write_weights(directory / "model.safetensors", shape, seed=seed, progress=progress, device=device)
     return directory
 
 
@@ -322,6 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
         "directory", type=Path, help="where to write config.json, the tokenizer and the weights"
     )
     parser.add_argument(
+        "--no-weights", action="store_true",
+        help="write the config and the tokenizer only; serve the directory with --load-format dummy "
+        "(random weights drawn at start: for shapes too big for the disk)",
+    )  # fmt: skip
+    parser.add_argument(
         "--force", action="store_true", help="overwrite the model files of a directory that has weights"
     )
     return parser
@@ -339,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.directory} already holds weights ({', '.join(weights[:3])}); pass --force")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         parser.error(f"argument --device: expected cpu, cuda or cuda:N, got {args.device!r}")
+    if args.shape == "tiny" and args.no_weights:
+        parser.error("--no-weights is for the benchmark shapes (the tiny model is small)")
     if args.shape == "tiny":
         from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -347,10 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         shape = SHAPES[args.shape]
         print(
             f"pagedserve make-model: {args.shape}, {shape.num_parameters() / 1e9:.2f} B parameters, "
-            f"{2 * shape.num_parameters() / 1e9:.2f} GB -> {args.directory}",
+            f"{2 * shape.num_parameters() / 1e9:.2f} GB{' (not written)' if args.no_weights else ''} "
+            f"-> {args.directory}",
             file=sys.stderr,
         )
-        write_shape_model(args.directory, shape, seed=args.seed, device=args.device)
+        write_shape_model(
+            args.directory, shape, seed=args.seed, device=args.device, weights=not args.no_weights
+        )
     print(json.dumps({"shape": args.shape, "directory": str(args.directory)}))
     return 0
 

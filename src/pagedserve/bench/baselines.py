@@ -10,13 +10,23 @@ from pagedserve.bench.workloads import BenchRequest
 
 
 def _load_hf_model(model_dir: str, device: str):
+    """The checkpoint, or, for a directory without weights (`pagedserve make-model --no-weights`,
+    served with `--load-format dummy`), the config's shape with transformers' own random weights,
+    drawn on the device: a throughput baseline does not depend on the values."""
+    from pathlib import Path
+
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    if any(Path(model_dir).glob("*.safetensors")):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    else:
+        with torch.device(device):
+            config = AutoConfig.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # EOS ignored, as in the pagedserve pass
     return model, device
 
