@@ -536,7 +536,8 @@ def fused_moe(
     h, h_scale = hidden_act, hidden_act
     if a_fp8:
         h, h_scale = fp8.quantize_per_token(hidden_act)
-    down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    # top_k rows per token, summed below; with one row per token the kernel writes the output
+    down = out if top_k == 1 else torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(hidden, cfg.block_n),)
     _down_kernel[grid](
         h, w2, down, h_scale, w2_scale if w_fp8 else w2, flat_weights, sorted_ids, block_experts,
@@ -546,5 +547,6 @@ def fused_moe(
         EVEN_K=inter % cfg.block_k == 0, W_FP8=w_fp8, A_FP8=a_fp8, DOT_FP32=dot_fp32, DOT_PREC=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+    if top_k > 1:
+        torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out
