@@ -65,8 +65,8 @@ STAGES = (
     ("combine", "reduce_kernel"),
 )
 BREAKDOWN_CALLS = 20
-# --sweep candidates (block_m, block_n, block_k, group_m, warps, stages); gate_up's block_n is per
-# half (its program holds a gate and an up accumulator).
+# --sweep candidates (block_m, block_n, block_k, group_m, warps, stages, tma_weights); gate_up's
+# block_n is per half (its program holds a gate and an up accumulator).
 GATE_UP_SWEEP = [
     tm.MoeConfig(16, 64, 128, 1, 4, 3),
     tm.MoeConfig(16, 128, 128, 1, 4, 3),
@@ -85,6 +85,13 @@ GATE_UP_SWEEP = [
     tm.MoeConfig(128, 64, 64, 8, 8, 5),
     tm.MoeConfig(128, 128, 32, 8, 8, 4),
     tm.MoeConfig(128, 128, 64, 4, 8, 3),
+    # weight tiles through TMA descriptors
+    tm.MoeConfig(16, 128, 128, 1, 4, 3, tma_weights=True),
+    tm.MoeConfig(64, 64, 64, 1, 4, 3, tma_weights=True),
+    tm.MoeConfig(128, 128, 64, 8, 8, 3, tma_weights=True),
+    tm.MoeConfig(128, 128, 64, 8, 8, 4, tma_weights=True),
+    tm.MoeConfig(128, 64, 64, 8, 8, 4, tma_weights=True),
+    tm.MoeConfig(128, 64, 128, 8, 8, 3, tma_weights=True),
 ]
 DOWN_SWEEP = [
     tm.MoeConfig(16, 128, 128, 1, 4, 3),
@@ -101,6 +108,12 @@ DOWN_SWEEP = [
     tm.MoeConfig(128, 128, 64, 16, 8, 4),
     tm.MoeConfig(128, 128, 64, 8, 4, 3),
     tm.MoeConfig(128, 64, 128, 8, 4, 4),
+    # weight tiles through TMA descriptors
+    tm.MoeConfig(16, 256, 128, 1, 8, 3, tma_weights=True),
+    tm.MoeConfig(64, 128, 64, 1, 4, 3, tma_weights=True),
+    tm.MoeConfig(128, 128, 64, 8, 8, 3, tma_weights=True),
+    tm.MoeConfig(128, 256, 64, 8, 8, 3, tma_weights=True),
+    tm.MoeConfig(128, 128, 128, 8, 8, 3, tma_weights=True),
 ]
 
 
@@ -305,7 +318,7 @@ def sweep(args: dict, options: dict, defaults: dict, default_us: float, deadline
                 continue
             found[which].append({"config": asdict(config), "us": us})
         timed = sorted((f for f in found[which] if "us" in f), key=lambda f: f["us"])
-        for f in timed[:2]:
+        for f in timed[:3]:
             log(
                 f"   sweep {which:<7}: {tuple(f['config'].values())} {f['us']:8.1f} us "
                 f"(default {tuple(asdict(defaults[which]).values())} {default_us:8.1f} us)"

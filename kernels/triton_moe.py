@@ -75,7 +75,10 @@ FP8_ACTIVATIONS_MIN_ROWS = 512
 @dataclass(frozen=True)
 class MoeConfig:
     """Tile and launch parameters of one grouped GEMM: rows (assignments) x output columns x
-    reduction per step, row blocks per column block in the launch order, warps, pipeline depth."""
+    reduction per step, row blocks per column block in the launch order, warps, pipeline depth;
+    tma_weights: weight tiles through a TMA descriptor instead of pointer loads (Hopper's copy
+    engine; CUDA only, where the weights' strides allow it, else ignored). An option for
+    `benchmarks.moe --sweep`, off in the defaults until measured."""
 
     block_m: int
     block_n: int
@@ -83,6 +86,7 @@ class MoeConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    tma_weights: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -279,6 +283,7 @@ def _program_tile(
 def _gate_up_kernel(
     a_ptr,
     w_ptr,
+    w_desc,
     out_ptr,
     a_scale_ptr,
     w_scale_ptr,
@@ -304,6 +309,7 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
     W_FP8: tl.constexpr,
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -315,7 +321,8 @@ def _gate_up_kernel(
     a: x [tokens, hidden] (or its FP8 quantization with A_FP8: a_scale [tokens] per token); row r
     of the block reads token sorted_ids[r] // TOP_K. w: w13 [experts, 2 * inter, hidden]; gate
     rows n, up rows inter + n. W_FP8: e4m3 weights with w_scale [experts, 2 * inter] per row,
-    widened to x's dtype unless A_FP8 (then both operands are e4m3).
+    widened to x's dtype unless A_FP8 (then both operands are e4m3). W_TMA: w13's tiles come
+    through w_desc (a [1, BLOCK_N, BLOCK_K] descriptor of w13; rows past the end read zeros).
     """
     pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, inter, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -333,14 +340,20 @@ def _gate_up_kernel(
         u_ptrs = g_ptrs + inter * stride_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        n0 = pid_n * BLOCK_N
         for k0 in range(0, hidden, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < hidden - k0)[None, :], other=0.0)
+            if W_TMA:
+                g = w_desc.load([expert.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+                u = w_desc.load([expert.to(tl.int32), inter + n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
                 g = tl.load(g_ptrs)
                 u = tl.load(u_ptrs)
             else:
                 k_mask = offs_k < hidden - k0
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
                 g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
                 u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
             if DOT_FP32:
@@ -369,6 +382,7 @@ def _gate_up_kernel(
 def _down_kernel(
     a_ptr,
     w_ptr,
+    w_desc,
     out_ptr,
     a_scale_ptr,
     w_scale_ptr,
@@ -394,6 +408,7 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
     W_FP8: tl.constexpr,
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -404,7 +419,7 @@ def _down_kernel(
 
     a: the intermediate h [tokens * top_k, inter] (row = assignment; A_FP8: its per-row FP8
     quantization with a_scale [tokens * top_k]); w: w2 [experts, hidden, inter]; W_FP8 as in
-    `_gate_up_kernel`; topk_weights: [tokens * top_k] float32.
+    `_gate_up_kernel`; topk_weights: [tokens * top_k] float32; W_TMA: w2's tiles through w_desc.
     """
     pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, hidden, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -423,11 +438,14 @@ def _down_kernel(
         for k0 in range(0, inter, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
+            if W_TMA:
+                w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
                 w = tl.load(w_ptrs)
             else:
-                k_mask = offs_k < inter - k0
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=(offs_k < inter - k0)[:, None], other=0.0)
             if DOT_FP32:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             elif W_FP8 and not A_FP8:
@@ -453,6 +471,25 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     """fp32 inputs, and every dtype under the interpreter, whose tl.dot multiplies bf16's raw
     uint16 bits (see `triton_attention._dot_in_fp32`) and has no FP8 products."""
     return dtype == torch.float32 or _INTERPRETED
+
+
+def _uses_tma(w: torch.Tensor, cfg: MoeConfig) -> bool:
+    """Whether cfg's weight tiles can come through a TMA descriptor of w: asked for, a CUDA (or
+    interpreted) tensor, 16-byte aligned base and strides."""
+    if not cfg.tma_weights or not (w.is_cuda or _INTERPRETED):
+        return False
+    size = w.element_size()
+    return w.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in w.stride()[:2])
+
+
+def _weight_descriptor(w: torch.Tensor, cfg: MoeConfig):
+    """A [1, block_n, block_k] TMA descriptor of the stacked weights w [experts, rows, cols], or
+    None (pointer loads)."""
+    if not _uses_tma(w, cfg):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.block_n, cfg.block_k])
 
 
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
@@ -521,11 +558,12 @@ def fused_moe(
     max_rows = sorted_ids.shape[0]
     grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid](
-        a, w13, hidden_act, a_scale, w13_scale if w_fp8 else w13, sorted_ids, block_experts, num_rows,
-        max_rows, rows, inter, hidden, *a.stride(), *w13.stride(), *hidden_act.stride(),
-        *(w13_scale.stride() if w_fp8 else (0, 0)),
+        a, w13, _weight_descriptor(w13, cfg), hidden_act, a_scale, w13_scale if w_fp8 else w13, sorted_ids,
+        block_experts, num_rows, max_rows, rows, inter, hidden, *a.stride(), *w13.stride(),
+        *hidden_act.stride(), *(w13_scale.stride() if w_fp8 else (0, 0)),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=hidden % cfg.block_k == 0, W_FP8=w_fp8, A_FP8=a_fp8, DOT_FP32=dot_fp32, DOT_PREC=precision,
+        EVEN_K=hidden % cfg.block_k == 0, W_TMA=_uses_tma(w13, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
+        DOT_FP32=dot_fp32, DOT_PREC=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -540,11 +578,12 @@ def fused_moe(
     down = out if top_k == 1 else torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(hidden, cfg.block_n),)
     _down_kernel[grid](
-        h, w2, down, h_scale, w2_scale if w_fp8 else w2, flat_weights, sorted_ids, block_experts,
-        num_rows, max_rows, rows, hidden, inter, *h.stride(), *w2.stride(), *down.stride(),
-        *(w2_scale.stride() if w_fp8 else (0, 0)),
+        h, w2, _weight_descriptor(w2, cfg), down, h_scale, w2_scale if w_fp8 else w2, flat_weights,
+        sorted_ids, block_experts, num_rows, max_rows, rows, hidden, inter, *h.stride(), *w2.stride(),
+        *down.stride(), *(w2_scale.stride() if w_fp8 else (0, 0)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=inter % cfg.block_k == 0, W_FP8=w_fp8, A_FP8=a_fp8, DOT_FP32=dot_fp32, DOT_PREC=precision,
+        EVEN_K=inter % cfg.block_k == 0, W_TMA=_uses_tma(w2, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
+        DOT_FP32=dot_fp32, DOT_PREC=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if top_k > 1:
