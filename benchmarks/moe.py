@@ -1,7 +1,8 @@
 """Benchmark of the fused-MoE Triton kernels (`kernels.triton_moe`) on Qwen3-30B-A3B's layer shapes
 (run on a GPU): 128 experts, top-8, hidden 2048, expert width 768.
 
-    python -m benchmarks.moe [--result-file bench-results/moe.json] [--tokens 64,512,8192] [--sweep]
+    python -m benchmarks.moe [--result-file bench-results/moe.json] [--tokens 64,512,8192] [--quick]
+                             [--sweep [--sweep-budget-s 240]]
 
 For each number of tokens and each mode (bf16 weights; FP8 weights widened to bf16; FP8 weights
 with FP8 activations per token), with random routing (softmax over random logits, top-8):
@@ -17,7 +18,12 @@ with FP8 activations per token), with random routing (softmax over random logits
    TFLOP/s counts 6 * tokens * top_k * hidden * 768; the weight bytes/s counts the weights of the
    experts that got a token (at decode sizes the kernel is bound by reading them).
    The goal: >= 0.7x the dense anchor's TFLOP/s at 8,192 tokens (graph times for both).
-3. `--sweep` also times other tile configs (`kernels.triton_moe.MoeConfig`) for each GEMM, the
+3. Where the time goes: the GPU time of each stage of one call from the profiler's kernel records
+   (align: the three sorting kernels; gate_up; down; combine: the top-k sum; quantize: FP8
+   activations), their launches, and the graph time they leave unexplained (gaps between
+   kernels).
+4. `--quick`: fewer repetitions and no per-expert loop (a quick check of a change).
+5. `--sweep` also times other tile configs (`kernels.triton_moe.MoeConfig`) for each GEMM, the
    other GEMM keeping its default, and prints the best per case next to the default
    (`--sweep-budget-s` bounds it; settings left out are reported).
 
@@ -50,8 +56,17 @@ MODES = ("bf16", "fp8-widened", "fp8-activations")
 DENSE_GOAL = {8192: 0.7}
 TOLERANCE = 2e-2  # of the output's largest magnitude (bf16 modes)
 FP8_ACT_TOLERANCE = 0.1  # the activations' own quantization error
-# --sweep candidates (block_m, block_n, block_k, group_m, warps, stages); gate_up's block_n is per
-# half (its program holds a gate and an up accumulator).
+# Stages of one call by kernel name (profiler records); anything else is "other".
+STAGES = (
+    ("align", "_align_"),
+    ("gate_up", "_gate_up_kernel"),
+    ("down", "_down_kernel"),
+    ("quantize", "_quant_kernel"),
+    ("combine", "reduce_kernel"),
+)
+BREAKDOWN_CALLS = 20
+# --sweep candidates (block_m, block_n, block_k, group_m, warps, stages, tma_weights); gate_up's
+# block_n is per half (its program holds a gate and an up accumulator).
 GATE_UP_SWEEP = [
     tm.MoeConfig(16, 64, 128, 1, 4, 3),
     tm.MoeConfig(16, 128, 128, 1, 4, 3),
@@ -66,6 +81,17 @@ GATE_UP_SWEEP = [
     tm.MoeConfig(128, 128, 64, 8, 8, 3),
     tm.MoeConfig(128, 128, 64, 16, 8, 4),
     tm.MoeConfig(128, 64, 128, 8, 8, 3),
+    tm.MoeConfig(128, 64, 64, 16, 8, 4),
+    tm.MoeConfig(128, 64, 64, 8, 8, 5),
+    tm.MoeConfig(128, 128, 32, 8, 8, 4),
+    tm.MoeConfig(128, 128, 64, 4, 8, 3),
+    # weight tiles through TMA descriptors
+    tm.MoeConfig(16, 128, 128, 1, 4, 3, tma_weights=True),
+    tm.MoeConfig(64, 64, 64, 1, 4, 3, tma_weights=True),
+    tm.MoeConfig(128, 128, 64, 8, 8, 3, tma_weights=True),
+    tm.MoeConfig(128, 128, 64, 8, 8, 4, tma_weights=True),
+    tm.MoeConfig(128, 64, 64, 8, 8, 4, tma_weights=True),
+    tm.MoeConfig(128, 64, 128, 8, 8, 3, tma_weights=True),
 ]
 DOWN_SWEEP = [
     tm.MoeConfig(16, 128, 128, 1, 4, 3),
@@ -78,6 +104,16 @@ DOWN_SWEEP = [
     tm.MoeConfig(128, 128, 64, 8, 8, 3),
     tm.MoeConfig(128, 256, 64, 8, 8, 4),
     tm.MoeConfig(128, 128, 128, 8, 8, 3),
+    tm.MoeConfig(128, 256, 64, 8, 8, 3),
+    tm.MoeConfig(128, 128, 64, 16, 8, 4),
+    tm.MoeConfig(128, 128, 64, 8, 4, 3),
+    tm.MoeConfig(128, 64, 128, 8, 4, 4),
+    # weight tiles through TMA descriptors
+    tm.MoeConfig(16, 256, 128, 1, 8, 3, tma_weights=True),
+    tm.MoeConfig(64, 128, 64, 1, 4, 3, tma_weights=True),
+    tm.MoeConfig(128, 128, 64, 8, 8, 3, tma_weights=True),
+    tm.MoeConfig(128, 256, 64, 8, 8, 3, tma_weights=True),
+    tm.MoeConfig(128, 128, 128, 8, 8, 3, tma_weights=True),
 ]
 
 
@@ -166,7 +202,45 @@ def check(mode: str, out: torch.Tensor, args: dict) -> tuple[float, bool]:
     return err, err <= tol * expected.abs().max().item() and not out.isnan().any().item()
 
 
-def run_case(layer: Layer, tokens: int, mode: str, sweep_deadline: float | None) -> dict:
+def breakdown(fn: Callable[[], object]) -> dict:
+    """GPU time (us per call) and launches per stage (`STAGES`) of BREAKDOWN_CALLS eager calls, from
+    the profiler's kernel records (kernel durations, as a graph replays them)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(BREAKDOWN_CALLS):
+            fn()
+        torch.cuda.synchronize()
+    stages: dict = {name: {"us": 0.0, "launches": 0} for name, _ in STAGES + (("other", ""),)}
+    others: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:  # older torch
+            us = event.self_cuda_time_total
+        if us <= 0:
+            continue
+        stage = next((name for name, part in STAGES if part in event.key), "other")
+        stages[stage]["us"] += us / BREAKDOWN_CALLS
+        stages[stage]["launches"] += event.count / BREAKDOWN_CALLS
+        if stage == "other":
+            others[event.key[:60]] = others.get(event.key[:60], 0.0) + us / BREAKDOWN_CALLS
+    stages["other"]["kernels"] = dict(sorted(others.items(), key=lambda kv: -kv[1])[:4])
+    return stages
+
+
+def breakdown_line(stages: dict, graph_us: float) -> str:
+    kernels = sum(v["us"] for v in stages.values())
+    parts = [
+        f"{name} {v['us']:.1f} ({v['launches']:g})" for name, v in stages.items() if v["launches"] or v["us"]
+    ]
+    other = "".join(f"\n   other: {us:7.1f} us {name}" for name, us in stages["other"]["kernels"].items())
+    return (
+        f"   stages us (launches): {', '.join(parts)} | kernels {kernels:.1f} of graph {graph_us:.1f} "
+        f"({graph_us - kernels:+.1f} between kernels){other}"
+    )
+
+
+def run_case(layer: Layer, tokens: int, mode: str, sweep_deadline: float | None, quick: bool) -> dict:
     device = layer.w13.device
     x = torch.randn(tokens, HIDDEN, device=device, dtype=DTYPE)
     weights, ids = routing(tokens, device)
@@ -174,15 +248,17 @@ def run_case(layer: Layer, tokens: int, mode: str, sweep_deadline: float | None)
     options = dict(fp8_activations=mode == "fp8-activations")
     ours_fn = functools.partial(tm.fused_moe, **args, **options)
     err, ok = check(mode, ours_fn(), args)
-    ours = bench(ours_fn)
-    ours_graph = bench(as_graph(ours_fn))
+    ours = bench(ours_fn, quick)
+    ours_graph = bench(as_graph(ours_fn), quick)
     dense_fn = dense_anchor(tokens, device)
-    dense, dense_graph = bench(dense_fn), bench(as_graph(dense_fn))
-    loop = bench(functools.partial(expert_loop, x, layer.w13, layer.w2, weights, ids), quick=True)
+    dense, dense_graph = bench(dense_fn, quick), bench(as_graph(dense_fn), quick)
+    loop = None
+    if not quick:
+        loop = bench(functools.partial(expert_loop, x, layer.w13, layer.w2, weights, ids), quick=True)
+    stages = breakdown(ours_fn)
     touched = int(torch.unique(ids).numel())
     weight_bytes = touched * layer.expert_bytes(mode)
     rows = tokens * TOP_K
-    a_fp8 = mode == "fp8-activations"
     row = {
         "tokens": tokens,
         "mode": mode,
@@ -196,31 +272,38 @@ def run_case(layer: Layer, tokens: int, mode: str, sweep_deadline: float | None)
         "dense_tflops": flops(tokens) / dense_graph / 1e6,
         "vs_dense": dense_graph / ours_graph,
         "loop_us": loop,
-        "vs_loop": loop / ours_graph,
+        "vs_loop": None if loop is None else loop / ours_graph,
+        "stages": stages,
         "experts_touched": touched,
         "weight_tbps": weight_bytes / ours_graph / 1e6,
         "goal_vs_dense": DENSE_GOAL.get(tokens),
-        "gate_up_config": asdict(tm.choose_config(rows, NUM_EXPERTS, INTER, HIDDEN, True, a_fp8)),
-        "down_config": asdict(tm.choose_config(rows, NUM_EXPERTS, HIDDEN, INTER, False, a_fp8)),
+        **{f"{which}_config": asdict(config) for which, config in default_configs(rows, mode).items()},
     }
+    loop_part = "" if loop is None else f" | loop {loop:9.1f} us x{row['vs_loop']:.1f}"
     log(
         f"moe T={tokens:<5} {mode:<16} ours {ours:8.1f} us (graph {ours_graph:8.1f}) "
         f"{row['ours_tflops']:6.1f} TFLOP/s {row['weight_tbps']:4.2f} TB/s of weights | dense "
-        f"{dense_graph:8.1f} us {row['dense_tflops']:6.1f} TFLOP/s x{row['vs_dense']:.2f} | loop "
-        f"{loop:9.1f} us x{row['vs_loop']:.1f} | err {err:.1e} {'ok' if ok else 'FAIL'}"
+        f"{dense_graph:8.1f} us {row['dense_tflops']:6.1f} TFLOP/s x{row['vs_dense']:.2f}{loop_part} | "
+        f"err {err:.1e} {'ok' if ok else 'FAIL'}"
     )
+    log(breakdown_line(stages, ours_graph))
     if sweep_deadline is not None:
-        row["sweep"] = sweep(args, options, rows, a_fp8, ours_graph, sweep_deadline)
+        row["sweep"] = sweep(args, options, default_configs(rows, mode), ours_graph, sweep_deadline)
     return row
 
 
-def sweep(args: dict, options: dict, rows: int, a_fp8: bool, default_us: float, deadline: float) -> dict:
+def default_configs(rows: int, mode: str) -> dict[str, tm.MoeConfig]:
+    """`fused_moe`'s own tile choices for this mode."""
+    w_fp8, a_fp8 = mode != "bf16", mode == "fp8-activations"
+    return {
+        "gate_up": tm.choose_config(rows, NUM_EXPERTS, INTER, HIDDEN, True, w_fp8, a_fp8),
+        "down": tm.choose_config(rows, NUM_EXPERTS, HIDDEN, INTER, False, w_fp8, a_fp8),
+    }
+
+
+def sweep(args: dict, options: dict, defaults: dict, default_us: float, deadline: float) -> dict:
     """Each GEMM's candidates with the other's default config (graph replays of the whole call)."""
     found: dict = {"gate_up": [], "down": []}
-    defaults = {
-        "gate_up": tm.choose_config(rows, NUM_EXPERTS, INTER, HIDDEN, True, a_fp8),
-        "down": tm.choose_config(rows, NUM_EXPERTS, HIDDEN, INTER, False, a_fp8),
-    }
     for which, candidates in (("gate_up", GATE_UP_SWEEP), ("down", DOWN_SWEEP)):
         for config in candidates:
             if time.time() > deadline:
@@ -235,7 +318,7 @@ def sweep(args: dict, options: dict, rows: int, a_fp8: bool, default_us: float, 
                 continue
             found[which].append({"config": asdict(config), "us": us})
         timed = sorted((f for f in found[which] if "us" in f), key=lambda f: f["us"])
-        for f in timed[:2]:
+        for f in timed[:3]:
             log(
                 f"   sweep {which:<7}: {tuple(f['config'].values())} {f['us']:8.1f} us "
                 f"(default {tuple(asdict(defaults[which]).values())} {default_us:8.1f} us)"
@@ -244,6 +327,10 @@ def sweep(args: dict, options: dict, rows: int, a_fp8: bool, default_us: float, 
         if skipped:
             log(f"   sweep {which}: {skipped} settings left out (budget)")
     return found
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def print_table(results: dict) -> None:
@@ -259,7 +346,8 @@ def print_table(results: dict) -> None:
         log(
             f"| {r['tokens']} | {r['mode']} | {r['ours_us']:.1f} / {r['ours_graph_us']:.1f} | "
             f"{r['ours_tflops']:.1f} | {r['weight_tbps']:.2f} | {r['dense_graph_us']:.1f} | "
-            f"{r['dense_tflops']:.1f} | {r['vs_dense']:.2f} | {r['loop_us']:.0f} | {r['vs_loop']:.1f} | "
+            f"{r['dense_tflops']:.1f} | {r['vs_dense']:.2f} | {fmt(r['loop_us'], '.0f')} | "
+            f"{fmt(r['vs_loop'], '.1f')} | "
             f"{met} | {'yes' if r['ok'] else 'NO'} |"
         )
     log(
@@ -268,6 +356,16 @@ def print_table(results: dict) -> None:
         "bytes of the experts that got a token / graph time. dense: bf16 torch.matmul with "
         "M = tokens * top_k of the same FLOPs; loop: a per-expert loop in torch (bf16)."
     )
+    log("")
+    log("| tokens | mode | align | gate_up | down | quantize | combine | other | kernels / graph us |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    for r in results["cases"]:
+        st = r["stages"]
+        cells = " | ".join(f"{st[name]['us']:.1f} ({st[name]['launches']:g})" for name in
+                           ("align", "gate_up", "down", "quantize", "combine", "other"))  # fmt: skip
+        kernels = sum(v["us"] for v in st.values())
+        log(f"| {r['tokens']} | {r['mode']} | {cells} | {kernels:.1f} / {r['ours_graph_us']:.1f} |")
+    log("stages: GPU us per call (launches per call) from the profiler, eager calls.")
     log(f"correctness: {'all ok' if results['correct'] else 'FAILURES'}")
 
 
@@ -278,6 +376,7 @@ def main() -> None:
     parser.add_argument("--result-file", default="bench-results/moe.json")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, no per-expert loop")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
     parser.add_argument("--sweep-budget-s", type=float, default=240.0, help="seconds the sweep may take")
     args = parser.parse_args()
@@ -303,7 +402,7 @@ def main() -> None:
         deadline = None
         if args.sweep:
             deadline = time.time() + (start + args.sweep_budget_s - time.time()) / (len(cases) - index)
-        results["cases"].append(run_case(layer, t, mode, deadline))
+        results["cases"].append(run_case(layer, t, mode, deadline, args.quick))
         torch.cuda.empty_cache()
     results["correct"] = all(r["ok"] for r in results["cases"])
     results["wall_s"] = time.time() - start

@@ -8,9 +8,11 @@ every (token, expert) assignment is one row of two grouped GEMMs:
 
 1. `align` sorts the assignments by expert into blocks of BLOCK_M rows that each belong to one
    expert (`moe_align_block_size` in vLLM): an expert's rows are padded to a multiple of BLOCK_M
-   with a sentinel id (= num_tokens * top_k), experts without a token get no block. Plain torch
-   ops with no host synchronisation (so CUDA graphs capture it); sizes are upper bounds from the
-   shapes (`_max_sorted_rows`); the real count stays on the device and programs past it exit.
+   with a sentinel id (= num_tokens * top_k), experts without a token get no block. Three small
+   Triton kernels (count per chunk of assignments, a one-program prefix sum, scatter) with no
+   host synchronisation, so CUDA graphs capture them; sizes are upper bounds from the shapes
+   (`_max_sorted_rows`); the real count stays on the device and programs past it exit. (A torch
+   version took two dozen launches, a radix sort among them.)
 2. `_gate_up_kernel`: each program one block of BLOCK_M sorted rows x BLOCK_N columns of its
    expert's intermediate. It gathers the rows' tokens of x, multiplies them by the gate and the up
    rows of w13 at once (two accumulators) and writes silu(gate) * up, rounded to x's dtype (the
@@ -18,19 +20,24 @@ every (token, expert) assignment is one row of two grouped GEMMs:
    through memory in [*, 2 * inter] form.
 3. `_down_kernel`: the same over w2, each row times its routing weight, written at the
    assignment's row; then a sum over each token's top_k rows (torch's, accumulating in float32)
-   makes the output. The sum is a separate small pass rather than atomics in the epilogue: it is
+   makes the output, as vLLM's `moe_sum` and SGLang's `moe_sum_reduce` do. The sum is a separate
+   pass (one read of [tokens, top_k, hidden]) rather than atomics in the epilogue: it is
    deterministic and needs no zeroed float32 buffer.
 
 Tile configs come from the number of assignment rows per expert (`choose_config`): small blocks
 that spread the weight reads over many programs at decode sizes (memory bound: every expert's
 weights are read once), big ones at prefill sizes (compute bound). Programs are ordered in groups
 of GROUP_M row blocks per column block so that consecutive programs share weight tiles in L2.
+Weight columns past the matrix wrap around (their outputs are masked at the store) and a reduction
+that the tile divides (EVEN_K) loads without masks, as vLLM's kernel does.
 
 FP8 weights (`--quantization fp8`): w13 / w2 in float8_e4m3fn with one float32 scale per output
 row. Two ways to run them (`FP8_ACTIVATIONS_MIN_ROWS` picks by size):
 * widened weights (W8A16): the e4m3 tiles are widened in registers to x's dtype (exact) and the
   products run in bf16; the scales multiply the accumulator's columns. Half the weight bytes of
-  bf16, the reference's math. Best where the weights' bytes dominate (decode).
+  bf16, the reference's math. Kept for the smallest sizes: the widened tile goes back through
+  shared memory before the tensor cores read it (Hopper's wgmma takes that operand from there),
+  which costs more than the products at prefill sizes.
 * FP8 activations (W8A8, the dense FP8 path's scheme, `kernels.fp8`): x and the intermediate are
   quantized per token (`kernels.fp8.quantize_per_token`) and the products run on FP8
   tensor cores at twice bf16's rate; the accumulator is scaled by the row's and the column's scale.
@@ -58,15 +65,20 @@ _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Read once: @triton.jit chose the interpreter or the compiler at import time as well.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # FP8 weights run with FP8 activations from this many assignment rows (tokens x top_k) up, widened
-# weights below (see the module docstring). Not measured yet: set where the products, not the weight
-# bytes, should dominate (2,048 tokens at top-8); `python -m benchmarks.moe` times both modes.
-FP8_ACTIVATIONS_MIN_ROWS = 16384
+# weights below (see the module docstring). The H200 run of 2026-12-02 (benchmarks/results/
+# 2026-12-02-h200-s4) found FP8 activations faster at every size it timed, from 64 tokens at top-8
+# (272 against 309 us) to 8,192 (1,458 against 2,594 us); smaller sizes, where two quantize launches
+# weigh more against reading the weights, were not timed and keep widened weights.
+FP8_ACTIVATIONS_MIN_ROWS = 512
 
 
 @dataclass(frozen=True)
 class MoeConfig:
     """Tile and launch parameters of one grouped GEMM: rows (assignments) x output columns x
-    reduction per step, row blocks per column block in the launch order, warps, pipeline depth."""
+    reduction per step, row blocks per column block in the launch order, warps, pipeline depth;
+    tma_weights: weight tiles through a TMA descriptor instead of pointer loads (Hopper's copy
+    engine; CUDA only, where the weights' strides allow it, else ignored). An option for
+    `benchmarks.moe --sweep`, off in the defaults until measured."""
 
     block_m: int
     block_n: int
@@ -74,18 +86,26 @@ class MoeConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    tma_weights: bool = False
 
 
 @functools.lru_cache(maxsize=256)
-def choose_config(rows: int, num_experts: int, n: int, k: int, gate_up: bool, fp8: bool) -> MoeConfig:
+def choose_config(
+    rows: int, num_experts: int, n: int, k: int, gate_up: bool, fp8_weights: bool = False,
+    fp8_activations: bool = False,
+) -> MoeConfig:  # fmt: skip
     """The tile config of one grouped GEMM from shapes only: `rows` assignments (tokens x top_k)
-    over `num_experts`, n output columns (per half for the fused gate_up), k the reduction.
+    over `num_experts`, n output columns (per half for the fused gate_up), k the reduction; FP8
+    weights, widened or with FP8 activations.
 
-    Seeded from vLLM's H100 and H200 tables for 128 experts of width 768 (at 64 tokens:
-    16 x 256 x 128, 8 warps; at 512: 64 x 128 x 64; from 1,536: 128 x 256 x 64, 8 warps, 4 stages),
-    with the fused gate_up's two accumulators counted as one tile twice as wide. FP8 activations
-    (fp8) at prefill sizes take 128 x 128 x 128 tiles, 3 stages: the only candidates without
-    spills (ptxas, sm_90, Triton 3.7: 145 and 187 registers; 128 x 256 spilled 4-360 bytes).
+    Decode and mid sizes are seeded from vLLM's H100 and H200 tables for 128 experts of width 768
+    (at 64 tokens: 16 x 256 x 128, 8 warps; at 512: 64 x 128 x 64), the fused gate_up's two
+    accumulators counted as one tile twice as wide; the H200 sweep of 2026-12-02
+    (benchmarks/results/2026-12-02-h200-s4) kept them. Prefill sizes take that sweep's best at
+    8,192 tokens: 128-row tiles, 3 stages (faster than 4 there for bf16) and, for FP8 weights, 64
+    gate_up columns per half, 4 stages; FP8 activations' down GEMM 128 x 128 x 128
+    (the largest tile without register spills: ptxas, sm_90). gate_up and down keep one block_m,
+    so both run on one sorting of the assignments.
     """
     per_expert = rows / max(1, num_experts)
     half = 2 if gate_up else 1  # gate_up holds two accumulators of block_n columns
@@ -93,18 +113,26 @@ def choose_config(rows: int, num_experts: int, n: int, k: int, gate_up: bool, fp
         cfg = MoeConfig(16, 256 // half, 128, 1, 8 if half == 1 else 4, 3)
     elif per_expert <= 48:
         cfg = MoeConfig(64, 128 // half, 64, 1, 4, 3)
-    elif fp8:
-        cfg = MoeConfig(128, 128 // half, 128, 8, 8, 3)
+    elif gate_up:
+        cfg = MoeConfig(128, 64, 64, 8, 8, 4) if fp8_weights else MoeConfig(128, 128, 64, 8, 8, 3)
+    elif fp8_activations:
+        cfg = MoeConfig(128, 128, 128, 8, 8, 3)
     else:
-        cfg = MoeConfig(128, 256 // half, 64, 8, 8, 4)
+        cfg = MoeConfig(128, 128, 64, 8, 8, 3)
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     return MoeConfig(cfg.block_m, block_n, block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
 
 
 # --------------------------------------------------------------------------------------------- #
-# Sorting assignments into expert blocks (torch, graph-capturable)
+# Sorting assignments into expert blocks (three small Triton kernels, graph-capturable)
 # --------------------------------------------------------------------------------------------- #
+
+# Assignments per program of the counting and scattering kernels: the scatter ranks a chunk's
+# assignments against each other in a [chunk, chunk] comparison (16K lanes).
+_ALIGN_CHUNK = 128
+# Chunk rows per step of the one-program prefix sum over the chunks' counts.
+_SCAN_ROWS = 32
 
 
 def _max_sorted_rows(assignments: int, num_experts: int, block_m: int) -> int:
@@ -113,33 +141,120 @@ def _max_sorted_rows(assignments: int, num_experts: int, block_m: int) -> int:
     return assignments + min(num_experts, assignments) * (block_m - 1)
 
 
+@triton.jit
+def _align_count_kernel(
+    topk_ids_ptr, counts_ptr, assignments, num_experts, CHUNK: tl.constexpr, EXPERTS: tl.constexpr
+):
+    """counts[chunk, e]: how many of this chunk's assignments go to expert e."""
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    experts = tl.load(topk_ids_ptr + offs, mask=offs < assignments, other=-1).to(tl.int32)
+    lanes = tl.arange(0, EXPERTS)
+    counts = tl.sum((experts[:, None] == lanes[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + chunk * num_experts + lanes, counts, mask=lanes < num_experts)
+
+
+@triton.jit
+def _align_scan_kernel(
+    counts_ptr,
+    expert_starts_ptr,
+    sorted_ids_ptr,
+    num_rows_ptr,
+    num_chunks,
+    num_experts,
+    assignments,
+    BLOCK_M: tl.constexpr,
+    EXPERTS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """One program: counts[c, e] becomes the number of expert e's assignments in chunks before c;
+    each expert's segment starts at the sum of the earlier experts' counts rounded up to BLOCK_M
+    (expert_starts); its padding rows get the sentinel; num_rows is the total."""
+    lanes = tl.arange(0, EXPERTS)
+    lane_ok = lanes < num_experts
+    totals = tl.zeros([EXPERTS], dtype=tl.int32)
+    for c0 in range(0, num_chunks, ROWS):
+        rows = c0 + tl.arange(0, ROWS)
+        ptrs = counts_ptr + rows[:, None] * num_experts + lanes[None, :]
+        mask = (rows[:, None] < num_chunks) & lane_ok[None, :]
+        tile = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + totals[None, :], mask=mask)
+        totals += tl.sum(tile, axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(expert_starts_ptr + lanes, ends - padded, mask=lane_ok)
+    tl.store(num_rows_ptr, tl.sum(padded, axis=0))
+    if BLOCK_M > 1:
+        pads = (ends - padded + totals)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ids_ptr + pads, assignments, mask=lane_ok[:, None] & (pads < ends[:, None]))
+
+
+@triton.jit
+def _align_scatter_kernel(
+    topk_ids_ptr,
+    counts_ptr,
+    expert_starts_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    assignments,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Each assignment of this chunk to its row: its expert's start + the expert's assignments in
+    earlier chunks + those earlier in this chunk (token order within an expert). The first row of
+    each block (always an assignment: padding only ends a segment) writes the block's expert."""
+    chunk = tl.program_id(0)
+    lanes = tl.arange(0, CHUNK)
+    offs = chunk * CHUNK + lanes
+    valid = offs < assignments
+    experts = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    earlier = (experts[:, None] == experts[None, :]) & (lanes[None, :] < lanes[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    expert = tl.where(valid, experts, 0)
+    in_expert = tl.load(counts_ptr + chunk * num_experts + expert, mask=valid, other=0) + rank
+    rows = tl.load(expert_starts_ptr + expert, mask=valid, other=0) + in_expert
+    tl.store(sorted_ids_ptr + rows, offs, mask=valid)
+    tl.store(block_experts_ptr + rows // BLOCK_M, experts, mask=valid & (in_expert % BLOCK_M == 0))
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """Assignments sorted by expert and padded into blocks of block_m rows of one expert.
 
+    Three launches (count per chunk, one-program prefix sum, scatter), no host synchronisation;
+    the sizes are bounds from the shapes (`_max_sorted_rows`) and the real row count stays on the
+    device, where the GEMM programs past it exit before reading anything.
+
     Returns:
         sorted_ids: [max rows] int32, assignment indices (token * top_k + slot), grouped by expert
-            (in token order within one), each expert's group padded to a multiple of block_m with
-            the sentinel num_tokens * top_k; the tail past the real rows is sentinel too.
-        block_experts: [max rows // block_m] int32, each block's expert (num_experts past the end).
+            (ascending experts, token order within one), each expert's group padded to a multiple
+            of block_m with the sentinel num_tokens * top_k; entries past num_rows are unspecified.
+        block_experts: [cdiv(max rows, block_m)] int32, each block's expert (unspecified past
+            num_rows // block_m).
         num_rows: [1] int32, the real number of padded rows (a multiple of block_m).
     """
-    flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = topk_ids.reshape(-1)
     assignments = flat.numel()
     device = flat.device
     max_rows = _max_sorted_rows(assignments, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_ends = padded.cumsum(0)
-    count_starts = counts.cumsum(0) - counts
-    order = torch.sort(flat, stable=True).indices  # assignment indices, grouped by expert
-    experts = flat[order]
-    rank = torch.arange(assignments, device=device) - count_starts[experts]
-    sorted_ids = torch.full((max_rows,), assignments, dtype=torch.int32, device=device)
-    sorted_ids[padded_ends[experts] - padded[experts] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_rows, block_m, device=device)
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True).to(torch.int32)
-    return sorted_ids, block_experts, padded_ends[-1:].to(torch.int32)
+    chunks = max(1, triton.cdiv(assignments, _ALIGN_CHUNK))
+    experts = triton.next_power_of_2(num_experts)  # lanes of the per-expert vectors
+    counts = torch.empty((chunks, num_experts), dtype=torch.int32, device=device)
+    expert_starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max(1, max_rows), dtype=torch.int32, device=device)
+    block_experts = torch.empty(max(1, triton.cdiv(max_rows, block_m)), dtype=torch.int32, device=device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=device)
+    sizes = dict(assignments=assignments, num_experts=num_experts)
+    _align_count_kernel[(chunks,)](flat, counts, **sizes, CHUNK=_ALIGN_CHUNK, EXPERTS=experts, num_warps=8)
+    _align_scan_kernel[(1,)](
+        counts, expert_starts, sorted_ids, num_rows, chunks, **sizes,
+        BLOCK_M=block_m, EXPERTS=experts, ROWS=_SCAN_ROWS, num_warps=8,
+    )  # fmt: skip
+    _align_scatter_kernel[(chunks,)](
+        flat, counts, expert_starts, sorted_ids, block_experts, **sizes,
+        BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, num_warps=8,
+    )  # fmt: skip
+    return sorted_ids, block_experts, num_rows
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -168,6 +283,7 @@ def _program_tile(
 def _gate_up_kernel(
     a_ptr,
     w_ptr,
+    w_desc,
     out_ptr,
     a_scale_ptr,
     w_scale_ptr,
@@ -192,6 +308,8 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
     W_FP8: tl.constexpr,
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -203,7 +321,8 @@ def _gate_up_kernel(
     a: x [tokens, hidden] (or its FP8 quantization with A_FP8: a_scale [tokens] per token); row r
     of the block reads token sorted_ids[r] // TOP_K. w: w13 [experts, 2 * inter, hidden]; gate
     rows n, up rows inter + n. W_FP8: e4m3 weights with w_scale [experts, 2 * inter] per row,
-    widened to x's dtype unless A_FP8 (then both operands are e4m3).
+    widened to x's dtype unless A_FP8 (then both operands are e4m3). W_TMA: w13's tiles come
+    through w_desc (a [1, BLOCK_N, BLOCK_K] descriptor of w13; rows past the end read zeros).
     """
     pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, inter, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -214,31 +333,42 @@ def _gate_up_kernel(
         expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < inter
+        w_n = (offs_n % inter).to(tl.int64)  # the tail's columns wrap: weight loads need no mask
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + tokens[:, None] * stride_am + offs_k[None, :] * stride_ak
-        w_cols = expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
-        g_ptrs = w_ptr + w_cols + offs_k[:, None] * stride_wk
+        g_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         u_ptrs = g_ptrs + inter * stride_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        n0 = pid_n * BLOCK_N
         for k0 in range(0, hidden, BLOCK_K):
-            k_mask = offs_k < hidden - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < hidden - k0)[None, :], other=0.0)
+            if W_TMA:
+                g = w_desc.load([expert.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+                u = w_desc.load([expert.to(tl.int32), inter + n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                k_mask = offs_k < hidden - k0
+                g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
+                u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
             if DOT_FP32:
                 a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
             elif W_FP8 and not A_FP8:  # widened to x's dtype: exact
                 g, u = g.to(out_ptr.dtype.element_ty), u.to(out_ptr.dtype.element_ty)
-            acc_g += tl.dot(a, g, input_precision=DOT_PREC)
-            acc_u += tl.dot(a, u, input_precision=DOT_PREC)
+            acc_g = tl.dot(a, g, acc=acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, u, acc=acc_u, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
         if W_FP8:
-            s_ptrs = w_scale_ptr + expert * stride_se + offs_n * stride_sn
-            acc_g *= tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
-            acc_u *= tl.load(s_ptrs + inter * stride_sn, mask=n_mask, other=0.0)[None, :]
+            s_ptrs = w_scale_ptr + expert * stride_se + w_n * stride_sn
+            acc_g *= tl.load(s_ptrs)[None, :]
+            acc_u *= tl.load(s_ptrs + inter * stride_sn)[None, :]
         if A_FP8:
             row_scale = tl.load(a_scale_ptr + tokens, mask=valid, other=0.0)[:, None]
             acc_g *= row_scale
@@ -252,6 +382,7 @@ def _gate_up_kernel(
 def _down_kernel(
     a_ptr,
     w_ptr,
+    w_desc,
     out_ptr,
     a_scale_ptr,
     w_scale_ptr,
@@ -276,6 +407,8 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
     W_FP8: tl.constexpr,
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -286,7 +419,7 @@ def _down_kernel(
 
     a: the intermediate h [tokens * top_k, inter] (row = assignment; A_FP8: its per-row FP8
     quantization with a_scale [tokens * top_k]); w: w2 [experts, hidden, inter]; W_FP8 as in
-    `_gate_up_kernel`; topk_weights: [tokens * top_k] float32.
+    `_gate_up_kernel`; topk_weights: [tokens * top_k] float32; W_TMA: w2's tiles through w_desc.
     """
     pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, hidden, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -297,25 +430,31 @@ def _down_kernel(
         expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hidden
+        w_n = (offs_n % hidden).to(tl.int64)  # as in `_gate_up_kernel`
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        w_cols = expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
-        w_ptrs = w_ptr + w_cols + offs_k[:, None] * stride_wk
+        w_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
-            k_mask = offs_k < inter - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
+            if W_TMA:
+                w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=(offs_k < inter - k0)[:, None], other=0.0)
             if DOT_FP32:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             elif W_FP8 and not A_FP8:
                 w = w.to(out_ptr.dtype.element_ty)
-            acc += tl.dot(a, w, input_precision=DOT_PREC)
+            acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
         if W_FP8:
-            s_ptrs = w_scale_ptr + expert * stride_se + offs_n * stride_sn
-            acc *= tl.load(s_ptrs, mask=n_mask, other=0.0)[None, :]
+            acc *= tl.load(w_scale_ptr + expert * stride_se + w_n * stride_sn)[None, :]
         if A_FP8:
             acc *= tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
         acc *= tl.load(topk_weights_ptr + rows, mask=valid, other=0.0)[:, None]
@@ -332,6 +471,25 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     """fp32 inputs, and every dtype under the interpreter, whose tl.dot multiplies bf16's raw
     uint16 bits (see `triton_attention._dot_in_fp32`) and has no FP8 products."""
     return dtype == torch.float32 or _INTERPRETED
+
+
+def _uses_tma(w: torch.Tensor, cfg: MoeConfig) -> bool:
+    """Whether cfg's weight tiles can come through a TMA descriptor of w: asked for, a CUDA (or
+    interpreted) tensor, 16-byte aligned base and strides."""
+    if not cfg.tma_weights or not (w.is_cuda or _INTERPRETED):
+        return False
+    size = w.element_size()
+    return w.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in w.stride()[:2])
+
+
+def _weight_descriptor(w: torch.Tensor, cfg: MoeConfig):
+    """A [1, block_n, block_k] TMA descriptor of the stacked weights w [experts, rows, cols], or
+    None (pointer loads)."""
+    if not _uses_tma(w, cfg):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.block_n, cfg.block_k])
 
 
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
@@ -383,8 +541,8 @@ def fused_moe(
     if fp8_activations is None:
         fp8_activations = w_fp8 and rows >= FP8_ACTIVATIONS_MIN_ROWS
     a_fp8 = w_fp8 and fp8_activations
-    gate_up_config = gate_up_config or choose_config(rows, num_experts, inter, hidden, True, a_fp8)
-    down_config = down_config or choose_config(rows, num_experts, hidden, inter, False, a_fp8)
+    gate_up_config = gate_up_config or choose_config(rows, num_experts, inter, hidden, True, w_fp8, a_fp8)
+    down_config = down_config or choose_config(rows, num_experts, hidden, inter, False, w_fp8, a_fp8)
     dot_fp32 = _dot_in_fp32(x.dtype)
     precision = "ieee" if dot_fp32 else "tf32"
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -400,11 +558,12 @@ def fused_moe(
     max_rows = sorted_ids.shape[0]
     grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid](
-        a, w13, hidden_act, a_scale, w13_scale if w_fp8 else w13, sorted_ids, block_experts, num_rows,
-        max_rows, rows, inter, hidden, *a.stride(), *w13.stride(), *hidden_act.stride(),
-        *(w13_scale.stride() if w_fp8 else (0, 0)),
+        a, w13, _weight_descriptor(w13, cfg), hidden_act, a_scale, w13_scale if w_fp8 else w13, sorted_ids,
+        block_experts, num_rows, max_rows, rows, inter, hidden, *a.stride(), *w13.stride(),
+        *hidden_act.stride(), *(w13_scale.stride() if w_fp8 else (0, 0)),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        W_FP8=w_fp8, A_FP8=a_fp8, DOT_FP32=dot_fp32, DOT_PREC=precision,
+        EVEN_K=hidden % cfg.block_k == 0, W_TMA=_uses_tma(w13, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
+        DOT_FP32=dot_fp32, DOT_PREC=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -415,15 +574,18 @@ def fused_moe(
     h, h_scale = hidden_act, hidden_act
     if a_fp8:
         h, h_scale = fp8.quantize_per_token(hidden_act)
-    down = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    # top_k rows per token, summed below; with one row per token the kernel writes the output
+    down = out if top_k == 1 else torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(hidden, cfg.block_n),)
     _down_kernel[grid](
-        h, w2, down, h_scale, w2_scale if w_fp8 else w2, flat_weights, sorted_ids, block_experts,
-        num_rows, max_rows, rows, hidden, inter, *h.stride(), *w2.stride(), *down.stride(),
-        *(w2_scale.stride() if w_fp8 else (0, 0)),
+        h, w2, _weight_descriptor(w2, cfg), down, h_scale, w2_scale if w_fp8 else w2, flat_weights,
+        sorted_ids, block_experts, num_rows, max_rows, rows, hidden, inter, *h.stride(), *w2.stride(),
+        *down.stride(), *(w2_scale.stride() if w_fp8 else (0, 0)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        W_FP8=w_fp8, A_FP8=a_fp8, DOT_FP32=dot_fp32, DOT_PREC=precision,
+        EVEN_K=inter % cfg.block_k == 0, W_TMA=_uses_tma(w2, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
+        DOT_FP32=dot_fp32, DOT_PREC=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+    if top_k > 1:
+        torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
     return out

@@ -100,22 +100,38 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 # --------------------------------------------------------------------------------------------- #
-# Sorting into expert blocks (plain torch: no interpreter needed)
+# Sorting into expert blocks (`align`: three Triton kernels)
 # --------------------------------------------------------------------------------------------- #
 
 
+def align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
+    """(sorted ids up to num_rows, block experts) in plain Python: each expert's assignments in
+    token order, padded with the sentinel to a multiple of block_m; no block for an idle expert."""
+    flat = topk_ids.flatten().tolist()
+    sorted_ids: list[int] = []
+    block_experts: list[int] = []
+    for expert in range(num_experts):
+        rows = [i for i, e in enumerate(flat) if e == expert]
+        padded = -(-len(rows) // block_m) * block_m
+        sorted_ids += rows + [len(flat)] * (padded - len(rows))
+        block_experts += [expert] * (padded // block_m)
+    return sorted_ids, block_experts
+
+
+@needs_triton
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 def test_align_sorts_assignments_into_blocks_of_one_expert(block_m: int) -> None:
     """Every assignment once, each block one expert's, padded with the sentinel, experts without
     a token no block; the device-side row count covers exactly the real blocks."""
-    num_experts, top_k = 7, 2
-    ids = torch.tensor([[1, 3], [1, 0], [3, 1], [5, 1], [1, 3]], dtype=torch.int32)
+    num_experts = 7
+    ids = torch.tensor([[1, 3], [1, 0], [3, 1], [5, 1], [1, 3]], dtype=torch.int32, device=DEVICE)
     sorted_ids, block_experts, num_rows = tm.align(ids, num_experts, block_m)
     flat = ids.flatten().tolist()
     sentinel = len(flat)
     assert sorted_ids.shape[0] == tm._max_sorted_rows(len(flat), num_experts, block_m)
+    assert block_experts.shape[0] == -(-sorted_ids.shape[0] // block_m)
     rows = int(num_rows)
-    assert rows % block_m == 0 and (sorted_ids[rows:] == sentinel).all()
+    assert rows % block_m == 0
     real = [i for i in sorted_ids[:rows].tolist() if i != sentinel]
     assert sorted(real) == list(range(len(flat)))
     for b in range(rows // block_m):
@@ -123,22 +139,49 @@ def test_align_sorts_assignments_into_blocks_of_one_expert(block_m: int) -> None
         assert block, "a block with no assignment"
         assert {flat[i] for i in block} == {int(block_experts[b])}
     counts = {e: flat.count(e) for e in range(num_experts)}
-    expected_rows = sum(-(-c // block_m) * block_m for c in counts.values())
-    assert rows == expected_rows
+    assert rows == sum(-(-c // block_m) * block_m for c in counts.values())
     used = set(block_experts[: rows // block_m].tolist())
     assert used == {e for e, c in counts.items() if c}  # experts 2, 4, 6 have none
-    assert (block_experts[rows // block_m :] == num_experts).all()
-    del top_k
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, top_k, block_m",
+    [(1, 8, 1, 16), (37, 8, 2, 16), (300, 12, 4, 1), (200, 16, 3, 64), (70, 128, 8, 16), (45, 128, 8, 128)],
+)
+def test_align_matches_reference(num_tokens: int, num_experts: int, top_k: int, block_m: int) -> None:
+    """Random routings (distinct experts per token, a quarter of the experts idle), several chunks
+    of assignments (the 128-assignment chunks' counts carry over), int32 and int64 ids: exactly the
+    reference's order, blocks and row count."""
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    active = max(top_k, num_experts - num_experts // 4)
+    experts = torch.randperm(num_experts, generator=gen)[:active]
+    picks = torch.stack([torch.randperm(active, generator=gen)[:top_k] for _ in range(num_tokens)])
+    for dtype in (torch.int32, torch.int64):
+        ids = experts[picks].to(dtype).to(DEVICE)
+        sorted_ids, block_experts, num_rows = tm.align(ids, num_experts, block_m)
+        want_ids, want_blocks = align_reference(ids.cpu(), num_experts, block_m)
+        rows = int(num_rows)
+        assert rows == len(want_ids) <= sorted_ids.shape[0]
+        assert sorted_ids[:rows].tolist() == want_ids
+        assert block_experts[: rows // block_m].tolist() == want_blocks
 
 
 def test_tile_choice_follows_rows_per_expert() -> None:
-    decode = tm.choose_config(64 * 8, 128, 768, 2048, True, False)
-    prefill = tm.choose_config(8192 * 8, 128, 768, 2048, True, False)
+    decode = tm.choose_config(64 * 8, 128, 768, 2048, True)
+    prefill = tm.choose_config(8192 * 8, 128, 768, 2048, True)
     assert decode.block_m == 16 and prefill.block_m == 128
-    fp8_prefill = tm.choose_config(8192 * 8, 128, 2048, 768, False, True)
+    for gate_up in (True, False):  # one sorting serves both GEMMs
+        for fp8_weights, fp8_activations in ((False, False), (True, False), (True, True)):
+            tiles = [tm.choose_config(rows, 128, 768, 2048, gate_up, fp8_weights, fp8_activations)
+                     for rows in (64 * 8, 512 * 8, 8192 * 8)]  # fmt: skip
+            shapes = [tm.choose_config(rows, 128, 768, 2048, not gate_up, fp8_weights, fp8_activations)
+                      for rows in (64 * 8, 512 * 8, 8192 * 8)]  # fmt: skip
+            assert [t.block_m for t in tiles] == [s.block_m for s in shapes] == [16, 64, 128]
+    fp8_prefill = tm.choose_config(8192 * 8, 128, 2048, 768, False, True, True)
     assert (fp8_prefill.block_n, fp8_prefill.block_k) == (128, 128)
-    assert tm.choose_config(64 * 8, 128, 2048, 768, False, False).block_n == 2 * decode.block_n
-    tiny = tm.choose_config(10, 8, 40, 48, True, False)  # tiles no wider than the matrices need
+    assert tm.choose_config(64 * 8, 128, 2048, 768, False).block_n == 2 * decode.block_n
+    tiny = tm.choose_config(10, 8, 40, 48, True)  # tiles no wider than the matrices need
     assert tiny.block_n == 64 and tiny.block_k == 64
 
 
@@ -170,6 +213,24 @@ def test_fused_moe_tile_configs(block_m: int, block_n: int, block_k: int, group_
     down = tm.MoeConfig(48 - block_m, block_k, block_n, 1, 4, 2)
     got = tm.fused_moe(**args, gate_up_config=gate_up, down_config=down)
     assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["bf16", "fp8-widened", "fp8-activations"])
+def test_fused_moe_weights_through_tma_descriptors(mode: str) -> None:
+    """tma_weights: the weight tiles through descriptors (zeros past the rows and the reduction:
+    hidden 72 and intermediate 48 leave partial tiles), the same result as pointer loads."""
+    args = make_moe(19, 6, 2, 72 if mode == "bf16" else 64, 48, torch.bfloat16, fp8_weights=mode != "bf16",
+                    seed=9)  # fmt: skip
+    gate_up = tm.MoeConfig(16, 32, 32, 2, 4, 2, tma_weights=True)
+    down = tm.MoeConfig(16, 64, 32, 1, 4, 2, tma_weights=True)
+    assert tm._uses_tma(args["w13"], gate_up) and tm._uses_tma(args["w2"], down)
+    options = dict(fp8_activations=mode == "fp8-activations", gate_up_config=gate_up, down_config=down)
+    got = tm.fused_moe(**args, **options)
+    if mode == "fp8-activations":
+        assert_close(got, w8a8_reference(args), 3e-2)
+    else:
+        assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
 
 
 @needs_triton
