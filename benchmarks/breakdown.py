@@ -50,6 +50,9 @@ KINDS = (
     ("rotary", ("rotary",)),
     ("silu_mul", ("silu",)),
     ("quantize", ("_quant_kernel",)),  # FP8: the per-token pass before o_proj (the fused ones are above)
+    ("moe gate_up", ("_gate_up_kernel",)),  # kernels.triton_moe
+    ("moe down", ("_down_kernel",)),
+    ("moe align", ("_align_",)),
 )
 
 
@@ -109,9 +112,15 @@ def profile_steps(runner: ModelRunner, plans: list) -> dict[str, float]:
 
 
 def step_breakdown(
-    device: torch.device, model_dir: Path, quantization: str | None = None, kv_cache_dtype: str = "auto"
+    device: torch.device,
+    model_dir: Path,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    model: Path | None = None,
 ) -> list[dict]:
-    directory = write_model(model_dir / f"{LAYERS}l", LAYERS, False, device)
+    """Kernel time by kind of decode, mixed and prefill steps: of the 32-layer llama-8b shape, or
+    of `model`'s config (any family; random weights, as --load-format dummy draws them)."""
+    directory = model or write_model(model_dir / f"{LAYERS}l", LAYERS, False, device)
     config = ExecutorConfig(
         model=str(directory), max_model_len=2048, max_num_seqs=512, max_num_batched_tokens=8192,
         gpu_memory_utilization=0.85, swap_space=0, enforce_eager=True, quantization=quantization,
@@ -301,6 +310,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("parts", nargs="*", help=f"any of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/llama-8b-shape-breakdown"))
+    parser.add_argument(
+        "--model", type=Path, default=None,
+        help="steps part: this model directory's config (e.g. make-model --shape qwen3-30b-a3b "
+        "--no-weights) instead of the llama-8b shape; random weights",
+    )  # fmt: skip
     parser.add_argument("--result-file", type=Path, default=None)
     quantizations = [q for q in QUANTIZATIONS if q]
     parser.add_argument("--quantization", choices=quantizations, default=None, help="steps part: FP8 weights")
@@ -326,9 +340,12 @@ def main(argv: list[str] | None = None) -> None:
         results["green_contexts"] = green_context_table(device)
         print_table(f"{OVERLAP_LAYERS} layers, SMs partitioned (green contexts)", results["green_contexts"])
     if "steps" in args.parts:
-        results["steps"] = step_breakdown(device, args.model_dir, args.quantization, args.kv_cache_dtype)
+        results["steps"] = step_breakdown(
+            device, args.model_dir, args.quantization, args.kv_cache_dtype, args.model
+        )
         flags = f" (--quantization {args.quantization or 'none'} --kv-cache-dtype {args.kv_cache_dtype})"
-        title = f"eager steps of the 32-layer model{flags}: kernel ms per step, by kind"
+        which = args.model.name if args.model else "the 32-layer model"
+        title = f"eager steps of {which}{flags}: kernel ms per step, by kind"
         print_table(title, results["steps"])
     if args.result_file:
         args.result_file.write_text(json.dumps(results, indent=2))

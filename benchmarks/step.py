@@ -38,9 +38,8 @@ import torch
 from benchmarks.ahead_plans import AheadScheduler
 from pagedserve.common.tables import markdown_table
 from pagedserve.executor.config import ExecutorConfig
-from pagedserve.executor.loader import load_model_spec
+from pagedserve.executor.loader import init_dummy_weights, load_model_spec
 from pagedserve.executor.model import CausalLM
-from pagedserve.executor.quantization import is_fp8_weight, load_weight_slice
 from pagedserve.executor.runner import ModelRunner
 from pagedserve.model_shapes import INIT_STD, SHAPES
 from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
@@ -78,20 +77,11 @@ def write_model(directory: Path, layers: int, weights: bool, device: torch.devic
 def model_on_device(
     directory: Path, max_model_len: int, device: torch.device, quantization: str | None = None
 ) -> CausalLM:
-    """The model of `directory`'s config with `make-model`'s random weights generated in place;
-    with `quantization="fp8"` each projection's bf16 weights are quantized as the loader does."""
+    """The model of `directory`'s config with random weights generated in place (the executor's
+    `--load-format dummy`); with `quantization="fp8"` quantized per row as the loader does."""
     spec = load_model_spec(directory)
     model = CausalLM(spec, max_model_len, device, torch.bfloat16, quantization)
-    params = dict(model.named_parameters())
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in params.items():
-            if is_fp8_weight(p):
-                weight = torch.empty(p.shape, dtype=torch.bfloat16, device=device)
-                _init_(name, weight, generator)
-                load_weight_slice(p, params[name + "_scale"], 0, -1, weight)
-            elif not name.endswith("weight_scale"):
-                _init_(name, p, generator)
+    init_dummy_weights(model, spec, std=INIT_STD)
     return model
 
 

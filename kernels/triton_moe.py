@@ -48,6 +48,7 @@ int32 for large models).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -77,8 +78,8 @@ class MoeConfig:
     """Tile and launch parameters of one grouped GEMM: rows (assignments) x output columns x
     reduction per step, row blocks per column block in the launch order, warps, pipeline depth;
     tma_weights: weight tiles through a TMA descriptor instead of pointer loads (Hopper's copy
-    engine; CUDA only, where the weights' strides allow it, else ignored). An option for
-    `benchmarks.moe --sweep`, off in the defaults until measured."""
+    engine; CUDA only, where the weights' strides allow it, else ignored): the prefill defaults'
+    choice where the H200 sweep found it faster, a `benchmarks.moe --sweep` option elsewhere."""
 
     block_m: int
     block_n: int
@@ -101,11 +102,12 @@ def choose_config(
     Decode and mid sizes are seeded from vLLM's H100 and H200 tables for 128 experts of width 768
     (at 64 tokens: 16 x 256 x 128, 8 warps; at 512: 64 x 128 x 64), the fused gate_up's two
     accumulators counted as one tile twice as wide; the H200 sweep of 2026-12-02
-    (benchmarks/results/2026-12-02-h200-s4) kept them. Prefill sizes take that sweep's best at
-    8,192 tokens: 128-row tiles, 3 stages (faster than 4 there for bf16) and, for FP8 weights, 64
-    gate_up columns per half, 4 stages; FP8 activations' down GEMM 128 x 128 x 128
-    (the largest tile without register spills: ptxas, sm_90). gate_up and down keep one block_m,
-    so both run on one sorting of the assignments.
+    (benchmarks/results/2026-12-02-h200-s4) kept them. Prefill sizes take the best of the H200
+    sweeps at 8,192 tokens (benchmarks/results/2026-12-02-h200-s5): 128-row tiles; bf16 weights
+    through TMA descriptors (gate_up 4 stages, down 256 columns); FP8 activations' gate_up 64
+    columns per half with a 128-deep reduction, their down GEMM 128 x 128 x 128 through TMA (the
+    largest tile without register spills: ptxas, sm_90); widened FP8 weights 64 gate_up columns per
+    half, 4 stages. gate_up and down keep one block_m, so both run on one sorting of the assignments.
     """
     per_expert = rows / max(1, num_experts)
     half = 2 if gate_up else 1  # gate_up holds two accumulators of block_n columns
@@ -113,15 +115,21 @@ def choose_config(
         cfg = MoeConfig(16, 256 // half, 128, 1, 8 if half == 1 else 4, 3)
     elif per_expert <= 48:
         cfg = MoeConfig(64, 128 // half, 64, 1, 4, 3)
+    elif gate_up and fp8_activations:
+        cfg = MoeConfig(128, 64, 128, 8, 8, 3)
+    elif gate_up and fp8_weights:
+        cfg = MoeConfig(128, 64, 64, 8, 8, 4)
     elif gate_up:
-        cfg = MoeConfig(128, 64, 64, 8, 8, 4) if fp8_weights else MoeConfig(128, 128, 64, 8, 8, 3)
+        cfg = MoeConfig(128, 128, 64, 8, 8, 4, tma_weights=True)
     elif fp8_activations:
-        cfg = MoeConfig(128, 128, 128, 8, 8, 3)
+        cfg = MoeConfig(128, 128, 128, 8, 8, 3, tma_weights=True)
+    elif fp8_weights:
+        cfg = MoeConfig(128, 128, 64, 8, 8, 3, tma_weights=True)
     else:
-        cfg = MoeConfig(128, 128, 64, 8, 8, 3)
+        cfg = MoeConfig(128, 256, 64, 8, 8, 3, tma_weights=True)
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
-    return MoeConfig(cfg.block_m, block_n, block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return dataclasses.replace(cfg, block_n=block_n, block_k=block_k)
 
 
 # --------------------------------------------------------------------------------------------- #

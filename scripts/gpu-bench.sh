@@ -29,7 +29,8 @@
 #              picks ("hybrid:" or "full-tables:--disable-hybrid-kv-cache-manager")
 #   w1-moe     W1 on the qwen3-30b-a3b shape: bf16 (+ the HF static baseline on MOE_HF_PROMPTS
 #              prompts, default 16; 0 skips it) and --quantization fp8 (MOE_VARIANTS picks), with
-#              step traces (random weights drawn at start: --load-format dummy)
+#              step traces (random weights drawn at start: --load-format dummy), and the kernel
+#              time of its eager steps by kind (python -m benchmarks.breakdown steps --model)
 #   w6-tier    W6 (multi-turn chat; a GPU pool of W6_GPU_BLOCKS=2304 blocks, a quarter of the histories)
 #              without and with a CPU tier of W6_TIER_GIB=20 GiB; python -m benchmarks.kv_tier_copy
 #              (the tier's copies vs the pinned host link); W1 with the tier off and on
@@ -185,6 +186,8 @@ if wants w1-moe; then
       --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS --load-format dummy $quant --step-trace $trace"
     run "w1-moe-$variant-steps" 60 python3 -m pagedserve.executor.step_trace "$trace"
   done
+  [ -z "${QUICK:-}" ] && run w1-moe-breakdown 200 python3 -m benchmarks.breakdown steps --model "$moe" \
+    --result-file "$OUT/w1-moe-breakdown.json"  # kernel time by kind of eager steps
 fi
 if wants w6-tier; then  # issue 29: the CPU tier on W6, with a GPU pool of about a quarter of the histories
   w6_pool="--num-gpu-blocks-override ${W6_GPU_BLOCKS:-2304}" w6_tier="--kv-offloading-size ${W6_TIER_GIB:-20}"
