@@ -296,7 +296,9 @@ def test_cuda_qwen3_moe_layer(num_tokens: int, mode: str) -> None:
                         idle_experts=idle, seed=num_tokens)  # fmt: skip
         got = tm.fused_moe(**args, fp8_activations=mode == "fp8-activations")
         if mode == "fp8-activations":
-            assert_close(got, w8a8_reference(args), 3e-2)
+            # FP8 operands accumulate inside tl.dot at Hopper's reduced precision (vLLM's kernel and
+            # _scaled_mm's fast accumulation do too); the fp32 reference rounds once per element.
+            assert_close(got, w8a8_reference(args), 5e-2)
             assert_close(got, reference_moe(args), 0.1)
         else:
             assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
