@@ -422,6 +422,15 @@ class CausalLM(nn.Module):
         # Chosen once here, not tested per step: one rank runs the single-device code unchanged.
         self._head = self._logits if computes_logits else _no_logits
 
+    def decode_read_bytes(self) -> int:
+        """Bytes of the parameters a decode step reads: all of them as loaded (FP8 linears at one
+        byte per element, plus their scales), but for the embedding table when the LM head is its
+        own matrix, since a step reads only its tokens' rows of it (1 GB of the 8B shape's 16)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.lm_head is not None:
+            total -= self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+        return total
+
     def set_kv_calibration(self, on: bool) -> None:
         """While on, every layer sets its KV scales from the step's keys and values (eager only)."""
         for layer in self.layers:

@@ -199,7 +199,7 @@ def test_norm_and_activation_before_fp8_hand_over_by_m(threshold):
     assert isinstance(quantization.silu_and_mul_for_fp8(torch.randn(4, 64)), fp8.QuantizedActivation)
 
 
-def test_fp8_model_decodes_weight_only_and_prefills_with_scaled_mm(tmp_path, monkeypatch, threshold):
+def test_fp8_model_decodes_weight_only_and_prefills_with_scaled_mm(tiny_model_dir, monkeypatch, threshold):
     """The tiny model through the runner (references on the CPU): prompt chunks above the threshold
     take `_scaled_mm`, decode steps the weight-only product, and with the weight-only path the
     logits of a short step are closer to float32's (no activation quantization) and within the
@@ -207,8 +207,10 @@ def test_fp8_model_decodes_weight_only_and_prefills_with_scaled_mm(tmp_path, mon
     from pagedserve.executor.step_inputs import build_step_inputs
 
     monkeypatch.setenv("PAGEDSERVE_FP8_REFERENCE", "1")
-    model_dir = write_tiny_model(tmp_path / "m", TinyModelSpec())
-    base = dict(model=str(model_dir), device="cpu", num_gpu_blocks_override=8, max_model_len=128)
+    model_dir = tiny_model_dir
+    base = dict(
+        model=str(model_dir), device="cpu", num_gpu_blocks_override=8, max_model_len=128, swap_space=0.001
+    )
     runners = {q: ModelRunner.create(ExecutorConfig(**base, quantization=q)) for q in (None, "fp8")}
     prompt = list(range(3, 15))  # 12 tokens
     logits = {}
@@ -228,7 +230,7 @@ def test_fp8_model_decodes_weight_only_and_prefills_with_scaled_mm(tmp_path, mon
     assert rel["weight_only"] < rel["scaled"] < 0.15
 
 
-def test_fp8_greedy_run_takes_both_paths(tmp_path, monkeypatch, threshold):
+def test_fp8_greedy_run_takes_both_paths(tiny_model_dir, monkeypatch, threshold):
     """Chunked prefill of 9 tokens per step and decodes of two sequences at a threshold of 4:
     both products run, every token comes out (agreement with float32 is `test_fp8`'s business)."""
     from tests.test_fp8 import _greedy
@@ -236,8 +238,10 @@ def test_fp8_greedy_run_takes_both_paths(tmp_path, monkeypatch, threshold):
     threshold(4)
     monkeypatch.setenv("PAGEDSERVE_FP8_REFERENCE", "1")
     calls = _recording(monkeypatch)
-    model_dir = write_tiny_model(tmp_path / "m", TinyModelSpec())
-    base = dict(model=str(model_dir), device="cpu", num_gpu_blocks_override=32, max_model_len=128)
+    model_dir = tiny_model_dir
+    base = dict(
+        model=str(model_dir), device="cpu", num_gpu_blocks_override=32, max_model_len=128, swap_space=0.001
+    )
     runner = ModelRunner.create(ExecutorConfig(**base, quantization="fp8"))
     got = _greedy(runner, {1: list(range(3, 24)), 2: list(range(40, 75, 2))}, 4)
     assert all(len(tokens) == 4 for tokens in got.values())
