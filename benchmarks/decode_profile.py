@@ -13,7 +13,8 @@ tokens are prefilled, then:
   (GEMM, attention, norm, rotary, activation, quantize, sampling, copy, other) and the kernel count;
 * floor: the bytes a step must read (`CausalLM.decode_read_bytes`: every weight as loaded, the
   embedding table excepted, plus B x context x KV bytes per token) over a device-to-device copy's
-  bandwidth measured at the start of this run (`executor.profiling.measure_copy_bandwidth`).
+  bandwidth the runner measured when it started (`executor.profiling.measure_copy_bandwidth`, the
+  figure an executor reports for `pagedserve bench`'s floor).
 
 The issue-33 targets are ratios of the per-token latency to this floor (1.15x for bf16 at one
 request). `--device cpu` runs the script on a tiny model (2 layers of a narrowed shape) as a
@@ -34,7 +35,6 @@ import torch
 from benchmarks.step import model_on_device, prefill, run_direct
 from pagedserve.common.tables import markdown_table
 from pagedserve.executor.config import KV_CACHE_DTYPES, QUANTIZATIONS, ExecutorConfig
-from pagedserve.executor.profiling import measure_copy_bandwidth
 from pagedserve.executor.runner import ModelRunner
 from pagedserve.model_shapes import SHAPES
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     model = model_on_device(directory, max_len, device, args.quantization)
     runner = ModelRunner.from_model(config, model)
     graphs = runner.graphs
-    copy_bps = measure_copy_bandwidth(device) if cuda else 0.0
+    copy_bps = runner.copy_bytes_per_s  # what the executor measured at start (and reports on attach)
     print(
         f"runner ready in {time.perf_counter() - t0:.1f} s; copy bandwidth {copy_bps / 1e12:.3f} TB/s "
         f"(read + write); weights read per step {runner.weight_read_bytes / 1e9:.2f} GB "

@@ -64,7 +64,12 @@ def projection_shapes(scale: int = 1) -> dict[str, tuple[int, int]]:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a device-to-device copy of `nbytes`, counting read + write (median of 10)."""
+    """Bytes/s of a device-to-device copy of `nbytes`, counting read + write (median of 10): on
+    CUDA the executor's own measurement (`executor.profiling.measure_copy_bandwidth`)."""
+    if device.type == "cuda":
+        from pagedserve.executor.profiling import measure_copy_bandwidth
+
+        return measure_copy_bandwidth(device, nbytes)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("off the GPU the Triton kernel needs TRITON_INTERPRET=1 (set it before starting)")
     scale = 256 if args.quick else 1
-    copy_bps = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (64 << 20))
+    copy_bps = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (64 << 20))
     print(f"device-to-device copy: {copy_bps / 1e12:.3f} TB/s (read + write)", flush=True)
     rows, sweeps = bench_shapes(device, scale, args.sweep, copy_bps)
     columns = ["shape", "m", "bf16 us", "mm us", "mm+q us", "w8a16 us", "bf16 frac", "mm frac", "w8a16 frac"]
