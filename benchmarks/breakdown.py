@@ -42,7 +42,7 @@ OVERLAP_LAYERS = 8
 M_VALUES = (64, 128, 256, 384, 512, 768, 1024, 2048, 4096, 8192)
 # Kernel name fragments of each kind (cuBLAS names vary by release: sm90_xmma, nvjet, cutlass...).
 KINDS = (
-    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "sm90")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "sm90", "_weight_only_kernel", "split_k_reduce")),
     ("attention decode", ("decode_kernel",)),
     ("attention varlen", ("varlen_kernel",)),
     ("write_kv", ("write_kv",)),

@@ -14,7 +14,8 @@ rotary, SiLU-and-mul) runs as one kernel each (`kernels.layers`).
 
 With `quantization="fp8"` the four projections of each layer (and the experts) are FP8
 (`executor.quantization.Fp8Linear`) and the Llama-order norms and SiLU-and-mul before them hand over
-per-token FP8 activations (`kernels.fp8`); Gemma's norms and GeGLU hand over full precision, which
+per-token FP8 activations (`kernels.fp8`), or at small M model-dtype ones for the weight-only
+kernel (`executor.quantization.weight_only_max_m`); Gemma's norms and GeGLU hand over full precision, which
 Fp8Linear quantizes itself. With an FP8 KV pool each layer's k_scale / v_scale buffers travel with
 its caches to `write_kv` and the attention kernels.
 
@@ -38,7 +39,14 @@ from torch import nn
 from pagedserve import kernels
 from pagedserve.executor.kv_groups import KVCacheGroups
 from pagedserve.executor.moe import SparseMoE
-from pagedserve.executor.quantization import QUANTIZATIONS, Fp8Linear, kv_scale_from_amax
+from pagedserve.executor.quantization import (
+    QUANTIZATIONS,
+    Fp8Linear,
+    fp8_matmul,
+    kv_scale_from_amax,
+    rms_norm_for_fp8,
+    silu_and_mul_for_fp8,
+)
 from pagedserve.executor.rotary import RotaryEmbedding, rope_inv_freq
 from pagedserve.executor.spec import ModelSpec, RopeConfig
 from pagedserve.kernels import fp8, layers
@@ -97,7 +105,7 @@ class RMSNorm(nn.Module):
         if kind == "gemma":
             self._norm = layers.gemma_rms_norm  # an Fp8Linear after it quantizes its input itself
         else:
-            self._norm = fp8.rms_norm_quant if quantize else layers.rms_norm
+            self._norm = rms_norm_for_fp8 if quantize else layers.rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self._norm(x, self.weight, self.eps, residual)
@@ -138,9 +146,7 @@ class Fp8RowParallelLinear(Fp8Linear):
     all_reduce: AllReduce
 
     def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
-        if not isinstance(x, fp8.QuantizedActivation):
-            x = fp8.quantize_per_token(x)
-        y = fp8.fp8_linear(x, self.weight, self.weight_scale, None, self.out_dtype)
+        y = fp8_matmul(x, self.weight, self.weight_scale, None, self.out_dtype)
         self.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
 
@@ -254,7 +260,7 @@ class Attention(nn.Module):
 
 
 _ACTIVATIONS = {  # mlp_act -> (plain, FP8-quantizing) activation of the fused gate_up output
-    "silu": (layers.silu_and_mul, fp8.silu_and_mul_quant),
+    "silu": (layers.silu_and_mul, silu_and_mul_for_fp8),
     "gelu_tanh": (layers.gelu_tanh_and_mul, layers.gelu_tanh_and_mul),  # down_proj quantizes itself
 }
 
@@ -415,6 +421,15 @@ class CausalLM(nn.Module):
         self.final_soft_cap = spec.final_soft_cap
         # Chosen once here, not tested per step: one rank runs the single-device code unchanged.
         self._head = self._logits if computes_logits else _no_logits
+
+    def decode_read_bytes(self) -> int:
+        """Bytes of the parameters a decode step reads: all of them as loaded (FP8 linears at one
+        byte per element, plus their scales), but for the embedding table when the LM head is its
+        own matrix, since a step reads only its tokens' rows of it (1 GB of the 8B shape's 16)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.lm_head is not None:
+            total -= self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+        return total
 
     def set_kv_calibration(self, on: bool) -> None:
         """While on, every layer sets its KV scales from the step's keys and values (eager only)."""

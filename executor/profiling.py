@@ -34,6 +34,38 @@ from pagedserve.executor.step_inputs import build_step_inputs
 
 log = structlog.get_logger(__name__)
 
+# Bytes each buffer of the copy-bandwidth measurement holds: five times the H200's 50 MB of L2, so
+# the copy runs from and to HBM, and small beside any device's free memory before the KV pool.
+COPY_PROBE_BYTES = 256 << 20
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = COPY_PROBE_BYTES, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy of `nbytes`, counting read + write (the convention of
+    shared/bench/WORKLOADS.md: the H200 moved 4.28 TB/s), the median of `repeats`; 0.0 off CUDA.
+
+    What a memory-bound step can reach at best: its read floor is the bytes it must read over this.
+    Measured by the executor at start (before the KV pool exists) and by the benchmarks in the
+    same run as what they compare with it.
+    """
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    seconds = []
+    for _ in range(repeats):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    seconds.sort()
+    return 2 * nbytes / seconds[len(seconds) // 2]
+
+
 # Per graph, for what the decode-pass measurement misses: the driver's instantiated graph, the
 # capture stream's cuBLAS workspace, allocator rounding in the private pool. Measured on an H200
 # (27 graphs, max_num_seqs 256): the decode pass alone reserved 184 MiB while capture took 369 MiB

@@ -10,6 +10,13 @@ made them (`kernels.fp8.rms_norm_quant`, `silu_and_mul_quant`) or are quantized 
 (`quantize_per_token`, the attention output before o_proj). Embeddings, norms and the LM head stay
 in the model dtype.
 
+Small M. A step of at most `weight_only_max_m()` tokens (decode at small batches) is bound by
+reading the weights; there the norms and SiLU-and-mul before an Fp8Linear hand over activations in
+the model dtype (`rms_norm_for_fp8`, `silu_and_mul_for_fp8`) and the projection runs the weight-only
+kernel (`kernels.fp8.weight_only_linear`: the same e4m3 weights and scales, widened in registers),
+saving the activation quantization and `_scaled_mm`'s large-M tiles. The choice depends on the
+step's token count only, a shape, so each CUDA graph (one per padded batch size) captures one path.
+
 KV cache. The pool stores e4m3; each layer's `Attention` owns k_scale / v_scale (float32 [1] on the
 device, read by the kernels through a pointer so CUDA graphs captured before calibration see the
 final values). They come from the checkpoint (`...self_attn.k_scale` / `v_scale`, or
@@ -26,12 +33,13 @@ PAGEDSERVE_FP8_REFERENCE=1 (slow, float32 math: a correctness path, not a servin
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from pagedserve.executor.spec import UnsupportedModelError
-from pagedserve.kernels import fp8
+from pagedserve.kernels import fp8, layers
 
 QUANTIZATIONS = (None, "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -45,6 +53,84 @@ KV_SCALE_HEADROOM = 2.0
 # ...and never a scale below this (a first step of near-zero keys must not make every later key
 # saturate): |values| up to 1 are always representable.
 MIN_KV_SCALE = 1.0 / fp8.FP8_MAX
+
+
+# Steps of at most this many tokens run FP8 projections weight-only (bf16 activations against the
+# widened e4m3 weights), larger ones quantize the activations per token for `_scaled_mm`.
+# NOT YET MEASURED: 16 is a first guess; benchmarks/small_m.py (scripts/gpu-bench.sh latency)
+# measures, for the llama-8b shapes at M = 1..64, where `_scaled_mm` (with its quantizing pass)
+# overtakes the weight-only kernel on the H200, and this constant is to be set from that run.
+WEIGHT_ONLY_MAX_M = 16
+# Overrides WEIGHT_ONLY_MAX_M for the process (read once, at import): benchmarks sweep it, and
+# 0 turns the weight-only path off.
+WEIGHT_ONLY_MAX_M_ENV = "PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M"
+
+
+def _read_weight_only_max_m() -> int:
+    raw = os.environ.get(WEIGHT_ONLY_MAX_M_ENV)
+    if raw is None or raw == "":
+        return WEIGHT_ONLY_MAX_M
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{WEIGHT_ONLY_MAX_M_ENV} must be an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{WEIGHT_ONLY_MAX_M_ENV} must be >= 0, got {value}")
+    return value
+
+
+_weight_only_max_m = _read_weight_only_max_m()
+
+
+def weight_only_max_m() -> int:
+    """The largest step (tokens) whose FP8 projections run weight-only (0: never)."""
+    return _weight_only_max_m
+
+
+def set_weight_only_max_m(value: int) -> None:
+    """Sets the threshold for this process (tests, in-process benchmarks); before any CUDA graph is
+    captured, since a captured graph keeps the path it was captured with."""
+    global _weight_only_max_m
+    if value < 0:
+        raise ValueError(f"weight-only max M must be >= 0, got {value}")
+    _weight_only_max_m = value
+
+
+def uses_weight_only(num_tokens: int) -> bool:
+    """Whether a step of `num_tokens` rows runs its FP8 projections weight-only."""
+    return num_tokens <= _weight_only_max_m
+
+
+def rms_norm_for_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> fp8.QuantizedActivation | torch.Tensor | tuple:
+    """The norm before an Fp8Linear: model-dtype output for the weight-only path, else per-token
+    FP8 activations from the same kernel (`kernels.fp8.rms_norm_quant`)."""
+    norm: Callable = layers.rms_norm if uses_weight_only(x.shape[0]) else fp8.rms_norm_quant
+    return norm(x, weight, eps, residual)
+
+
+def silu_and_mul_for_fp8(x: torch.Tensor) -> fp8.QuantizedActivation | torch.Tensor:
+    """SiLU-and-mul before an FP8 down_proj: as `rms_norm_for_fp8`, by the step's token count."""
+    if uses_weight_only(x.shape[0]):
+        return layers.silu_and_mul(x)
+    return fp8.silu_and_mul_quant(x)
+
+
+def fp8_matmul(
+    x: torch.Tensor | fp8.QuantizedActivation,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """An Fp8Linear's product: `_scaled_mm` for quantized activations; for model-dtype ones the
+    weight-only kernel at small M, else quantized per token first."""
+    if isinstance(x, fp8.QuantizedActivation):
+        return fp8.fp8_linear(x, weight, weight_scale, bias, out_dtype)
+    if uses_weight_only(x.shape[0]):
+        return fp8.weight_only_linear(x, weight, weight_scale, bias, out_dtype)
+    return fp8.fp8_linear(fp8.quantize_per_token(x), weight, weight_scale, bias, out_dtype)
 
 
 class Fp8UnsupportedError(UnsupportedModelError):
@@ -93,7 +179,8 @@ def kv_scale_from_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T (+ b) with W in e4m3 and per-output-channel scales; x quantized per token.
+    """y = x W^T (+ b) with W in e4m3 and per-output-channel scales; x quantized per token, or, at
+    small M, kept in the model dtype for the weight-only kernel (`fp8_matmul`).
 
     Parameters: `weight` [rows, cols] float8_e4m3fn, `weight_scale` [rows] float32, optional `bias`
     [rows] in the model dtype; uninitialised until the loader fills them (see
@@ -114,9 +201,7 @@ class Fp8Linear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
-        if not isinstance(x, fp8.QuantizedActivation):
-            x = fp8.quantize_per_token(x)
-        return fp8.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
+        return fp8_matmul(x, self.weight, self.weight_scale, self.bias, self.out_dtype)
 
 
 def is_fp8_weight(param: torch.Tensor) -> bool:

@@ -35,7 +35,7 @@ from pagedserve.executor.loader import (
 )
 from pagedserve.executor.model import CausalLM
 from pagedserve.executor.plan_check import PlanError, PlanLimits, mask_words, validate_plan
-from pagedserve.executor.profiling import memory_in_use, profile_cuda
+from pagedserve.executor.profiling import measure_copy_bandwidth, memory_in_use, profile_cuda
 from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
 from pagedserve.executor.sampler import SamplingParams, TokenMasks, prompt_logprobs, sample
 from pagedserve.executor.step_inputs import (
@@ -194,6 +194,9 @@ class ModelRunner:
         # Of the host pool (kv_cache.num_cpu_blocks), the share the CPU tier may hold (from_model).
         self.num_cpu_offload_blocks = 0
         self.memory_profile: MemoryProfile | None = None  # what from_model measured on CUDA
+        # A device-to-device copy's bytes/s (read + write), measured by from_model on CUDA (0 off it):
+        # with `weight_read_bytes` and `kv_bytes_per_token`, a step's read floor (AttachResponse).
+        self.copy_bytes_per_s = 0.0
         self.tracer: StepTracer | None = None  # from_model sets it for --step-trace
         self.graphs: StepGraphs | None = None
         self.calibrate_kv_scales = False  # the next step sets the FP8 KV scales (eagerly)
@@ -259,6 +262,7 @@ class ModelRunner:
         kv_dtype = layout.dtype
         windows = model.kv_groups.sliding_windows
         cuda_graphs = device.type == "cuda" and not config.enforce_eager
+        copy_bytes_per_s = measure_copy_bandwidth(device)  # before the pool: it needs 512 MiB free
         memory = None
         if config.num_gpu_blocks_override is None and device.type == "cuda":
             memory = profile_cuda(model, layout, config, max_model_len, cuda_graphs, in_use_at_start)
@@ -305,6 +309,7 @@ class ModelRunner:
         )
         runner.graph_reserve_bytes = graph_reserve
         runner.memory_profile = memory
+        runner.copy_bytes_per_s = copy_bytes_per_s
         runner.num_cpu_offload_blocks = num_offload
         if config.step_trace:
             runner.tracer = StepTracer(config.step_trace, device)
@@ -317,6 +322,19 @@ class ModelRunner:
                 used_gib=round(runner.graphs.device_bytes / 2**30, 3),
             )
         return runner
+
+    @property
+    def weight_read_bytes(self) -> int:
+        """Bytes of weights every decode step reads (`CausalLM.decode_read_bytes`; this rank's)."""
+        return self.model.decode_read_bytes()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers, K and V (what attention reads per context token
+        of full-attention layers; sliding-window layers read at most their window)."""
+        layout = self.kv_cache.layout
+        per_layer = layout.bytes_per_block // (layout.layers_per_block * layout.block_size)
+        return per_layer * self.spec.num_layers
 
     @property
     def num_requests(self) -> int:

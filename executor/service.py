@@ -161,6 +161,9 @@ def attach_response(
         kv_cache_groups=runner.kv_groups.to_proto(),
         num_cpu_offload_blocks=runner.num_cpu_offload_blocks,
         bytes_per_block=runner.kv_cache.layout.bytes_per_block,
+        weight_read_bytes=runner.weight_read_bytes,
+        kv_bytes_per_token=runner.kv_bytes_per_token,
+        copy_bytes_per_s=runner.copy_bytes_per_s,
     )
 
 

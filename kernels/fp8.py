@@ -16,6 +16,11 @@ the plain-torch references below otherwise, `PAGEDSERVE_ATTENTION=reference|trit
 The references define the math: each Triton kernel first computes what the bf16 path computes
 (rounded to the activation dtype at the same points), then quantizes it as `quantize_per_token`
 does. Scales are floored (`MIN_SCALE`) so an all-zero row quantizes to zeros, not NaNs.
+
+Small M (a decode step of a few sequences) takes `weight_only_linear` instead: the same e4m3
+weights and scales against activations left in the model dtype, widened in registers
+(`kernels.triton_fp8_gemv`); which M goes where is the executor's choice
+(`executor.quantization.weight_only_max_m`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ __all__ = [
     "quantize_weight",
     "rms_norm_quant",
     "silu_and_mul_quant",
+    "weight_only_linear",
+    "weight_only_linear_reference",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -154,6 +161,31 @@ def fp8_linear(
     return fp8_linear_reference(x, weight, weight_scale, bias, out_dtype)
 
 
+def weight_only_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y = x @ (weight * weight_scale[:, None])^T (+ bias), x in the model dtype (not quantized).
+
+    Args:
+        x: [M, K] activations (bf16/fp16; float32 on the reference path), rows contiguous.
+        weight: [N, K] float8_e4m3fn, rows contiguous (`Fp8Linear.weight`).
+        weight_scale: [N] float32, one scale per output channel.
+        bias: optional [N] in out_dtype.
+
+    For small M, where the step is bound by reading the weights: the Triton kernel of
+    `kernels.triton_fp8_gemv` for CUDA tensors (or forced, as `kernels.layers`), else the reference.
+    """
+    if _use_triton(x):
+        from pagedserve.kernels import triton_fp8_gemv
+
+        return triton_fp8_gemv.weight_only_linear(x, weight, weight_scale, bias, out_dtype)
+    return weight_only_linear_reference(x, weight, weight_scale, bias, out_dtype)
+
+
 # --------------------------------------------------------------------------------------------- #
 # Plain-torch references
 # --------------------------------------------------------------------------------------------- #
@@ -188,6 +220,20 @@ def fp8_linear_reference(
 ) -> torch.Tensor:
     """See `fp8_linear`: dequantized operands multiplied in float32."""
     out = dequantize(x.data, x.scale) @ dequantize(weight, weight_scale.view(-1, 1)).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def weight_only_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """See `weight_only_linear`: the widened weights multiplied in float32, scaled per output."""
+    out = (x.float() @ weight.float().t()) * weight_scale.view(1, -1).float()
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)

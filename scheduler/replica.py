@@ -85,6 +85,10 @@ class ExecutorInfo:
     sliding_windows: tuple[int | None, ...] = (None,)
     num_cpu_offload_blocks: int = 0  # the CPU tier's share of num_cpu_blocks
     bytes_per_block: int = 0
+    # The read floor of a step (AttachResponse): passed on to Admin.ListExecutors for the bench.
+    weight_read_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    copy_bytes_per_s: float = 0.0
 
     def mismatch(self, other: ExecutorInfo) -> str | None:
         """Why an executor reporting `other` cannot serve beside this one (None: it can). Requests
@@ -118,6 +122,9 @@ class ExecutorStatusView:
     cpu_prefix_cache_hit_tokens: int = 0  # of the hits, tokens loaded from the tier
     kv_offloaded_bytes: int = 0  # GPU -> CPU tier, over the executor's life here
     kv_loaded_bytes: int = 0  # CPU tier -> GPU
+    weight_read_bytes: int = 0  # the read floor's inputs, as reported on attach (ExecutorInfo)
+    kv_bytes_per_token: int = 0
+    copy_bytes_per_s: float = 0.0
 
 
 class ReplicaHost(Protocol):
@@ -270,6 +277,9 @@ class ExecutorReplica:
             cpu_prefix_cache_hit_tokens=counters["cpu_prefix_cache_hit_tokens"],
             kv_offloaded_bytes=counters["kv_offloaded_blocks"] * block_bytes,
             kv_loaded_bytes=counters["kv_loaded_blocks"] * block_bytes,
+            weight_read_bytes=self.info.weight_read_bytes if self.info is not None else 0,
+            kv_bytes_per_token=self.info.kv_bytes_per_token if self.info is not None else 0,
+            copy_bytes_per_s=self.info.copy_bytes_per_s if self.info is not None else 0.0,
         )
 
     # ---- life cycle ---------------------------------------------------------------------------
@@ -362,6 +372,9 @@ class ExecutorReplica:
             sliding_windows=tuple(g.sliding_window or None for g in reply.kv_cache_groups) or (None,),
             num_cpu_offload_blocks=reply.num_cpu_offload_blocks,
             bytes_per_block=reply.bytes_per_block,
+            weight_read_bytes=reply.weight_read_bytes,
+            kv_bytes_per_token=reply.kv_bytes_per_token,
+            copy_bytes_per_s=reply.copy_bytes_per_s,
         )
 
     def _start_core(self, reply: executor_pb2.AttachResponse, info: ExecutorInfo) -> None:

@@ -3,7 +3,7 @@
 #   source scripts/device-env.sh [CHECKOUT]      (default: the current directory)
 # The copy mirrors the wheel's layout: src/pagedserve plus the four root folders as sub-packages.
 _checkout=$(cd "${1:-.}" && pwd)
-_site=/tmp/pagedserve-site
+_site=${PAGEDSERVE_SITE_DIR:-/tmp/pagedserve-site}  # another folder keeps concurrent runs apart
 rm -rf "$_site/pagedserve" && mkdir -p "$_site"
 cp -r "$_checkout/src/pagedserve" "$_site/pagedserve"
 for _d in protos scheduler executor kernels; do cp -r "$_checkout/$_d" "$_site/pagedserve/$_d"; done

@@ -40,6 +40,14 @@
 #              64/128/256 x prefix caching on/off at utilization 0.90; table, tune.json, tune.png
 #   w1-json    W1 and W1-JSON (a JSON schema on every request) with the throughput flags, one after
 #              the other, + python -m benchmarks.structured_masks (mask time per plan, 512 requests)
+#   latency    issue 33, small-batch decode: python -m benchmarks.small_m --sweep (bf16 cuBLAS vs FP8
+#              _scaled_mm vs the weight-only kernel at M = 1..64, fraction of the copy bandwidth: sets
+#              WEIGHT_ONLY_MAX_M), benchmarks.decode_profile (graph-step kernel time by kind vs the
+#              weight + KV read floor, bf16 and FP8), then pagedserve bench at --max-concurrency 1,8,32
+#              (512-token prompts, 256 outputs; ITL/TPOT beside the read floor) per LATENCY_VARIANTS
+#              (default "bf16: fp8:--quantization,fp8": NAME:FLAGS, commas for spaces; add e.g.
+#              "fp8-kv8:--quantization,fp8,--kv-cache-dtype,fp8"); LATENCY_PROMPTS requests per pass (32);
+#              PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M=M in the environment overrides the FP8 threshold
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
@@ -83,7 +91,7 @@ if wants moe; then run moe 300 python3 -m benchmarks.moe --result-file "$OUT/moe
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m benchmarks.fp8 --result-file "$OUT/fp8-kernels.json"; fi
 if wants fp8-quality; then run fp8-quality 300 python3 -m benchmarks.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
 if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp \
-  || wants plan || wants tune || wants w1-json || wants w6-tier; then
+  || wants plan || wants tune || wants w1-json || wants w6-tier || wants latency; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
@@ -144,6 +152,26 @@ if wants w1-fp8; then
     bench "w1-${variant%%:*}" 240 --workload W1 "${fp8_w1[@]}" --scheduler-args "$W1_SCHEDULER_FLAGS" \
       --executor-args "$fp8_executor $W1_EXECUTOR_FLAGS ${variant#*:} --step-trace $trace"
     run "w1-${variant%%:*}-steps" 60 python3 -m pagedserve.executor.step_trace "$trace"
+  done
+fi
+if wants latency; then  # issue 33 (QUICK: the same on the CPU, tiny shapes, the FP8 references)
+  lat_prompts=${LATENCY_PROMPTS:-32} lat_len=(--input-len 512 --output-len 256) lat_conc=1,8,32
+  lat_sm=(python3 -m benchmarks.small_m --sweep) lat_dp=() lat_warm=4
+  if [ -n "${QUICK:-}" ]; then  # the Triton kernel interpreted
+    lat_prompts=4 lat_len=(--input-len 16:48 --output-len 4:8) lat_conc=1,2,4 lat_warm=0
+    lat_sm=(env TRITON_INTERPRET=1 "${lat_sm[@]}" --device cpu --quick)
+    lat_dp=(--device cpu --batches 1,2 --context 32 --steps 4 --replays 2)
+  fi
+  run small-m 400 "${lat_sm[@]}" --result-file "$OUT/small-m.json"
+  for quant in bf16 fp8; do
+    qflag=() && [ "$quant" = fp8 ] && qflag=(--quantization fp8)
+    run "decode-profile-$quant" 200 python3 -m benchmarks.decode_profile "${qflag[@]}" "${lat_dp[@]}" \
+      --result-file "$OUT/decode-profile-$quant.json"
+  done
+  for variant in ${LATENCY_VARIANTS:-bf16: fp8:--quantization,fp8}; do
+    variant=${variant//,/ }  # "fp8-kv8:--quantization,fp8,--kv-cache-dtype,fp8": commas for spaces
+    bench "latency-${variant%%:*}" 420 --num-prompts "$lat_prompts" "${lat_len[@]}" --request-rate inf \
+      --num-warmups "$lat_warm" --max-concurrency "$lat_conc" --executor-args "$fp8_executor ${variant#*:}"
   done
 fi
 if wants w5-fp8; then

@@ -15,7 +15,14 @@ from typing import Any
 import grpc
 
 from pagedserve.bench.baselines import run_hf_cb, run_hf_static
-from pagedserve.bench.client import PassResult, SendOptions, get_model_info, run_pass, warmup_requests
+from pagedserve.bench.client import (
+    PassResult,
+    SendOptions,
+    get_model_info,
+    read_floor_inputs,
+    run_pass,
+    warmup_requests,
+)
 from pagedserve.bench.launch import LaunchError, launched_server
 from pagedserve.bench.metrics import compare_outputs, output_matches, summarize
 from pagedserve.bench.report import baseline_table, results_table, write_plot
@@ -78,6 +85,14 @@ def _rates_text(text: str) -> str:
     return text
 
 
+def _concurrencies(text: str) -> list[int]:
+    """N, or N1,N2,...: positive integers (one pass per value)."""
+    values = [int(part) for part in text.split(",")]
+    for value in values:
+        _positive(value)
+    return values
+
+
 _RATE = "'inf' or a positive number of requests/s"
 _positive_int = _flag_type("a positive integer", lambda t: _positive(int(t)))
 _non_negative_int = _flag_type("an integer >= 0", lambda t: _non_negative(int(t)))
@@ -124,9 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-concurrency",
-        type=_positive_int,
+        type=_flag_type("a positive integer or comma-separated ones", _concurrencies),
         default=None,
-        help="requests in flight at most (default: no limit)",
+        help="requests in flight at most (default: no limit); N1,N2,...: one pass per limit (at each "
+        "rate), tabled together, e.g. 1,8,32 for per-token latency at small batches",
     )
     p.add_argument(
         "--num-turns",
@@ -289,10 +305,11 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
     return workload, rates
 
 
-def send_options(args: argparse.Namespace) -> SendOptions:
-    return SendOptions(
-        args.temperature, args.ignore_eos, args.seed, args.max_concurrency, args.request_timeout
-    )
+def send_options(args: argparse.Namespace, max_concurrency: int | None = None) -> SendOptions:
+    """The send options of a pass at `max_concurrency` (default: the first --max-concurrency)."""
+    if max_concurrency is None and args.max_concurrency:
+        max_concurrency = args.max_concurrency[0]
+    return SendOptions(args.temperature, args.ignore_eos, args.seed, max_concurrency, args.request_timeout)
 
 
 def _measure(
@@ -307,15 +324,19 @@ def _measure(
             f"pagedserve bench: no pagedserve server answers at {address} ({exc.code().name}: "
             f"{exc.details()}); start one (pagedserve serve) or pass --launch --model DIR"
         ) from None
-    options = send_options(args)
     if args.num_warmups:
         warmup = warmup_requests(args.num_warmups, info.vocab_size, info.max_model_len)
-        run_pass(address, warmup, math.inf, options, "warmup")
-    planned = plan_passes(workload, list(rates), info.vocab_size, info.max_model_len or None, tag)
+        run_pass(address, warmup, math.inf, send_options(args), "warmup")
+    floor = read_floor_inputs(address)  # after the warm-up: the executors have attached
+    # One pass per (limit, rate), each with fresh prompts (`plan_passes` seeds pass k with seed + k).
+    limits = args.max_concurrency or [None]
+    pairs = [(limit, rate) for limit in limits for rate in rates]
+    planned = plan_passes(workload, [r for _, r in pairs], info.vocab_size, info.max_model_len or None, tag)
     passes = []
-    for p in planned:
-        passes.append(run_pass(address, p.requests, p.request_rate, options, p.label))
-        passes[-1].seed = p.seed
+    for (limit, _), p in zip(pairs, planned, strict=True):
+        label = p.label + (f", concurrency {limit}" if len(limits) > 1 else "")
+        passes.append(run_pass(address, p.requests, p.request_rate, send_options(args, limit), label))
+        passes[-1].seed, passes[-1].max_concurrency, passes[-1].floor_inputs = p.seed, limit, floor
     return planned[0].requests, passes
 
 
@@ -574,6 +595,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("pagedserve bench: --through-openai URL goes to a running gateway (no --launch)")
     if args.openai_gateways > 1 and not args.compare_openai:
         raise SystemExit("pagedserve bench: --openai-gateways launches gateways for --compare-openai")
+    if args.max_concurrency and len(args.max_concurrency) > 1 and (
+        args.in_process or args.compare_in_process or args.compare_openai or args.through_openai
+        or args.compare_prefix_caching
+    ):  # fmt: skip
+        raise SystemExit(
+            "pagedserve bench: a list of --max-concurrency limits runs gRPC passes only (no in-process, "
+            "OpenAI or prefix-caching comparison); give one limit"
+        )
     if (args.openai_client_processes or 1) > 1 and args.max_concurrency:
         raise SystemExit(
             "pagedserve bench: --max-concurrency is one limit over all requests: it needs one client "

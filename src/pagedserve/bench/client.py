@@ -84,6 +84,40 @@ class PassResult:
     seed: int | None = None  # the prompts' seed
     client_cpu_s: float | None = None  # CPU seconds the client spent sending, where measured
     gateway_cpu_s: float | None = None  # CPU seconds of the launched OpenAI gateway(s) over the pass
+    max_concurrency: int | None = None  # the pass's --max-concurrency (None: no limit)
+    floor_inputs: ReadFloorInputs | None = None  # what the executors reported (Admin.ListExecutors)
+
+
+@dataclass(frozen=True)
+class ReadFloorInputs:
+    """What the per-step read floor needs from the executors (admin.proto's ExecutorStatus, as
+    each executor reported it on attach): the weight bytes a decode step reads, the KV bytes of one
+    context token, a device-to-device copy's bytes/s (read + write; 0 off CUDA), and how many
+    executors share the requests (each reads its own weights)."""
+
+    weight_read_bytes: int
+    kv_bytes_per_token: int
+    copy_bytes_per_s: float
+    num_executors: int = 1
+
+
+def read_floor_inputs(address: str, timeout: float = 10.0) -> ReadFloorInputs | None:
+    """The first attached executor's floor inputs behind the scheduler at `address` (None when none
+    is attached or the scheduler predates the fields)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            listed = admin_pb2_grpc.AdminStub(channel).ListExecutors(
+                admin_pb2.ListExecutorsRequest(), timeout=timeout
+            )
+        except grpc.RpcError:
+            return None
+    attached = [e for e in listed.executors if e.attached and e.weight_read_bytes]
+    if not attached:
+        return None
+    first = attached[0]
+    return ReadFloorInputs(
+        first.weight_read_bytes, first.kv_bytes_per_token, first.copy_bytes_per_s, len(attached)
+    )
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from pagedserve.bench.client import PassResult, RequestRecord
+from pagedserve.bench.client import PassResult, ReadFloorInputs, RequestRecord
 
 PERCENTILES = (50, 90, 99)
 # SchedulerStats counters of the scheduling core (engine-level steps and tokens_generated survive
@@ -83,6 +83,42 @@ def server_metrics(result: PassResult) -> dict | None:
     }
 
 
+def read_floor(records: Sequence[RequestRecord], inputs: ReadFloorInputs | None) -> dict | None:
+    """The least time a decode step of this pass could take: the bytes it must read (every weight
+    once, and the KV of every running sequence's context) over the measured copy bandwidth.
+
+    The batch and the context come from what the client saw: the decode batch is the mean number
+    of requests between their first and last token over the decode phase (divided among the
+    executors), and the context of a decoding request grows from its prompt to prompt + output,
+    so its mean is prompt + output / 2 (weighted by how long each request decoded). A step of that
+    batch reads weight_read_bytes + batch * context * kv_bytes_per_token. Per-token latency
+    (ITL, TPOT) is a step's time, so it is compared with this floor directly. None when the
+    executors reported no copy bandwidth (off CUDA) or nothing decoded.
+    """
+    if inputs is None or inputs.copy_bytes_per_s <= 0:
+        return None
+    spans = [
+        (r.message_times[0], r.message_times[-1], r.prompt_len + r.num_output / 2)
+        for r in records
+        if r.ok and len(r.message_times) > 1
+    ]
+    busy = sum(end - first for first, end, _ in spans)
+    if busy <= 0:
+        return None
+    window = max(end for _, end, _ in spans) - min(first for first, _, _ in spans)
+    batch = busy / window / max(inputs.num_executors, 1)
+    context = sum((end - first) * ctx for first, end, ctx in spans) / busy
+    kv_bytes = batch * context * inputs.kv_bytes_per_token
+    return {
+        "decode_batch": batch,
+        "mean_context_tokens": context,
+        "weight_read_bytes": inputs.weight_read_bytes,
+        "kv_read_bytes": kv_bytes,
+        "copy_bytes_per_s": inputs.copy_bytes_per_s,
+        "floor_ms": 1000 * (inputs.weight_read_bytes + kv_bytes) / inputs.copy_bytes_per_s,
+    }
+
+
 def summarize(result: PassResult) -> dict:
     """Every metric of a pass, JSON-ready, with per-request records."""
     records = result.records
@@ -92,6 +128,14 @@ def summarize(result: PassResult) -> dict:
     output_tokens = sum(r.num_output for r in ok)
     cached_tokens = sum(r.cached_prompt_tokens for r in ok)
     errors = Counter(r.error.split(":", 1)[0] for r in records if not r.ok)
+    tpot, itl = (
+        distribution([r.tpot for r in ok if r.tpot is not None]),
+        distribution([x for r in ok for x in r.itls()]),
+    )
+    floor = read_floor(records, result.floor_inputs)
+    if floor is not None:  # per-token latency over the floor: 1.0 would be reading at copy speed
+        for name, value in (("itl_p50", itl["p50"]), ("itl_p99", itl["p99"]), ("tpot_mean", tpot["mean"])):
+            floor[f"{name}_over_floor"] = None if value is None else value / floor["floor_ms"]
     return {
         "label": result.label,
         "request_rate": "inf" if math.isinf(result.request_rate) else result.request_rate,
@@ -111,8 +155,10 @@ def summarize(result: PassResult) -> dict:
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": distribution([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": distribution([x for r in ok for x in r.itls()]),
+        "max_concurrency": result.max_concurrency,
+        "tpot_ms": tpot,
+        "itl_ms": itl,
+        "read_floor": floor,
         "e2e_ms": distribution([r.e2e for r in ok]),
         "server": server_metrics(result),
         "throughput_timeline": throughput_timeline(records, result.start),

@@ -23,6 +23,20 @@ def _pct(value: float | None) -> str | None:
     return None if value is None else f"{value:.1%}"
 
 
+def _batch_context(floor: dict) -> str | None:
+    return f"{floor['decode_batch']:.1f} x {floor['mean_context_tokens']:,.0f}" if floor else None
+
+
+def _gb(floor: dict) -> str | None:
+    if not floor:
+        return None
+    return f"{floor['weight_read_bytes'] / 1e9:.2f} + {floor['kv_read_bytes'] / 1e9:.2f}"
+
+
+def _ratio(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}x"
+
+
 def results_table(
     runs: Sequence[dict], comparison: dict | None = None, comparison_title: str = "prefix caching on vs off"
 ) -> str:
@@ -33,6 +47,8 @@ def results_table(
         rows.append([name, *(_fmt(v) for v in values)])
 
     add("request rate (req/s)", [r["request_rate"] for r in runs])
+    if any(r.get("max_concurrency") for r in runs):
+        add("max concurrency", [r.get("max_concurrency") or "none" for r in runs])
     add("requests ok / failed", [f"{r['completed']} / {r['failed']}" for r in runs])
     add("duration (s)", [r["duration_s"] for r in runs])
     add("request throughput (req/s)", [r["request_throughput"] for r in runs])
@@ -44,6 +60,14 @@ def results_table(
     for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         for stat in ("mean", "p50", "p90", "p99"):
             add(f"{name} {stat} (ms)", [r[key][stat] for r in runs])
+    floors = [r.get("read_floor") or {} for r in runs]
+    if any(floors):  # beside the per-token latencies: what a step must read, at copy speed
+        add("decode batch (mean) x context", [_batch_context(f) for f in floors])
+        add("weight + KV read per step (GB)", [_gb(f) for f in floors])
+        add("read floor per step (ms)", [f.get("floor_ms") for f in floors])
+        add("ITL p50 / floor", [_ratio(f.get("itl_p50_over_floor")) for f in floors])
+        add("ITL p99 / floor", [_ratio(f.get("itl_p99_over_floor")) for f in floors])
+        add("TPOT mean / floor", [_ratio(f.get("tpot_mean_over_floor")) for f in floors])
     servers = [r["server"] or {} for r in runs]
     add("preemptions", [s.get("preemptions") for s in servers])
     add(

@@ -1,0 +1,301 @@
+"""The FP8 weight-only kernel for small M and the executor's choice of it by the step's token count.
+
+Kernel against the plain-torch reference (widen the e4m3 weights, multiply in float32, scale per
+output channel) on fresh random inputs and odd shapes: under the interpreter on the CPU (tiny
+shapes), compiled on CUDA (llama-8b-size rows, inside a CUDA graph too). The dispatch tests run
+the references on the CPU and record which product each Fp8Linear call took.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.executor import quantization
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.quantization import Fp8Linear
+from pagedserve.executor.runner import ModelRunner
+from pagedserve.kernels import fp8
+from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
+from tests.triton_marks import DEVICE, INTERPRETED, needs_cuda, needs_triton
+
+
+def _operands(m: int, n: int, k: int, seed: int, bias: bool = True, device: str = DEVICE):
+    """bf16 activations, e4m3 weights with per-row scales (from random bf16, rows of different
+    magnitudes, as `quantize_weight` makes them), an optional bf16 bias."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-2, 0, n)[:, None]
+    wq, ws = fp8.quantize_weight(w.to(torch.bfloat16))
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return move(x), move(wq), move(ws), move(b)
+
+
+def _assert_close_to_reference(got: torch.Tensor, x, wq, ws, b) -> None:
+    """Equal to the float32 reference but for the bf16 output's rounding (half an ulp; a whole one
+    under the interpreter, which truncates) and the order of the float32 sums."""
+    want = fp8.weight_only_linear_reference(x, wq, ws, b, torch.float32)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    err = (got.float() - want).abs()
+    bound = want.abs() * (2**-7 if INTERPRETED else 2**-8) + 1e-5 * want.abs().amax()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g} (worst bound {bound.min().item():.3g})"
+
+
+# --------------------------------------------------------------------------------------------- #
+# The kernel (interpreted off the GPU: tiny shapes)
+# --------------------------------------------------------------------------------------------- #
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "m, n, k",
+    [(1, 37, 300), (2, 19, 520), (4, 24, 1100), (5, 33, 129), (13, 70, 513), (17, 40, 200), (64, 17, 96)],
+)
+def test_weight_only_kernel_matches_reference_on_odd_shapes(m, n, k):
+    """The table's configuration for each M (CUDA-core sums for a few rows, tensor cores above),
+    K and N not multiples of any tile, a bias; split-K wherever N gives too few programs."""
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    x, wq, ws, b = _operands(m, n, k, seed=m * 1000 + n)
+    _assert_close_to_reference(gemv.weight_only_linear(x, wq, ws, b, torch.bfloat16), x, wq, ws, b)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(block_m=16, block_n=16, block_k=32, use_dot=True, split_k=3),  # split-K, tensor cores
+        dict(block_m=2, block_n=8, block_k=64, use_dot=False, split_k=1),  # one split, M tiled
+        dict(block_m=1, block_n=32, block_k=16, use_dot=False, split_k=64),  # more splits than K steps
+    ],
+)
+def test_weight_only_kernel_launch_variants(config):
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    x, wq, ws, b = _operands(5, 45, 150, seed=7, bias=config["split_k"] != 3)
+    got = gemv.weight_only_linear(x, wq, ws, b, torch.bfloat16, gemv.GemvConfig(**config))
+    _assert_close_to_reference(got, x, wq, ws, b)
+
+
+@needs_triton
+def test_weight_only_kernel_edge_shapes():
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    x, wq, ws, b = _operands(3, 24, 64, seed=3)
+    assert gemv.weight_only_linear(x[:0], wq, ws, b, torch.bfloat16).shape == (0, 24)
+    strided = torch.zeros(3, 100, dtype=torch.bfloat16, device=x.device)
+    strided[:, :64] = x  # rows contiguous, row stride 100
+    _assert_close_to_reference(
+        gemv.weight_only_linear(strided[:, :64], wq, ws, None, torch.bfloat16), x, wq, ws, None
+    )
+
+
+def test_split_k_fills_the_device_and_keeps_loops_long():
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    cpu = torch.device("cpu")  # planned for 132 SMs
+    one = gemv.config_for(1)
+    assert one.block_n == 16 and not one.use_dot
+    # o_proj at M=1: 256 tiles of 16 rows, 528 programs wanted, but K=4096 has 8 steps of 512: 2
+    assert gemv._split_k(one, 1, 4096, 4096, cpu) == 2
+    assert gemv._split_k(one, 1, 4096, 14336, cpu) == 3  # down_proj: 28 steps
+    # the LM head has 8016 tiles already: no split
+    assert gemv._split_k(one, 1, 128256, 4096, cpu) == 1
+    # a short K is never cut below 4 steps of block_k
+    assert gemv._split_k(gemv.config_for(64), 64, 64, 1024, cpu) == 2
+    assert gemv._split_k(gemv.GemvConfig(1, 16, 512, False, split_k=8), 1, 16, 1024, cpu) == 2
+    assert [gemv.config_for(m).block_m for m in (1, 2, 3, 4, 8, 16, 17, 32, 64, 100)] == [
+        1, 2, 4, 4, 16, 16, 32, 32, 64, 64,
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="power of two"):
+        gemv.GemvConfig(1, 24, 64, False)
+    with pytest.raises(ValueError, match=">= 16"):
+        gemv.GemvConfig(8, 64, 64, True)
+
+
+def test_reference_is_the_widened_product():
+    x, wq, ws, b = _operands(4, 12, 40, seed=5, device="cpu")
+    got = fp8.weight_only_linear(x.float(), wq, ws, b, torch.float32)  # CPU tensors: the reference
+    want = x.float() @ (wq.float() * ws[:, None]).t() + b.float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------- #
+# The executor's choice by M
+# --------------------------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def threshold():
+    """Sets the weight-only threshold for one test and restores it."""
+    before = quantization.weight_only_max_m()
+    yield quantization.set_weight_only_max_m
+    quantization.set_weight_only_max_m(before)
+
+
+def test_threshold_env_var(monkeypatch):
+    monkeypatch.delenv(quantization.WEIGHT_ONLY_MAX_M_ENV, raising=False)
+    assert quantization._read_weight_only_max_m() == quantization.WEIGHT_ONLY_MAX_M
+    monkeypatch.setenv(quantization.WEIGHT_ONLY_MAX_M_ENV, "48")
+    assert quantization._read_weight_only_max_m() == 48
+    monkeypatch.setenv(quantization.WEIGHT_ONLY_MAX_M_ENV, "0")
+    assert quantization._read_weight_only_max_m() == 0
+    for bad in ("-1", "many"):
+        monkeypatch.setenv(quantization.WEIGHT_ONLY_MAX_M_ENV, bad)
+        with pytest.raises(ValueError, match=quantization.WEIGHT_ONLY_MAX_M_ENV):
+            quantization._read_weight_only_max_m()
+
+
+def _recording(monkeypatch) -> list[str]:
+    """Which FP8 product each call took ("weight_only" or "scaled_mm"), in order."""
+    calls: list[str] = []
+    weight_only, scaled = fp8.weight_only_linear, fp8.fp8_linear
+
+    def record_weight_only(x, *args, **kwargs):
+        assert not isinstance(x, fp8.QuantizedActivation)
+        calls.append("weight_only")
+        return weight_only(x, *args, **kwargs)
+
+    def record_scaled(x, *args, **kwargs):
+        assert isinstance(x, fp8.QuantizedActivation)
+        calls.append("scaled_mm")
+        return scaled(x, *args, **kwargs)
+
+    monkeypatch.setattr(fp8, "weight_only_linear", record_weight_only)
+    monkeypatch.setattr(fp8, "fp8_linear", record_scaled)
+    return calls
+
+
+def test_fp8_linear_dispatches_by_m(monkeypatch, threshold):
+    threshold(4)
+    calls = _recording(monkeypatch)
+    layer = Fp8Linear(12, 40, True, torch.device("cpu"), torch.float32)
+    x, wq, ws, b = _operands(6, 12, 40, seed=9, device="cpu")
+    layer.weight.data.copy_(wq)
+    layer.weight_scale.data.copy_(ws)
+    layer.bias.data.copy_(b.float())
+    x = x.float()
+    small, large = layer(x[:4]), layer(x)
+    assert calls == ["weight_only", "scaled_mm"]
+    torch.testing.assert_close(small, fp8.weight_only_linear_reference(x[:4], wq, ws, b, torch.float32))
+    layer(fp8.quantize_per_token(x[:1]))  # already quantized: _scaled_mm whatever M
+    assert calls[-1] == "scaled_mm"
+    threshold(0)  # off
+    layer(x[:1])
+    assert calls[-1] == "scaled_mm"
+    assert small.shape == (4, 12) and large.shape == (6, 12)
+
+
+def test_norm_and_activation_before_fp8_hand_over_by_m(threshold):
+    threshold(3)
+    x, weight = torch.randn(5, 32), torch.rand(32) + 0.5
+    assert isinstance(quantization.rms_norm_for_fp8(x, weight, 1e-5), fp8.QuantizedActivation)
+    small = quantization.rms_norm_for_fp8(x[:3], weight, 1e-5)
+    assert isinstance(small, torch.Tensor) and small.dtype == torch.float32
+    normed, residual = quantization.rms_norm_for_fp8(x[:3], weight, 1e-5, torch.ones(3, 32))
+    assert isinstance(normed, torch.Tensor) and residual.shape == (3, 32)
+    assert isinstance(quantization.silu_and_mul_for_fp8(torch.randn(3, 64)), torch.Tensor)
+    assert isinstance(quantization.silu_and_mul_for_fp8(torch.randn(4, 64)), fp8.QuantizedActivation)
+
+
+def test_fp8_model_decodes_weight_only_and_prefills_with_scaled_mm(tiny_model_dir, monkeypatch, threshold):
+    """The tiny model through the runner (references on the CPU): prompt chunks above the threshold
+    take `_scaled_mm`, decode steps the weight-only product, and with the weight-only path the
+    logits of a short step are closer to float32's (no activation quantization) and within the
+    FP8 tolerance of `test_fp8.test_fp8_prompt_logits_close_to_full_precision`."""
+    from pagedserve.executor.step_inputs import build_step_inputs
+
+    monkeypatch.setenv("PAGEDSERVE_FP8_REFERENCE", "1")
+    model_dir = tiny_model_dir
+    base = dict(
+        model=str(model_dir), device="cpu", num_gpu_blocks_override=8, max_model_len=128, swap_space=0.001
+    )
+    runners = {q: ModelRunner.create(ExecutorConfig(**base, quantization=q)) for q in (None, "fp8")}
+    prompt = list(range(3, 15))  # 12 tokens
+    logits = {}
+    calls = _recording(monkeypatch)
+    for name, quant, max_m in (("full", None, 0), ("scaled", "fp8", 0), ("weight_only", "fp8", 16)):
+        threshold(max_m)
+        calls.clear()
+        inputs = build_step_inputs([prompt], [0], [[0]], [True], 16, torch.device("cpu"))
+        runner = runners[quant]
+        logits[name] = runner.model(inputs.input_ids, inputs.meta, runner.kv_cache.layer_caches(), None)
+        per_layer = 4 * runner.model.spec.num_layers
+        if quant:
+            assert calls == [name if name == "weight_only" else "scaled_mm"] * per_layer
+    full = logits["full"]
+    rel = {k: ((logits[k] - full).norm() / full.norm()).item() for k in ("scaled", "weight_only")}
+    print(f"prompt logits vs float32: relative error {rel}")
+    assert rel["weight_only"] < rel["scaled"] < 0.15
+
+
+def test_fp8_greedy_run_takes_both_paths(tiny_model_dir, monkeypatch, threshold):
+    """Chunked prefill of 9 tokens per step and decodes of two sequences at a threshold of 4:
+    both products run, every token comes out (agreement with float32 is `test_fp8`'s business)."""
+    from tests.test_fp8 import _greedy
+
+    threshold(4)
+    monkeypatch.setenv("PAGEDSERVE_FP8_REFERENCE", "1")
+    calls = _recording(monkeypatch)
+    model_dir = tiny_model_dir
+    base = dict(
+        model=str(model_dir), device="cpu", num_gpu_blocks_override=32, max_model_len=128, swap_space=0.001
+    )
+    runner = ModelRunner.create(ExecutorConfig(**base, quantization="fp8"))
+    got = _greedy(runner, {1: list(range(3, 24)), 2: list(range(40, 75, 2))}, 4)
+    assert all(len(tokens) == 4 for tokens in got.values())
+    assert {"weight_only", "scaled_mm"} <= set(calls)
+
+
+# --------------------------------------------------------------------------------------------- #
+# CUDA only: compiled kernel at llama-8b row sizes, and inside a CUDA graph
+# --------------------------------------------------------------------------------------------- #
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 16, 17, 31, 32, 48, 64])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1000, 4100), (4099, 1032)])
+def test_cuda_weight_only_kernel_matches_reference(m, n, k):
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    x, wq, ws, b = _operands(m, n, k, seed=m + n + k, bias=m % 2 == 1, device="cuda")
+    _assert_close_to_reference(gemv.weight_only_linear(x, wq, ws, b, torch.bfloat16), x, wq, ws, b)
+
+
+@needs_cuda
+def test_cuda_weight_only_kernel_in_a_cuda_graph():
+    """Warmed up once, captured, replayed on new inputs in the same buffers: the split-K workspace
+    comes from the graph's pool and nothing syncs during capture."""
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    x, wq, ws, _ = _operands(4, 4096, 4096, seed=11, bias=False, device="cuda")
+    gemv.weight_only_linear(x, wq, ws, None, torch.bfloat16)  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv.weight_only_linear(x, wq, ws, None, torch.bfloat16)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close_to_reference(out, x, wq, ws, None)
+
+
+@needs_cuda
+def test_cuda_fp8_greedy_with_and_without_weight_only(tmp_path, threshold):
+    """The compiled path end to end (decode graphs captured with each path): greedy tokens with
+    the weight-only path against `_scaled_mm` throughout, agreement printed, not required."""
+    from tests.test_fp8 import _agreement, _greedy
+
+    model_dir = write_tiny_model(tmp_path / "m", TinyModelSpec())
+    prompts = {1: list(range(3, 24)), 2: list(range(40, 75, 2)), 3: list(range(100, 180, 3))}
+    base = dict(
+        model=str(model_dir), device="cuda", dtype="bfloat16", num_gpu_blocks_override=64, max_model_len=256
+    )
+    tokens = {}
+    for max_m in (0, 64):
+        threshold(max_m)
+        runner = ModelRunner.create(ExecutorConfig(**base, quantization="fp8"))
+        tokens[max_m] = _greedy(runner, prompts, 16)
+        assert runner.stats.graph_steps > 0
+    print(f"CUDA greedy agreement weight-only vs scaled_mm: {_agreement(tokens[64], tokens[0]):.2f}")
