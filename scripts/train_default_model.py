@@ -2,6 +2,8 @@
 
     python -m scripts.train_default_model --device cuda --output DIR   # the shipped weights
     python -m scripts.train_default_model --device cpu --quick --output DIR   # a smoke run
+    python -m scripts.train_default_model --draft-of src/pagedserve/models/default --output DIR
+        # the built-in model's draft for speculative decoding: its tokenizer, a smaller shape
 
 Nothing is downloaded: the corpus is the running Python's standard library plus a fixed list of
 installed packages (Python source and documentation). Files are listed in sorted order and split
@@ -100,6 +102,17 @@ QUICK = replace(
     tokenizer_train_bytes=256 << 10,
     held_out_eval_bytes=32 << 10,
     packages=(),  # the standard library alone: listing every package costs seconds
+)
+# The draft model of speculative decoding (`--draft-of`): the target's tokenizer, 2 layers and the
+# target's KV shape (2 KV heads of 64), so that its KV fits the same block pool; ~6.6 MB in bf16.
+DRAFT = replace(
+    Hyper(),
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    train_seconds=120.0,
 )
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 # A plain-text chat format: the model has seen Markdown headings in documentation, nothing else.
@@ -237,7 +250,12 @@ def train(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
-    hyper = QUICK if args.quick else CUDA
+    hyper = QUICK if args.quick else DRAFT if args.draft_of else CUDA
+    if args.draft_of:  # the target's tokenizer, so that token ids mean the same in both models
+        from tokenizers import Tokenizer
+
+        target_tokenizer = Tokenizer.from_file(str(Path(args.draft_of) / "tokenizer.json"))
+        hyper = replace(hyper, vocab_size=target_tokenizer.get_vocab_size())
     if args.train_seconds is not None:
         hyper = replace(hyper, train_seconds=args.train_seconds)
     device = args.device
@@ -268,7 +286,7 @@ def train(args: argparse.Namespace) -> dict:
             break
         tokenizer_texts.append(text)
         size += len(text.encode())
-    tokenizer = train_tokenizer(tokenizer_texts, hyper.vocab_size)
+    tokenizer = target_tokenizer if args.draft_of else train_tokenizer(tokenizer_texts, hyper.vocab_size)
     train_docs = encode_documents(tokenizer, train_texts)
     held_docs = encode_documents(tokenizer, held_texts)
     stream = np.fromiter((t for doc in train_docs for t in doc), dtype=np.int64)
@@ -453,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--quick", action="store_true", help="a tiny model and corpus (CPU smoke test)")
     parser.add_argument("--output", required=True, help="model directory to write")
+    parser.add_argument("--draft-of", default=None, help="train a draft model with this model's tokenizer")
     parser.add_argument("--report-dir", default=None, help="where loss_curve.png and training.json go")
     parser.add_argument("--train-seconds", type=float, default=None, help="override the time budget")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile on CUDA")
