@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.flags import exit_bad_flags
+from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.common.tls import ServerTls, TlsConfigError
 from pagedserve.executor.lease import DEFAULT_LEASE_TIMEOUT_S
 
@@ -98,8 +99,14 @@ class ExecutorConfig:
     metrics_port: int | None = None
     tensor_parallel_size: int = 1
     disable_hybrid_kv_cache_manager: bool = False
+    # Speculative decoding (its JSON text, a dict or a SpeculativeConfig; None: off): the executor
+    # loads the draft_model method's draft; n-gram proposals come in the plans.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # ValueError naming the field
+            spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
+            object.__setattr__(self, "speculative_config", spec)
         problems = []
         if not self.model:
             problems.append("model must name a checkpoint directory")
@@ -143,6 +150,8 @@ class ExecutorConfig:
             problems.append(f"metrics_port must be in 1..65535, got {self.metrics_port}")
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            problems.append("speculative_config does not work with tensor_parallel_size > 1 yet")
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
 
@@ -305,5 +314,10 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
         "--disable-hybrid-kv-cache-manager", action="store_true",
         help="one block table for every layer: sliding-window layers keep the blocks their window "
         "left behind (by default they are freed); for comparisons",
+    )  # fmt: skip
+    group.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, as the scheduler\'s flag (`serve` gives both the same): the '
+        'executor loads {"method": "draft_model", "model": DIR, ...}\'s draft; default: off',
     )  # fmt: skip
     return parser

@@ -42,6 +42,7 @@ class PlanLimits:
     max_num_seqs: int
     max_held_requests: int
     sliding_windows: tuple[int | None, ...] = (None,)  # per KV-cache group (executor.kv_groups)
+    has_draft_model: bool = False  # speculative decoding: proposals may come without their ids
 
 
 def sampling_from_proto(s: executor_pb2.Sampling) -> SamplingParams:
@@ -114,16 +115,19 @@ def validate_plan(
         if req.new_blocks:
             _check_tables(where, limits, req.new_blocks, state.num_computed, ends)
             ends = [t.first_index + len(t.block_ids) for t in req.new_blocks]
+        num_draft = req.num_draft_tokens
+        if num_draft or req.draft_token_ids:
+            _check_drafts(where, req, state, limits)
         _check_span(
             where,
             limits,
             state.num_computed,
             req.num_new_tokens,
-            state.num_tokens,
+            state.num_tokens + num_draft,  # proposals follow its known tokens
             table_ends=ends,
             unchecked_blocks=[b for t in req.new_blocks for b in t.block_ids],  # held ones: checked
         )
-        if req.num_new_tokens and state.num_computed + req.num_new_tokens == state.num_tokens:
+        if req.num_new_tokens and state.num_computed + req.num_new_tokens - num_draft == state.num_tokens:
             sampling.add(req.seq_id)
         total_tokens += req.num_new_tokens
     if total_tokens > limits.max_num_batched_tokens:
@@ -139,6 +143,33 @@ def validate_plan(
             f"{limits.max_held_requests} (remove finished requests first)"
         )
     return params
+
+
+def _check_drafts(
+    where: str, req: executor_pb2.RunningRequest, state: HeldRequest, limits: PlanLimits
+) -> None:
+    """Speculative decoding: proposals follow the request's last token, so the step samples it;
+    their ids come with them unless the executor has a draft model to propose them."""
+    num_draft = req.num_draft_tokens
+    if len(req.draft_token_ids) > num_draft or num_draft >= max(req.num_new_tokens, 1):
+        raise PlanError(
+            f"{where}: {len(req.draft_token_ids)} draft_token_ids, num_draft_tokens {num_draft} of "
+            f"num_new_tokens {req.num_new_tokens} (proposals follow at least one token)"
+        )
+    if state.num_computed + req.num_new_tokens - num_draft != state.num_tokens:
+        raise PlanError(
+            f"{where}: {num_draft} proposals must follow its last token (num_computed "
+            f"{state.num_computed} + {req.num_new_tokens - num_draft} != its {state.num_tokens} tokens)"
+        )
+    if len(req.draft_token_ids) != num_draft and not (limits.has_draft_model and not req.draft_token_ids):
+        raise PlanError(
+            f"{where}: {num_draft} proposals without their draft_token_ids, and the executor has no "
+            "draft model"
+        )
+    if req.draft_token_ids and max(req.draft_token_ids) >= limits.vocab_size:
+        raise PlanError(
+            f"{where}: draft token id {max(req.draft_token_ids)} >= vocab_size {limits.vocab_size}"
+        )
 
 
 def mask_words(vocab_size: int) -> int:

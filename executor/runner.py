@@ -38,6 +38,7 @@ from pagedserve.executor.plan_check import PlanError, PlanLimits, mask_words, va
 from pagedserve.executor.profiling import measure_copy_bandwidth, memory_in_use, profile_cuda
 from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
 from pagedserve.executor.sampler import SamplingParams, TokenMasks, prompt_logprobs, sample
+from pagedserve.executor.spec_decode import VerifyLayout, verify_point_mass
 from pagedserve.executor.step_inputs import (
     HostBatch,
     RequestSlots,
@@ -97,6 +98,14 @@ class PendingStep:
     prompt_logprobs: torch.Tensor | None = None
     done: torch.cuda.Event | None = None  # None on the CPU (everything ran synchronously)
     trace: StepRecord | None = None  # with --step-trace
+    # Speculative decoding: the verified requests and their proposal counts, their emitted tokens
+    # ([S, K + 1] host tensors, the first counts[i] of row i valid), and every sampling request's
+    # id in plan order (the output's order).
+    spec: list[tuple[RequestState, int]] = field(default_factory=list)
+    spec_token_ids: torch.Tensor | None = None
+    spec_counts: torch.Tensor | None = None
+    spec_logprobs: torch.Tensor | None = None
+    order: list[SeqId] = field(default_factory=list)
 
     def ready(self) -> bool:
         """Whether finishing it would not block."""
@@ -136,7 +145,15 @@ def kv_cache_layout(config: ExecutorConfig, model: CausalLM) -> KVCacheLayout:
 @dataclass(slots=True)
 class _Scheduled:
     state: RequestState
-    num_new: int
+    num_new: int  # proposals included
+    num_draft: int = 0  # speculative decoding: the last num_draft new tokens are proposals
+    drafts: np.ndarray | None = None  # their ids (int64)
+
+    @property
+    def samples(self) -> bool:
+        """Whether its computed tokens (proposals aside) reach its end: the step samples it."""
+        st = self.state
+        return st.num_computed + self.num_new - self.num_draft == st.num_tokens
 
 
 class ModelRunner:
@@ -200,6 +217,9 @@ class ModelRunner:
         self.tracer: StepTracer | None = None  # from_model sets it for --step-trace
         self.graphs: StepGraphs | None = None
         self.calibrate_kv_scales = False  # the next step sets the FP8 KV scales (eagerly)
+        # Speculative decoding's draft model, as AttachResponse reports it ("" / 0: none).
+        self.draft_model_dir = ""
+        self.num_speculative_tokens = 0
         if cuda_graphs:
             self.graphs = StepGraphs(
                 model, self._layer_caches, self.slots, decode_graph_sizes(max_num_seqs),
@@ -386,8 +406,11 @@ class ModelRunner:
         """Waits for a launched step's sampled tokens and reports them, in plan order."""
         if pending.done is not None:
             pending.done.synchronize()
-        output = executor_pb2.StepOutput(step_id=pending.step_id, seq_ids=pending.seq_ids)
-        if pending.seq_ids:
+        if pending.spec:
+            output = self._finish_spec(pending)
+        else:
+            output = executor_pb2.StepOutput(step_id=pending.step_id, seq_ids=pending.seq_ids)
+        if pending.seq_ids and not pending.spec:
             output.token_ids.extend(pending.token_ids.tolist())
             if pending.logprobs is None:
                 output.logprobs.extend([0.0] * len(pending.seq_ids))
@@ -408,6 +431,36 @@ class ModelRunner:
         self._busy_until = now
         if pending.trace is not None:
             self.tracer.finished(pending.trace)
+        return output
+
+    def _finish_spec(self, pending: PendingStep) -> executor_pb2.StepOutput:
+        """The output of a step that verified proposals: each request's tokens in plan order, with
+        their counts. The verified requests' state advances by what was accepted, and their tables
+        end at the block of their last token, as the scheduler trims its copy."""
+        runs: dict[SeqId, tuple[list[int], list[float]]] = {}
+        if pending.seq_ids:
+            logprobs = pending.logprobs.tolist() if pending.logprobs is not None else None
+            sampled = pending.token_ids.tolist()
+            for i, (seq_id, token) in enumerate(zip(pending.seq_ids, sampled, strict=True)):
+                want = pending.wants_logprobs[i] and logprobs is not None
+                runs[seq_id] = ([token], [logprobs[i] if want else 0.0])
+        counts = pending.spec_counts.tolist()
+        tokens = pending.spec_token_ids.tolist()
+        spec_logprobs = None if pending.spec_logprobs is None else pending.spec_logprobs.tolist()
+        for i, ((st, num_draft), count) in enumerate(zip(pending.spec, counts, strict=True)):
+            lps = spec_logprobs[i][:count] if spec_logprobs and st.sampling.return_logprobs else [0.0] * count
+            runs[st.seq_id] = (tokens[i][:count], lps)
+            st.num_tokens += count
+            st.num_computed -= num_draft - (count - 1)
+            end = -(-st.num_tokens // self.block_size)
+            st.table_ends = [min(e, end) for e in st.table_ends]
+        output = executor_pb2.StepOutput(step_id=pending.step_id)
+        for seq_id in pending.order:
+            run_tokens, run_logprobs = runs[seq_id]
+            output.seq_ids.append(seq_id)
+            output.num_tokens.append(len(run_tokens))
+            output.token_ids.extend(run_tokens)
+            output.logprobs.extend(run_logprobs)
         return output
 
     def _admit(self, plan: executor_pb2.StepPlan, new_params: list[SamplingParams]) -> list[_Scheduled]:
@@ -435,22 +488,36 @@ class ModelRunner:
             for group, table in enumerate(req.new_blocks):  # appended at each table's end (checked)
                 self.slots.set_blocks(state.slot, table.first_index, table.block_ids, group)
                 state.table_ends[group] += len(table.block_ids)
-            scheduled.append(_Scheduled(state, req.num_new_tokens))
+            if req.num_draft_tokens:
+                drafts = np.fromiter(req.draft_token_ids, dtype=np.int64, count=len(req.draft_token_ids))
+                scheduled.append(_Scheduled(state, req.num_new_tokens, req.num_draft_tokens, drafts))
+            else:
+                scheduled.append(_Scheduled(state, req.num_new_tokens))
         self.slots.flush()
         return scheduled
 
     def _host_batch(self, scheduled: list[_Scheduled]) -> HostBatch:
         """The step's inputs on the host: one cheap pass per sequence, then NumPy over tokens."""
         rows, starts, q_lens, samples, chunks = [], [], [], [], []
+        fed: list[int] | None = None
         empty = np.zeros(0, dtype=np.int64)
         for s in scheduled:
             st = s.state
-            start, end, known = st.num_computed, st.num_computed + s.num_new, len(st.known_ids)
+            start, known = st.num_computed, len(st.known_ids)
+            end = start + s.num_new - s.num_draft  # proposals aside
             rows.append(st.slot)
             starts.append(start)
             q_lens.append(s.num_new)
-            samples.append(end == st.num_tokens)
-            chunks.append(st.known_ids[start : min(end, known)] if start < known else empty)
+            samples.append(end == st.num_tokens and not s.num_draft)  # verified rows: `_spec_rows`
+            chunk = st.known_ids[start : min(end, known)] if start < known else empty
+            if s.num_draft:
+                if fed is None:
+                    fed = [len(c) if q > len(c) else -1 for c, q in zip(chunks, q_lens, strict=False)]
+                fed.append(len(chunk) if end - start > len(chunk) else -1)
+                chunk = np.concatenate([chunk, s.drafts])
+            elif fed is not None:
+                fed.append(len(chunk) if s.num_new > len(chunk) else -1)
+            chunks.append(chunk)
         return build_host_batch(
             rows=np.array(rows, dtype=np.int64),
             starts=np.array(starts, dtype=np.int64),
@@ -459,7 +526,20 @@ class ModelRunner:
             host_chunks=chunks,
             table=self.slots.table_host,
             block_size=self.block_size,
+            fed_offsets=None if fed is None else np.array(fed, dtype=np.int64),
         )
+
+    @staticmethod
+    def _spec_rows(scheduled: list[_Scheduled], batch: HostBatch) -> np.ndarray:
+        """The token rows of the verified requests' last num_draft + 1 tokens, in plan order."""
+        ends = batch.cu_seqlens[1:]
+        return np.concatenate(
+            [
+                ends[i] - 1 - s.num_draft + np.arange(s.num_draft + 1)
+                for i, s in enumerate(scheduled)
+                if s.num_draft
+            ]
+        ).astype(np.int64)
 
     def _prompt_logprob_rows(
         self, scheduled: list[_Scheduled], batch: HostBatch, pending: PendingStep
@@ -489,15 +569,23 @@ class ModelRunner:
         """Queues the forward pass (a CUDA graph replay when one fits), the sampler, the
         device-side token feed and the copy of the sampled tokens to the host."""
         batch = self._host_batch(scheduled)
-        sampling = [s.state for s in scheduled if s.state.num_computed + s.num_new == s.state.num_tokens]
+        verified = [s for s in scheduled if s.num_draft and s.samples]
+        sampling = [s.state for s in scheduled if s.samples and not s.num_draft]
+        if verified:
+            pending.order = [s.state.seq_id for s in scheduled if s.samples]
+        spec_rows = self._spec_rows(scheduled, batch) if verified else np.zeros(0, dtype=np.int64)
         prompt_rows, prompt_targets = self._prompt_logprob_rows(scheduled, batch, pending)
         for s in scheduled:
             s.state.num_computed += s.num_new
         calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
-        # Prompt logprobs need logits at more rows than the graphs compute: those steps run eagerly,
-        # as does the step that calibrates the FP8 KV scales.
+        # Prompt logprobs and verification need logits at more rows than the graphs compute: those
+        # steps run eagerly, as does the step that calibrates the FP8 KV scales.
         graph = (
-            not calibrate and self.graphs is not None and not len(prompt_rows) and self.graphs.can_run(batch)
+            not calibrate
+            and self.graphs is not None
+            and not len(prompt_rows)
+            and not verified
+            and self.graphs.can_run(batch)
         )
         if pending.trace is not None:
             self.tracer.forward_starts(pending.trace, batch, graph)
@@ -509,21 +597,56 @@ class ModelRunner:
             indices = None if batch.decode_only else inputs.logits_indices
             if calibrate:
                 self.model.set_kv_calibration(True)
-            if len(prompt_rows):
-                extra, targets = int64_to_device([prompt_rows, prompt_targets], self.device)
+            if len(prompt_rows) or verified:
+                rows = np.concatenate([spec_rows, prompt_rows])
+                extra, targets = int64_to_device([rows, prompt_targets], self.device)
                 indices = torch.cat([inputs.logits_indices, extra])
             logits = self.model(inputs.input_ids, inputs.meta, self._layer_caches, indices)
             if calibrate:
                 self.model.set_kv_calibration(False)
             sample_rows = inputs.sample_rows
             if len(prompt_rows):
-                logits = self._prompt_logprobs(logits, len(batch.logits_indices), targets, pending)
-        if not sampling:
-            if self.device.type == "cuda" and pending.prompt_spans:
-                pending.done = torch.cuda.Event()
-                pending.done.record()
-            return
-        self._sample(logits, sample_rows, sampling, pending, self._token_masks(plan, sampling))
+                num_rows = len(batch.logits_indices) + len(spec_rows)
+                logits = self._prompt_logprobs(logits, num_rows, targets, pending)
+        num_sampled = len(batch.logits_indices)
+        if sampling:
+            masks = self._token_masks(plan, sampling)
+            self._sample(logits[:num_sampled] if verified else logits, sample_rows, sampling, pending, masks)
+        if verified:
+            self._verify(logits[num_sampled:], verified, pending)
+        if not sampling and not verified and self.device.type == "cuda" and pending.prompt_spans:
+            pending.done = torch.cuda.Event()
+            pending.done.record()
+
+    def _verify(self, logits: torch.Tensor, verified: list[_Scheduled], pending: PendingStep) -> None:
+        """Speculative decoding: accepts each verified request's proposals (`executor.spec_decode`),
+        feeds its last emitted token to its next step on the device and starts copying the runs to
+        the host. Its state advances in `finish`, once the counts are known there: the scheduler
+        plans its next step only after this output (scheduler/core.py)."""
+        states = [s.state for s in verified]
+        num_drafts = np.array([s.num_draft for s in verified], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]]).astype(np.int64)
+        layout = VerifyLayout(num_drafts, offsets)
+        draft_rows = np.concatenate([np.append(s.drafts[: s.num_draft], -1) for s in verified])
+        banned = [
+            st.sampling.banned_ids(st.num_tokens - st.num_prompt + j)
+            for st, d in zip(states, num_drafts.tolist(), strict=True)
+            for j in range(d + 1)
+        ]
+        draft_ids, slots = int64_to_device([draft_rows, np.array([st.slot for st in states])], self.device)
+        result = verify_point_mass(
+            logits, draft_ids, [st.sampling for st in states], [st.num_tokens for st in states], layout,
+            banned if any(banned) else None,
+        )  # fmt: skip
+        self._feed(slots, result.last_token)
+        pending.spec = [(st, s.num_draft) for st, s in zip(states, verified, strict=True)]
+        pending.spec_token_ids = to_host(result.token_ids)
+        pending.spec_counts = to_host(result.counts)
+        if any(st.sampling.return_logprobs for st in states) and result.logprobs is not None:
+            pending.spec_logprobs = to_host(result.logprobs)
+        if self.device.type == "cuda":
+            pending.done = torch.cuda.Event()
+            pending.done.record()
 
     def _token_masks(self, plan: executor_pb2.StepPlan, sampling: list[RequestState]) -> TokenMasks | None:
         """The plan's packed next-token masks (structured outputs) on the device, lined up with the

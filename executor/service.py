@@ -164,6 +164,8 @@ def attach_response(
         weight_read_bytes=runner.weight_read_bytes,
         kv_bytes_per_token=runner.kv_bytes_per_token,
         copy_bytes_per_s=runner.copy_bytes_per_s,
+        draft_model=runner.draft_model_dir,
+        num_speculative_tokens=runner.num_speculative_tokens,
     )
 
 

@@ -143,6 +143,7 @@ def build_host_batch(
     host_chunks: Sequence[np.ndarray],
     table: np.ndarray,
     block_size: int,
+    fed_offsets: np.ndarray | None = None,
 ) -> HostBatch:
     """Flattens the scheduled sequences into one batch, vectorised over tokens.
 
@@ -154,6 +155,9 @@ def build_host_batch(
         host_chunks: per sequence, the host-known ids of its new tokens: a prefix of them. The rest
             (at most one: the token the executor sampled last) comes from `last_token[row]`.
         table: host block tables [G, rows, width], indexed by group and row.
+        fed_offsets: speculative decoding: [S] the offset of the one token fed from `last_token`
+            (-1: none); the host chunk then holds every other new token (a sequence's proposals
+            follow its fed token). None: the default above.
     """
     num_seqs = len(rows)
     cu = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -167,7 +171,10 @@ def build_host_batch(
         positions % block_size
     )
     host_lens = np.fromiter((len(c) for c in host_chunks), dtype=np.int64, count=num_seqs)
-    from_host = offsets < host_lens[seq_of_token]
+    if fed_offsets is None:
+        from_host = offsets < host_lens[seq_of_token]
+    else:
+        from_host = offsets != fed_offsets[seq_of_token]
     host_ids = np.zeros(num_tokens, dtype=np.int64)
     if host_lens.any():
         host_ids[from_host] = np.concatenate([c for c in host_chunks if len(c)])

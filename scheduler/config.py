@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.common.kv_sizing import blocks_per_sequence
+from pagedserve.common.speculative import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -28,6 +29,9 @@ class SchedulerConfig:
             sliding window (see scheduler.kv_cache_manager).
         num_cpu_offload_blocks: of the num_cpu_blocks, the most the prefix cache's CPU tier may
             hold (0: no tier; see scheduler.kv_tier).
+        speculative: speculative decoding (--speculative-config; None: off): the scheduler makes
+            the n-gram proposals, reserves KV slots for the proposed tokens and trims what was not
+            accepted (see scheduler/core.py).
     """
 
     block_size: int = 16
@@ -40,6 +44,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     sliding_windows: tuple[int | None, ...] = (None,)
     num_cpu_offload_blocks: int = 0
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in (

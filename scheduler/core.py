@@ -22,6 +22,20 @@ Unconstrained requests are untouched: without a constrained request a plan carri
 nothing here costs anything. The price is the constrained requests' own speed (half the tokens per
 step at most); the executor is never made to wait.
 
+Speculative decoding (``config.speculative``) uses the same rule: in a step where speculation is on
+(at most ``disable_by_batch_size`` requests running), a request is given tokens only with no output
+pending, since its proposals need its latest tokens and its slots depend on how many were accepted.
+A request whose scheduled tokens reach its end then also gets up to k proposed tokens
+(``RunningPlan.draft_token_ids``: n-gram proposals made here, scheduler.ngram; or, for the
+draft_model method, only their count, the executor's draft proposes them), capped by max_tokens and
+the step's budget, with KV slots for them (``num_computed_tokens`` counts them while the step is in
+flight, ``num_draft_tokens`` says how many). Its output carries the accepted proposals plus one
+token; ``process_output`` takes the rejected ones back out of ``num_computed_tokens`` and trims the
+request's tables to the block of its last token. The prefix cache registers only blocks full of
+known tokens (``min(num_computed, num_known)``), and proposals are never known tokens until they
+are accepted, so no registered block ever holds a rejected token. Constrained requests do not
+speculate. Without a speculative config nothing here costs anything.
+
 Order within a step:
 1. running requests, by (priority, arrival): decodes and ongoing prefill chunks; a request that
    needs a block when none is free pre-empts the lowest-priority, latest-arrived running request
@@ -45,6 +59,7 @@ import structlog
 from pagedserve.scheduler.block_pool import BlockHash
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import NO_HIT, BlockSpan, KVCacheManager, PrefixHit
+from pagedserve.scheduler.ngram import propose_ngram
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 from pagedserve.scheduler.structured import batch_matcher, fill_bitmasks
 
@@ -68,8 +83,10 @@ class RunningPlan:
     """A request the executor holds: append blocks, compute tokens (pagedserve.v1.RunningRequest)."""
 
     seq_id: SeqId
-    num_new_tokens: int
+    num_new_tokens: int  # proposed tokens included
     new_blocks: list[BlockSpan]  # per KV-cache group; empty when no group got a block
+    num_draft_tokens: int = 0  # speculative decoding: the last num_draft_tokens are proposals
+    draft_token_ids: list[int] = field(default_factory=list)  # n-gram: their ids (draft_model: none)
 
 
 @dataclass(slots=True)
@@ -130,6 +147,10 @@ class SchedulerStats:
     kv_loaded_blocks: int = 0  # blocks copied CPU tier -> GPU (on a hit)
     cpu_tier_blocks: int = 0  # gauge: blocks the CPU tier holds
     cpu_tier_capacity_blocks: int = 0  # gauge: the most it may hold
+    spec_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of them, accepted
+    spec_steps: int = 0  # verifications (one per request per step with proposals)
+    spec_accepted_per_pos: tuple[int, ...] = ()  # accepted proposals by position (0 = first)
 
 
 @dataclass(slots=True)
@@ -187,6 +208,12 @@ class Scheduler:
         self._prefix_query_tokens = 0
         self._cpu_prefix_hit_tokens = 0
         self._batch_matcher = None  # xgrammar's, made for the first plan with constrained requests
+        self._spec = config.speculative
+        self._spec_on = False  # speculation in the step being planned (disable_by_batch_size)
+        self._spec_draft_tokens = 0
+        self._spec_accepted_tokens = 0
+        self._spec_steps = 0
+        self._spec_accepted_per_pos = [0] * (self._spec.num_speculative_tokens if self._spec else 0)
         self.mask_seconds: list[float] = []  # per plan with masks: the time filling them took
 
     # ---- requests ------------------------------------------------------------------------------
@@ -260,6 +287,10 @@ class Scheduler:
         )
         self._next_step_id += 1
         self._removed = []
+        spec = self._spec
+        self._spec_on = spec is not None and (
+            spec.disable_by_batch_size is None or len(self._running) <= spec.disable_by_batch_size
+        )
         self._schedule_running(step)
         # A step that had to pre-empt has no room to admit anyone (and must not re-admit a victim).
         if not step.preempted:
@@ -282,13 +313,39 @@ class Scheduler:
             if step.budget == 0:
                 continue
             num_new = min(wanted, step.budget, max(1, step.budget - step.unserved))
-            new_blocks = self._allocate_or_preempt(request, request.num_computed_tokens + num_new, step)
+            num_draft, drafts = 0, []
+            if self._spec_on and num_new == wanted:
+                num_draft, drafts = self._propose(request, num_new, step)
+            total = num_new + num_draft
+            new_blocks = self._allocate_or_preempt(request, request.num_computed_tokens + total, step)
             if new_blocks is None:
                 continue  # it pre-empted itself
-            running_plan = RunningPlan(request.seq_id, num_new, new_blocks)
+            running_plan = RunningPlan(request.seq_id, total, new_blocks, num_draft, drafts)
             step.plan.running.append(running_plan)
             step.running_plans[request.seq_id] = running_plan
-            self._schedule_tokens(request, num_new, step)
+            self._schedule_tokens(request, total, step, num_draft)
+
+    def _propose(self, request: Request, num_new: int, step: _Step) -> tuple[int, list[int]]:
+        """Speculative decoding: how many tokens to propose after the `num_new` tokens that reach
+        the request's end, and their ids (n-gram; the draft_model method leaves them to the
+        executor's draft), within max_tokens (the accepted ones and the bonus token must fit) and
+        the step's budget (the requests still unserved keep one token each); (0, []): none."""
+        spec = self._spec
+        assert spec is not None
+        if request.grammar is not None or request.num_pending_outputs:
+            return 0, []
+        room = min(
+            spec.num_speculative_tokens,
+            request.max_tokens - request.num_sampled_tokens - 1,
+            step.budget - num_new - step.unserved,
+        )
+        if room < 1:
+            return 0, []
+        if spec.method == "draft_model":
+            return room, []
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        drafts = propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return len(drafts), drafts
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, step: _Step) -> list[BlockSpan] | None:
         """Allocates blocks for a running request, pre-empting the lowest-priority, latest-arrived
@@ -409,10 +466,11 @@ class Scheduler:
         )
         self._schedule_tokens(request, num_new, step)
 
-    def _schedule_tokens(self, request: Request, num_new: int, step: _Step) -> None:
+    def _schedule_tokens(self, request: Request, num_new: int, step: _Step, num_draft: int = 0) -> None:
         """Counts ``num_new`` tokens as computed and registers the blocks they fill in the prefix
         cache (requests admitted later in this step may share them); if that reaches the end, the
-        step samples a token."""
+        step samples a token. The last ``num_draft`` of them are proposals (never registered: they
+        are not known tokens)."""
         start = request.num_computed_tokens
         if start < request.num_prompt_tokens:  # (a decode step's token is past the prompt)
             self._prompt_tokens_computed += min(request.num_prompt_tokens - start, num_new)
@@ -420,8 +478,9 @@ class Scheduler:
         step.budget -= num_new
         if self.kv_cache_manager.cache_full_blocks(request):
             step.shared.add(request.seq_id)
-        if request.num_computed_tokens == request.num_tokens:
+        if request.num_computed_tokens - num_draft == request.num_tokens:
             request.num_pending_outputs += 1
+            request.num_draft_tokens = num_draft
             step.sampling.add(request.seq_id)
 
     def _unschedule(self, request: Request, step: _Step) -> None:
@@ -437,6 +496,7 @@ class Scheduler:
         if request.seq_id in step.sampling:
             step.sampling.remove(request.seq_id)
             request.num_pending_outputs -= 1
+            request.num_draft_tokens = 0
 
     def _preempt(self, request: Request, step: _Step) -> None:
         """Pre-empts a running request: swap its KV out (swap mode, if the CPU pool has room) or free
@@ -500,35 +560,78 @@ class Scheduler:
 
     # ---- outputs -------------------------------------------------------------------------------
 
-    def process_output(self, step_id: int, seq_ids: list[int], token_ids: list[int]) -> list[Request]:
+    def process_output(
+        self,
+        step_id: int,
+        seq_ids: list[int],
+        token_ids: list[int],
+        num_tokens: Sequence[int] = (),
+    ) -> list[Request]:
         """Fills in the tokens sampled in step ``step_id``.
 
-        Each listed live request gets its token appended (``num_pending_outputs -= 1``). A request
+        Each listed live request gets its tokens appended (``num_pending_outputs -= 1``):
+        ``num_tokens[i]`` of them for ``seq_ids[i]`` (one each when empty), its accepted proposals
+        and one more; the rejected proposals' slots are taken back (``_settle_drafts``). A request
         whose outputs reach ``max_tokens`` is finished here (blocks freed, status FINISHED).
 
         Returns:
-            The requests that got a token, in output order: live ones, plus those this call finished
+            The requests that got tokens, in output order: live ones, plus those this call finished
             by length (status FINISHED). Outputs of aborted requests are ignored.
         """
-        if len(seq_ids) != len(token_ids):
-            raise ValueError(f"step {step_id}: {len(seq_ids)} seq ids but {len(token_ids)} tokens")
+        counts = list(num_tokens) if num_tokens else [1] * len(seq_ids)
+        if len(counts) != len(seq_ids) or sum(counts) != len(token_ids):
+            raise ValueError(
+                f"step {step_id}: {len(seq_ids)} seq ids, {len(counts)} token counts summing to "
+                f"{sum(counts)}, but {len(token_ids)} tokens"
+            )
         expected = self._in_flight.pop(step_id, set())
         updated: list[Request] = []
-        for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
+        offset = 0
+        for seq_id, count in zip(seq_ids, counts, strict=True):
+            tokens = token_ids[offset : offset + count]
+            offset += count
             request = self._requests.get(SeqId(seq_id))
             if request is None:
                 continue  # finished or aborted while the step ran
-            if seq_id not in expected or request.num_pending_outputs == 0:
+            if seq_id not in expected or request.num_pending_outputs == 0 or count < 1:
                 log.warning("unexpected_output", step_id=step_id, seq_id=seq_id)
                 continue
-            request.output_token_ids.append(token_id)
+            if count > request.num_draft_tokens + 1:
+                log.error("more tokens than proposals", step_id=step_id, seq_id=seq_id, count=count)
+                tokens = tokens[: request.num_draft_tokens + 1]
             request.num_pending_outputs -= 1
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                log.error("token outside the grammar", seq_id=seq_id, token_id=token_id, step_id=step_id)
+            if request.num_draft_tokens:
+                self._settle_drafts(request, len(tokens) - 1)
+            room = request.max_tokens - len(request.output_token_ids)
+            for token_id in tokens[:room]:
+                request.output_token_ids.append(token_id)
+                if request.grammar is not None and not request.grammar.accept(token_id):
+                    log.error("token outside the grammar", seq_id=seq_id, token_id=token_id, step_id=step_id)
             updated.append(request)
             if len(request.output_token_ids) >= request.max_tokens:
                 self.abort_request(request.seq_id)
         return updated
+
+    def _settle_drafts(self, request: Request, num_accepted: int) -> None:
+        """Speculative decoding: of the request's ``num_draft_tokens`` proposals in flight,
+        ``num_accepted`` were accepted. The rejected ones' slots leave ``num_computed_tokens`` and,
+        while it runs, its tables are trimmed to the block that holds its last token (the slot the
+        token sampled after the accepted ones takes); the executor trims its copy the same way."""
+        num_draft, request.num_draft_tokens = request.num_draft_tokens, 0
+        num_accepted = min(num_accepted, num_draft)
+        self._spec_steps += 1
+        self._spec_draft_tokens += num_draft
+        self._spec_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self._spec_accepted_per_pos[position] += 1
+        request.num_draft_tokens_total += num_draft
+        request.num_accepted_tokens_total += num_accepted
+        if request.status is RequestStatus.WAITING:
+            return  # pre-empted by recompute while the step ran: nothing computed is kept
+        request.num_computed_tokens -= num_draft - num_accepted
+        if request.status is RequestStatus.RUNNING:
+            # Its tokens once this output is in: the known ones plus the accepted and the bonus.
+            self.kv_cache_manager.trim(request, request.num_computed_tokens + 1)
 
     # ---- helpers and stats ---------------------------------------------------------------------
 
@@ -537,8 +640,10 @@ class Scheduler:
         KV is never needed), and 0 for a constrained request while a token of it is in flight."""
         if request.num_sampled_tokens >= request.max_tokens:
             return 0
-        if request.grammar is not None and request.num_pending_outputs:
-            return 0  # its next mask needs the token in flight (see the module docstring)
+        if request.num_pending_outputs and (
+            request.grammar is not None or self._spec_on or request.num_draft_tokens
+        ):
+            return 0  # its next mask, or its proposals and slots, need the output in flight
         return request.num_tokens - request.num_computed_tokens
 
     def _remove_running(self, request: Request) -> None:
@@ -579,6 +684,10 @@ class Scheduler:
             kv_loaded_blocks=self.kv_cache_manager.num_loaded_blocks,
             cpu_tier_blocks=len(tier) if (tier := self.kv_cache_manager.tier) is not None else 0,
             cpu_tier_capacity_blocks=tier.capacity if tier is not None else 0,
+            spec_draft_tokens=self._spec_draft_tokens,
+            spec_accepted_tokens=self._spec_accepted_tokens,
+            spec_steps=self._spec_steps,
+            spec_accepted_per_pos=tuple(self._spec_accepted_per_pos),
         )
 
     @property

@@ -41,6 +41,7 @@ from pagedserve.scheduler.replica import (
     ExecutorInfo,
     ExecutorReplica,
     ExecutorStatusView,
+    add_counter,
 )
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 from pagedserve.scheduler.router import Router
@@ -131,9 +132,12 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
     for r in plan.running:
         if r.new_blocks:
             new_blocks = [BlockTable(first_index=first, block_ids=ids) for first, ids in r.new_blocks]
-            add_running(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens, new_blocks=new_blocks)
+            running = add_running(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens, new_blocks=new_blocks)
         else:
-            add_running(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens)
+            running = add_running(seq_id=r.seq_id, num_new_tokens=r.num_new_tokens)
+        if r.num_draft_tokens:  # speculative decoding
+            running.num_draft_tokens = r.num_draft_tokens
+            running.draft_token_ids.extend(r.draft_token_ids)
     return message
 
 
@@ -223,7 +227,7 @@ class Engine:
         counters = dict(self._dropped)
         for replica in self._replicas.values():
             for name, value in replica.counters().items():
-                counters[name] += value
+                counters[name] = add_counter(counters[name], value)
         return SchedulerStats(
             num_waiting=sum(s.num_waiting for s in cores) + len(self._unplaced),
             num_running=sum(s.num_running for s in cores),
@@ -365,6 +369,13 @@ class Engine:
         return sum(1 for r in self._replicas.values() if r.attached and r is not replica) < limit
 
     def admit_executor(self, replica: ExecutorReplica, info: ExecutorInfo) -> str | None:
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "draft_model" and info.draft_model != spec.model:
+            have = f"draft model {info.draft_model!r}" if info.draft_model else "no draft model"
+            return (
+                f"--speculative-config's draft_model method needs the executor to load the draft "
+                f"{spec.model!r}; it has {have} (give the executor the same --speculative-config)"
+            )
         for other in self._attached_replicas():
             if other is not replica and other.info is not None:
                 reason = other.info.mismatch(info)
@@ -405,7 +416,10 @@ class Engine:
         assert core is not None
         self.steps += 1
         seq_ids, token_ids = list(output.seq_ids), list(output.token_ids)
-        core.process_output(output.step_id, seq_ids, token_ids)
+        counts = list(output.num_tokens)
+        core.process_output(output.step_id, seq_ids, token_ids, counts)
+        if counts:  # speculative decoding: one seq id per token; a stop ends the run where it is
+            seq_ids = [seq_id for seq_id, count in zip(seq_ids, counts, strict=True) for _ in range(count)]
         logprobs = output.logprobs
         get_active = self._active.get
         for i, (seq_id, token_id) in enumerate(zip(seq_ids, token_ids, strict=True)):
@@ -414,7 +428,7 @@ class Engine:
                 continue  # aborted
             completion = active.completion
             if completion.finish_reason is not None:
-                continue  # the one discarded token after a late stop
+                continue  # the one discarded token after a late stop, or the rest of an accepted run
             self.tokens_generated += 1
             request = active.request
             logprob = logprobs[i] if request.sampling.return_logprobs else None
@@ -486,7 +500,7 @@ class Engine:
         if epoch:
             await replica.detach(epoch)
         for name, value in replica.counters().items():
-            self._dropped[name] += value
+            self._dropped[name] = add_counter(self._dropped[name], value)
         del self._replicas[replica.address]
         with contextlib.suppress(Exception):
             await replica.transport.close()

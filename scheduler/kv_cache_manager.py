@@ -519,6 +519,25 @@ class KVCacheManager:
         for table in tables or ():
             self.block_pool.free(reversed(table.held()))
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Speculative decoding: frees the blocks of the request's tables past the one that holds
+        position ``num_tokens - 1`` (slots reserved for proposals that were rejected). They were
+        allocated for the proposals alone, so none is shared or registered: the prefix cache
+        registers only blocks full of known tokens. Returns how many blocks it freed."""
+        tables = self._tables.get(request.seq_id)
+        if not tables:
+            return 0
+        end = _cdiv(num_tokens, self.block_size)
+        freed = 0
+        for table in tables:
+            if len(table.blocks) > end:
+                tail = table.blocks[max(end, table.first) :]
+                del table.blocks[max(end, table.first) :]
+                self.block_pool.free(reversed(tail))  # type: ignore[arg-type]
+                freed += len(tail)
+        assert self._num_cached_blocks.get(request.seq_id, 0) <= end
+        return freed
+
     def forget(self, seq_id: SeqId) -> None:
         """Drops what is kept for a request across preemptions (its hash chain); on finish."""
         self._hashes.pop(seq_id, None)

@@ -60,7 +60,21 @@ COUNTERS = (
     "cpu_prefix_cache_hit_tokens",
     "kv_offloaded_blocks",
     "kv_loaded_blocks",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_steps",
+    "spec_accepted_per_pos",  # a tuple: summed position by position (`add_counter`)
 )
+
+
+def add_counter(a: int | tuple[int, ...], b: int | tuple[int, ...]) -> int | tuple[int, ...]:
+    """a + b for a counter of COUNTERS: ints, or tuples of ints added position by position (0, the
+    starting value, counts as the empty tuple)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a + b
+    a_t, b_t = (() if x == 0 else tuple(x) for x in (a, b))  # type: ignore[arg-type]
+    longer, shorter = (a_t, b_t) if len(a_t) >= len(b_t) else (b_t, a_t)
+    return tuple(x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer))
 
 
 class LeaseLost(Exception):
@@ -89,6 +103,9 @@ class ExecutorInfo:
     weight_read_bytes: int = 0
     kv_bytes_per_token: int = 0
     copy_bytes_per_s: float = 0.0
+    # Speculative decoding's draft model, as loaded by the executor ("" and 0: none).
+    draft_model: str = ""
+    num_speculative_tokens: int = 0
 
     def mismatch(self, other: ExecutorInfo) -> str | None:
         """Why an executor reporting `other` cannot serve beside this one (None: it can). Requests
@@ -249,7 +266,7 @@ class ExecutorReplica:
         if self.scheduler is not None:
             stats = self.scheduler.stats
             for name in COUNTERS:
-                totals[name] += getattr(stats, name)
+                totals[name] = add_counter(totals[name], getattr(stats, name))
         return totals
 
     def core_stats(self) -> SchedulerStats | None:
@@ -375,6 +392,8 @@ class ExecutorReplica:
             weight_read_bytes=reply.weight_read_bytes,
             kv_bytes_per_token=reply.kv_bytes_per_token,
             copy_bytes_per_s=reply.copy_bytes_per_s,
+            draft_model=reply.draft_model,
+            num_speculative_tokens=reply.num_speculative_tokens,
         )
 
     def _start_core(self, reply: executor_pb2.AttachResponse, info: ExecutorInfo) -> None:
@@ -393,6 +412,7 @@ class ExecutorReplica:
                 preemption_mode=config.preemption_mode,
                 sliding_windows=info.sliding_windows,
                 num_cpu_offload_blocks=info.num_cpu_offload_blocks if config.enable_prefix_caching else 0,
+                speculative=config.speculative_config,
             )
         )
         self._heartbeats = True
@@ -405,7 +425,7 @@ class ExecutorReplica:
         if self.scheduler is not None:
             stats = self.scheduler.stats
             for name in COUNTERS:
-                self._retired[name] += getattr(stats, name)
+                self._retired[name] = add_counter(self._retired[name], getattr(stats, name))
             self.scheduler = None
 
     # ---- the step loop ------------------------------------------------------------------------

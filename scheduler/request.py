@@ -62,6 +62,9 @@ class Request:
         grammar: structured outputs: its matcher, which has accepted exactly `output_token_ids`
             (None: unconstrained). A constrained request samples only with no output pending
             (see scheduler/core.py), so that its mask is computed from every token before it.
+        num_draft_tokens: speculative decoding: proposed tokens of the step in flight, counted in
+            `num_computed_tokens` until its output says how many were accepted (0: none).
+        num_draft_tokens_total / num_accepted_tokens_total: its proposals and the accepted ones.
     """
 
     seq_id: SeqId
@@ -80,6 +83,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic, repr=False)
     first_scheduled_time: float | None = field(default=None, repr=False)
     grammar: RequestGrammar | None = field(default=None, repr=False)
+    num_draft_tokens: int = 0
+    num_draft_tokens_total: int = 0
+    num_accepted_tokens_total: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

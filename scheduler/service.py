@@ -274,7 +274,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         )
         core = self.engine.core_stats()
         for f in dataclasses.fields(core):
-            if f.name in admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name:
+            field = admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name.get(f.name)
+            if field is not None and field.is_repeated:
+                getattr(stats, f.name).extend(getattr(core, f.name))
+            elif field is not None:
                 setattr(stats, f.name, getattr(core, f.name))
         return stats
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.flags import exit_bad_flags
+from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.common.tls import ChannelTls, ServerTls
 from pagedserve.scheduler.discovery import parse_executor_target
 from pagedserve.scheduler.router import ROUTING_POLICIES
@@ -62,8 +63,14 @@ class ServiceConfig:
     # One JSON line per finished request (scheduler.request_log); the text too with request_log_text.
     request_log: str | None = None
     request_log_text: bool = False
+    # Speculative decoding (docs/speculative-decoding.md): a SpeculativeConfig, or its JSON text or
+    # dict (the flag's value; made a SpeculativeConfig here). None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # JSON text or a dict: ValueError naming the field
+            spec = SpeculativeConfig.parse(self.speculative_config)  # type: ignore[arg-type]
+            object.__setattr__(self, "speculative_config", spec)
         if not isinstance(self.executors, tuple) or not self.executors:
             raise ValueError(f"executors must be a non-empty tuple of addresses, got {self.executors!r}")
         if len(set(self.executors)) != len(self.executors):
@@ -152,6 +159,13 @@ class ServiceConfig:
                 default=8192,
                 help="tokens per step (the chunked-prefill budget)",
             )
+            group.add_argument(
+                "--speculative-config", default=None, metavar="JSON",
+                help='speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": '
+                'K, "prompt_lookup_max": N, "prompt_lookup_min": M} or {"method": "draft_model", '
+                '"model": DIR, "num_speculative_tokens": K}, optionally "disable_by_batch_size": B '
+                "(the executor takes the same flag; default: off)",
+            )  # fmt: skip
             group.add_argument(
                 "--executor", dest="executors", action="append", default=None, metavar="ADDR",
                 help="executor host:port, or dns:///name:port for every address the name resolves to; "

@@ -54,7 +54,13 @@ CHILD_STOP_MARGIN_S = 15.0
 
 # The batch limits, --max-model-len and the internal token file are defined by the executor's flags
 # and go to both children.
-SHARED_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "internal_token_file")
+SHARED_FLAGS = (
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "internal_token_file",
+    "speculative_config",
+)
 
 
 def forwarded_flags(

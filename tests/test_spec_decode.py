@@ -1,0 +1,310 @@
+"""Speculative decoding's parts without services: the n-gram proposer, the config's validation, the
+scheduler's slots for proposals (reserved, trimmed, never registered in the prefix cache while they
+are not accepted), disable_by_batch_size, and the acceptance rules' output distribution (chi-square
+over many draws with fixed seeds)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.common.speculative import SpeculativeConfig
+from pagedserve.executor.sampler import SamplingParams
+from pagedserve.executor.spec_decode import (
+    VerifyLayout,
+    processed_probs,
+    verify_draft_model,
+    verify_point_mass,
+)
+from pagedserve.scheduler.block_pool import hash_block_tokens
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.core import Scheduler
+from pagedserve.scheduler.ngram import propose_ngram
+from pagedserve.scheduler.request import Request, SamplingOptions, SeqId
+
+NGRAM = SpeculativeConfig("ngram", 4, prompt_lookup_max=3, prompt_lookup_min=1)
+
+# ---- the n-gram proposer ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "expected"),
+    [
+        ([1, 2, 3, 4, 1, 2], 2, [3, 4]),  # the 2-gram (1, 2) occurred at 0: what followed it
+        ([1, 2, 3, 4, 1, 2], 5, [3, 4, 1, 2]),  # up to k tokens, as many as there are
+        ([5, 1, 2, 9, 7, 1, 2, 8, 1, 2], 1, [9]),  # the first occurrence of the longest match
+        ([1, 2, 3, 9, 2, 3], 3, [9, 2, 3]),  # (2, 3) matched (3-gram (9, 2, 3) did not)
+        ([1, 2, 3, 4], 3, []),  # no n-gram of length >= 1 repeats
+        ([7], 3, []),
+        ([4, 4, 4], 2, [4]),  # the 3-gram is the whole sequence; (4, 4) at 0, then one token
+    ],
+)
+def test_ngram_proposes_what_followed_the_longest_earlier_match(tokens, k, expected):
+    assert propose_ngram(tokens, k, lookup_min=1, lookup_max=3) == expected
+
+
+def test_ngram_lookup_min_bounds_the_match():
+    assert propose_ngram([1, 2, 3, 4, 9, 4], 2, lookup_min=2, lookup_max=3) == []
+    assert propose_ngram([1, 2, 3, 4, 9, 4], 2, lookup_min=1, lookup_max=3) == [9, 4]
+
+
+# ---- the config ---------------------------------------------------------------------------------
+
+
+NG = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+DM = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
+FIELD = "speculative_config."
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, FIELD + "method: must be one of"),
+        ({"method": "ngram", "prompt_lookup_max": 2}, FIELD + "num_speculative_tokens: required"),
+        (
+            NG | {"num_speculative_tokens": 0},
+            FIELD + "num_speculative_tokens: must be an integer in [1, 16], got 0",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2},
+            FIELD + "prompt_lookup_max: the ngram method needs it",
+        ),
+        (
+            NG | {"prompt_lookup_min": 3},
+            FIELD + "prompt_lookup_min: must be an integer in [1, 2] (<= prompt_lookup_max), got 3",
+        ),
+        (
+            {"method": "draft_model", "num_speculative_tokens": 2},
+            FIELD + "model: the draft_model method needs",
+        ),
+        (DM | {"prompt_lookup_max": 2}, FIELD + "prompt_lookup_max: not a field of the draft_model method"),
+        (NG | {"disable_by_batch_size": 0}, FIELD + "disable_by_batch_size: must be an integer"),
+        (NG | {"num_speculative_tokens": "2"}, "got '2'"),
+        ("[1]", "speculative_config: must be a JSON object"),
+        ("{method", "speculative_config: not JSON"),
+    ],
+)
+def test_bad_configs_name_the_field(value, message):
+    with pytest.raises(ValueError) as err:
+        SpeculativeConfig.parse(value)
+    assert message in str(err.value)
+
+
+def test_config_round_trips_and_defaults_lookup_min():
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert spec.prompt_lookup_min == 1
+    assert SpeculativeConfig.parse(spec.to_json()) == spec
+
+
+# ---- the scheduler: slots for proposals ---------------------------------------------------------
+
+
+def _scheduler(spec: SpeculativeConfig | None = NGRAM, num_blocks: int = 64, **kw) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(block_size=4, num_gpu_blocks=num_blocks, max_model_len=256, speculative=spec, **kw)
+    )
+
+
+def _registered_blocks_hold_known_tokens(sched: Scheduler, request: Request) -> int:
+    """Every block of the request registered in the prefix cache carries the hash of the tokens
+    the request really has at its positions (accepted ones only). Returns how many were checked."""
+    manager = sched.kv_cache_manager
+    tokens = request.all_token_ids
+    parent, checked = None, 0
+    for index, block in enumerate(manager.blocks(request.seq_id)):
+        chunk = tokens[index * 4 : (index + 1) * 4]
+        if len(chunk) < 4:
+            assert block.block_hash is None
+            break
+        parent = hash_block_tokens(parent, chunk)
+        if block.block_hash is not None:
+            assert block.block_hash == parent, (index, chunk)
+            checked += 1
+    return checked
+
+
+def test_proposals_get_slots_and_the_rejected_ones_give_them_back():
+    sched = _scheduler()
+    request = Request(SeqId(1), [1, 2, 3, 1, 2, 3], max_tokens=40, sampling=SamplingOptions(temperature=0))
+    sched.add_request(request)
+    plan = sched.schedule()
+    assert plan.sampling_seq_ids == [1]
+    sched.process_output(plan.step_id, [1], [1])  # known: 1 2 3 1 2 3 1
+    plan = sched.schedule()
+    (running,) = plan.running
+    assert running.draft_token_ids == [2, 3, 1]  # what followed the first (2, 3, 1)
+    assert running.num_new_tokens == 4 and running.num_draft_tokens == 3
+    assert request.num_computed_tokens == 10
+    assert len(sched.kv_cache_manager.block_ids(request.seq_id)) == 3  # 10 slots
+    assert sched.schedule().is_empty  # nothing else while its output is pending
+    sched.process_output(plan.step_id, [1], [7], [1])  # every proposal rejected: the correction 7
+    assert request.output_token_ids == [1, 7]
+    assert request.num_computed_tokens == 7 and request.num_tokens == 8
+    assert len(sched.kv_cache_manager.block_ids(request.seq_id)) == 2  # trimmed to position 7
+    assert sched.stats.spec_draft_tokens == 3 and sched.stats.spec_accepted_tokens == 0
+    plan = sched.schedule()
+    (running,) = plan.running
+    # known: 1 2 3 1 2 3 1 7: no earlier 7, (1, 7) and (3, 1, 7) neither
+    assert running.num_draft_tokens == 0 and running.num_new_tokens == 1
+
+
+def test_accepted_run_advances_by_its_length_and_max_tokens_caps_proposals():
+    sched = _scheduler()
+    request = Request(SeqId(1), [5, 6, 7, 8, 5, 6], max_tokens=4, sampling=SamplingOptions(temperature=0))
+    sched.add_request(request)
+    sched.process_output(sched.schedule().step_id, [1], [7])  # known 5 6 7 8 5 6 7
+    plan = sched.schedule()
+    (running,) = plan.running
+    assert running.draft_token_ids == [8, 5]  # 1 output so far: at most 4 - 1 - 1 proposals
+    sched.process_output(plan.step_id, [1], [8, 5, 6], [3])  # both accepted, then the bonus 6
+    assert request.output_token_ids == [7, 8, 5, 6]
+    assert sched.get_request(SeqId(1)) is None  # max_tokens reached inside the run
+    assert sched.kv_cache_manager.block_pool.num_blocks_in_use == 0
+    assert sched.stats.spec_accepted_per_pos == (1, 1, 0, 0)
+
+
+def test_no_registered_block_ever_holds_a_rejected_token():
+    """Random acceptance over many steps, with prefix caching, for several requests at once: after
+    every output each registered block hashes the request's real tokens; all blocks come back."""
+    rng = random.Random(0)
+    sched = _scheduler(num_blocks=128)
+    requests = []
+    for i in range(4):
+        prompt = [rng.randrange(1, 6) for _ in range(rng.randrange(3, 12))]
+        requests.append(Request(SeqId(i), prompt, max_tokens=60, sampling=SamplingOptions(temperature=0)))
+        sched.add_request(requests[-1])
+    checked = 0
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        drafts = {p.seq_id: p for p in plan.running}
+        seq_ids, tokens, counts = [], [], []
+        for seq_id in plan.sampling_seq_ids:
+            proposed = drafts[seq_id].draft_token_ids if seq_id in drafts else []
+            accepted = rng.randrange(len(proposed) + 1)
+            # Accepted proposals, then a token that differs from the next proposal (or any bonus).
+            nxt = proposed[accepted] if accepted < len(proposed) else None
+            run = proposed[:accepted] + [rng.choice([t for t in range(1, 6) if t != nxt])]
+            seq_ids.append(seq_id)
+            tokens += run
+            counts.append(len(run))
+        sched.process_output(plan.step_id, seq_ids, tokens, counts)
+        for request in requests:
+            if sched.get_request(request.seq_id) is not None:
+                checked += _registered_blocks_hold_known_tokens(sched, request)
+    assert checked > 20
+    assert sched.stats.spec_accepted_tokens > 0
+    assert sched.kv_cache_manager.block_pool.num_blocks_in_use == 0
+
+
+def test_disable_by_batch_size_turns_proposals_off_above_it():
+    spec = SpeculativeConfig("ngram", 2, prompt_lookup_max=2, prompt_lookup_min=1, disable_by_batch_size=1)
+    sched = _scheduler(spec)
+    for i in range(2):
+        sched.add_request(Request(SeqId(i), [1, 2, 1, 2, 1], max_tokens=20))
+    plan = sched.schedule()
+    sched.process_output(plan.step_id, [0, 1], [2, 2])
+    plan = sched.schedule()  # two running: no proposals, and the pipeline stays full
+    assert [p.num_draft_tokens for p in plan.running] == [0, 0]
+    assert not sched.schedule().is_empty  # planned ahead while outputs are pending
+    sched.abort_request(SeqId(1))
+    sched.process_output(plan.step_id, [0, 1], [1, 1])
+    sched.process_output(plan.step_id + 1, [0], [2])
+    plan = sched.schedule()  # one running: it speculates
+    assert [p.num_draft_tokens for p in plan.running] == [2]
+
+
+# ---- acceptance: the output distribution is the target's ----------------------------------------
+
+VOCAB, DRAWS = 8, 40_000
+# Critical chi-square values at p = 1e-4 (fixed seeds: the test is deterministic; the margin keeps
+# it meaningful under any RNG change).
+CHI2_CRIT = {7: 29.9, 4: 23.5}
+
+
+def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def _target(params: SamplingParams) -> tuple[torch.Tensor, np.ndarray]:
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, 0.8]])
+    return logits, processed_probs(logits, [params])[0].numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize(
+    ("params", "dof"), [(SamplingParams(temperature=1.0), 7), (SamplingParams(temperature=0.7, top_k=5), 4)]
+)
+def test_point_mass_acceptance_emits_the_target_distribution(params, dof):
+    """One proposal per sequence (a point mass on token 1, the second most likely): the first
+    emitted token must be distributed as p, with temperature and top-k applied as the sampler does,
+    and the proposal accepted with probability p(1)."""
+    torch.manual_seed(1)
+    logits, p = _target(params)
+    layout = VerifyLayout(np.ones(DRAWS, dtype=np.int64), np.arange(DRAWS, dtype=np.int64) * 2)
+    rows = logits.repeat(2 * DRAWS, 1)
+    drafts = torch.tensor([1, -1] * DRAWS)
+    out = verify_point_mass(rows, drafts, [params] * DRAWS, [10] * DRAWS, layout)
+    first = out.token_ids[:, 0].numpy()
+    counts = np.bincount(first, minlength=VOCAB)
+    assert _chi2(counts, p) < CHI2_CRIT[dof]
+    accepted = (out.counts == 2).float().mean().item()
+    assert abs(accepted - p[1]) < 4 * np.sqrt(p[1] * (1 - p[1]) / DRAWS)
+    # After an accepted proposal the bonus is a fresh draw from p.
+    bonus = out.token_ids[out.counts == 2, 1].numpy()
+    assert _chi2(np.bincount(bonus, minlength=VOCAB), p) < CHI2_CRIT[dof]
+
+
+@pytest.mark.parametrize(
+    ("params", "dof"), [(SamplingParams(temperature=1.0), 7), (SamplingParams(temperature=0.7, top_k=5), 4)]
+)
+def test_draft_model_acceptance_emits_the_target_distribution(params, dof):
+    """Proposals drawn from a draft distribution q unlike p: min(1, p/q) acceptance and the
+    residual make the first emitted token distributed as p; acceptance is sum(min(p, q))."""
+    torch.manual_seed(2)
+    _, p = _target(params)
+    logits = _target(params)[0]
+    q = torch.tensor([0.05, 0.1, 0.3, 0.2, 0.1, 0.1, 0.05, 0.1])
+    layout = VerifyLayout(np.ones(DRAWS, dtype=np.int64), np.arange(DRAWS, dtype=np.int64) * 2)
+    drafted = torch.multinomial(q, DRAWS, replacement=True)
+    drafts = torch.stack([drafted, torch.full_like(drafted, -1)], dim=1).reshape(-1)
+    rows = logits.repeat(2 * DRAWS, 1)
+    out = verify_draft_model(rows, drafts, q.repeat(2 * DRAWS, 1), [params] * DRAWS, [10] * DRAWS, layout)
+    counts = np.bincount(out.token_ids[:, 0].numpy(), minlength=VOCAB)
+    assert _chi2(counts, p) < CHI2_CRIT[dof]
+    accept = np.minimum(p, q.numpy()).sum()
+    rate = (out.counts == 2).float().mean().item()
+    assert abs(rate - accept) < 4 * np.sqrt(accept * (1 - accept) / DRAWS)
+
+
+def test_greedy_acceptance_is_argmax_matching():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0], [1.0, 0.0, 0.0]])
+    layout = VerifyLayout(np.array([3]), np.array([0]))
+    greedy = SamplingParams(temperature=0)
+    out = verify_point_mass(logits, torch.tensor([1, 0, 1, -1]), [greedy], [4], layout)
+    assert out.counts.tolist() == [3]  # 1 and 0 accepted, 1 rejected: the argmax 2 instead
+    assert out.token_ids[0, :3].tolist() == [1, 0, 2] and out.last_token.tolist() == [2]
+    q = torch.full((4, 3), 1 / 3)
+    out = verify_draft_model(logits, torch.tensor([1, 0, 2, -1]), q, [greedy], [4], layout)
+    assert out.counts.tolist() == [4] and out.token_ids[0].tolist() == [1, 0, 2, 0]
+
+
+def test_seeded_point_mass_verification_repeats_the_samplers_tokens():
+    """A seeded row draws the sampler's per-(seed, position) noise, so what it emits is what the
+    sampler alone emits at those positions: the same tokens with and without speculation."""
+    from pagedserve.executor.sampler import sample
+
+    torch.manual_seed(3)
+    logits = torch.randn(5, 50)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    alone = sample(logits, [params] * 5, list(range(20, 25))).token_ids
+    drafts = alone.clone()
+    drafts[2] = (drafts[2] + 1) % 50  # the third proposal is wrong
+    drafts[4] = -1
+    out = verify_point_mass(logits, drafts, [params], [20], VerifyLayout(np.array([4]), np.array([0])))
+    assert out.counts.tolist() == [3]
+    assert out.token_ids[0, :3].tolist() == alone[:3].tolist()
