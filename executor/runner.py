@@ -436,7 +436,7 @@ class ModelRunner:
     def _finish_spec(self, pending: PendingStep) -> executor_pb2.StepOutput:
         """The output of a step that verified proposals: each request's tokens in plan order, with
         their counts. The verified requests' state advances by what was accepted, and their tables
-        end at the block of their last token, as the scheduler trims its copy."""
+        end at the block of their last computed token, as the scheduler trims its copy."""
         runs: dict[SeqId, tuple[list[int], list[float]]] = {}
         if pending.seq_ids:
             logprobs = pending.logprobs.tolist() if pending.logprobs is not None else None
@@ -452,7 +452,7 @@ class ModelRunner:
             runs[st.seq_id] = (tokens[i][:count], lps)
             st.num_tokens += count
             st.num_computed -= num_draft - (count - 1)
-            end = -(-st.num_tokens // self.block_size)
+            end = -(-st.num_computed // self.block_size)
             st.table_ends = [min(e, end) for e in st.table_ends]
         output = executor_pb2.StepOutput(step_id=pending.step_id)
         for seq_id in pending.order:

@@ -31,7 +31,7 @@ draft_model method, only their count, the executor's draft proposes them), cappe
 the step's budget, with KV slots for them (``num_computed_tokens`` counts them while the step is in
 flight, ``num_draft_tokens`` says how many). Its output carries the accepted proposals plus one
 token; ``process_output`` takes the rejected ones back out of ``num_computed_tokens`` and trims the
-request's tables to the block of its last token. The prefix cache registers only blocks full of
+request's tables to the block of its last computed token. The prefix cache registers only blocks full of
 known tokens (``min(num_computed, num_known)``), and proposals are never known tokens until they
 are accepted, so no registered block ever holds a rejected token. Constrained requests do not
 speculate. Without a speculative config nothing here costs anything.
@@ -614,9 +614,9 @@ class Scheduler:
 
     def _settle_drafts(self, request: Request, num_accepted: int) -> None:
         """Speculative decoding: of the request's ``num_draft_tokens`` proposals in flight,
-        ``num_accepted`` were accepted. The rejected ones' slots leave ``num_computed_tokens`` and,
-        while it runs, its tables are trimmed to the block that holds its last token (the slot the
-        token sampled after the accepted ones takes); the executor trims its copy the same way."""
+        ``num_accepted`` were accepted. The rejected ones' slots leave ``num_computed_tokens`` and
+        its tables (GPU, or CPU if it was swapped out meanwhile) are trimmed to the block of its
+        last computed token; the executor trims its copy the same way."""
         num_draft, request.num_draft_tokens = request.num_draft_tokens, 0
         num_accepted = min(num_accepted, num_draft)
         self._spec_steps += 1
@@ -629,9 +629,7 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             return  # pre-empted by recompute while the step ran: nothing computed is kept
         request.num_computed_tokens -= num_draft - num_accepted
-        if request.status is RequestStatus.RUNNING:
-            # Its tokens once this output is in: the known ones plus the accepted and the bonus.
-            self.kv_cache_manager.trim(request, request.num_computed_tokens + 1)
+        self.kv_cache_manager.trim(request, request.num_computed_tokens)
 
     # ---- helpers and stats ---------------------------------------------------------------------
 

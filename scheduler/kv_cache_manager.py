@@ -520,14 +520,25 @@ class KVCacheManager:
             self.block_pool.free(reversed(table.held()))
 
     def trim(self, request: Request, num_tokens: int) -> int:
-        """Speculative decoding: frees the blocks of the request's tables past the one that holds
-        position ``num_tokens - 1`` (slots reserved for proposals that were rejected). They were
-        allocated for the proposals alone, so none is shared or registered: the prefix cache
-        registers only blocks full of known tokens. Returns how many blocks it freed."""
+        """Speculative decoding: frees the blocks of the request's tables (GPU, or CPU while it is
+        swapped out) past the one that holds position ``num_tokens - 1``: slots reserved for
+        proposals that were rejected. They were allocated for the proposals alone, so none is
+        shared or registered: the prefix cache registers only blocks full of known tokens. Returns
+        how many blocks it freed."""
+        end = _cdiv(num_tokens, self.block_size)
+        cpu_tables = self._cpu_tables.get(request.seq_id)
+        if cpu_tables is not None:
+            freed = 0
+            for group, (first, ids) in enumerate(cpu_tables):
+                keep = max(0, end - first)
+                if len(ids) > keep:
+                    self._cpu_free.extend(reversed(ids[keep:]))
+                    freed += len(ids) - keep
+                    cpu_tables[group] = (first, ids[:keep])
+            return freed
         tables = self._tables.get(request.seq_id)
         if not tables:
             return 0
-        end = _cdiv(num_tokens, self.block_size)
         freed = 0
         for table in tables:
             if len(table.blocks) > end:

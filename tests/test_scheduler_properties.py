@@ -11,6 +11,10 @@ computes a shared prefix reads it, as in the real executor), and that every posi
 every live sequence can see (prefix-cache hits, shared in the same step or earlier, and swapped-in
 blocks included; within the window, in a sliding group) holds the right token, in every group. The
 scheduler's block bookkeeping is checked after every rule.
+
+With speculative decoding (n-gram proposals, some runs), the fake executor writes each proposal's
+token into its slot, accepts the proposals that equal what it samples, and trims its tables as the
+protocol says: a registered block or a visible slot holding a rejected proposal fails the checks.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedserve.common.kv_sizing import blocks_per_sequence
+from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.scheduler.block_pool import BlockHash, hash_block_tokens
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.core import Scheduler, StepPlan
@@ -81,13 +86,17 @@ class FakeExecutor:
         window = self.windows[group]
         return 0 if window is None else max(0, position - window + 1)
 
-    def check_visible(self, seq_id: int, seq: _Seq, query_start: int, end: int) -> None:
-        """Queries at positions [query_start, end) read the right tokens in every group."""
+    def check_visible(
+        self, seq_id: int, seq: _Seq, query_start: int, end: int, tokens: list[int] | None = None
+    ) -> None:
+        """Queries at positions [query_start, end) read the right tokens in every group (`tokens`:
+        the sequence's, proposals included; default its own)."""
+        tokens = seq.tokens if tokens is None else tokens
         for group in range(len(self.windows)):
             for p in range(self.first_visible(group, query_start), end):
-                assert self.slot(seq, group, p) == seq.tokens[p], f"seq {seq_id} group {group} position {p}"
+                assert self.slot(seq, group, p) == tokens[p], f"seq {seq_id} group {group} position {p}"
 
-    def execute(self, plan: StepPlan) -> tuple[list[int], list[int]]:
+    def execute(self, plan: StepPlan) -> tuple[list[int], list[int], list[int]]:
         num_gpu, num_cpu = len(self.gpu), len(self.cpu)
         for src, dst in plan.swap_out:
             assert 0 <= src < num_gpu, (src, dst)
@@ -108,6 +117,7 @@ class FakeExecutor:
             self.gpu[dst] = list(self.cpu[src])
 
         scheduled: list[tuple[int, _Seq, int]] = []
+        drafts: dict[int, list[int]] = {}  # speculative decoding: each verified request's proposals
         for new in plan.new_requests:
             assert new.seq_id not in self.seqs
             assert new.token_ids == self.truth[new.seq_id], "a new request must carry every known token"
@@ -129,7 +139,15 @@ class FakeExecutor:
                 assert all(0 <= b < num_gpu for b in ids)
                 table.extend(ids)
             assert running.num_new_tokens >= 1
-            assert seq.computed + running.num_new_tokens <= len(seq.tokens), "computing an unknown token"
+            num_draft = running.num_draft_tokens
+            assert len(running.draft_token_ids) == num_draft < running.num_new_tokens
+            if num_draft:
+                assert seq.computed + running.num_new_tokens - num_draft == len(seq.tokens), (
+                    "proposals follow"
+                )
+                drafts[running.seq_id] = list(running.draft_token_ids)
+            else:
+                assert seq.computed + running.num_new_tokens <= len(seq.tokens), "computing an unknown token"
             scheduled.append((running.seq_id, seq, running.num_new_tokens))
         assert len({seq_id for seq_id, _, _ in scheduled}) == len(scheduled)
 
@@ -143,6 +161,7 @@ class FakeExecutor:
                         holders.setdefault(b, []).append((seq, group))
         for seq_id, seq, num_new in scheduled:  # write_kv: every new token, before any read
             end = seq.computed + num_new
+            tokens = seq.tokens + drafts.get(seq_id, [])
             for group, table in enumerate(seq.tables):
                 assert len(table) == cdiv(end, self.block_size), f"seq {seq_id}: blocks do not fit its tokens"
                 for p in range(seq.computed, end):
@@ -151,32 +170,44 @@ class FakeExecutor:
                     for other, other_group in holders[block]:  # a shared block gets only its own tokens
                         assert other_group == group, f"block {block} shared by two groups"
                         q = other.tables[group].index(block) * self.block_size + p % self.block_size
-                        assert other is seq or q >= len(other.tokens) or other.tokens[q] == seq.tokens[p], (
+                        assert other is seq or q >= len(other.tokens) or other.tokens[q] == tokens[p], (
                             f"seq {seq_id} writes into block {block} a token another sequence does not have"
                         )
-                    self.gpu[block][p % self.block_size] = seq.tokens[p]
+                    self.gpu[block][p % self.block_size] = tokens[p]
         for seq_id, seq, num_new in scheduled:  # attention of this step's queries
-            self.check_visible(seq_id, seq, seq.computed, seq.computed + num_new)
+            tokens = seq.tokens + drafts.get(seq_id, [])
+            self.check_visible(seq_id, seq, seq.computed, seq.computed + num_new, tokens)
         for seq_id, seq, num_new in scheduled:
             self.prompt_tokens_computed += max(0, min(self.prompt_lens[seq_id] - seq.computed, num_new))
             seq.computed += num_new
-        for seq_id, seq in self.seqs.items():  # what the next query will see, shared blocks too
-            self.check_visible(seq_id, seq, seq.computed, seq.computed)
 
-        out_ids, out_tokens = [], []
+        out_ids, out_tokens, counts = [], [], []
         for seq_id, seq, _ in scheduled:
-            if seq.computed == len(seq.tokens):
-                token = sampled_token(seq_id, len(seq.tokens))
-                seq.tokens.append(token)
+            proposed = drafts.get(seq_id, [])
+            if seq.computed - len(proposed) == len(seq.tokens):
+                # Verification: proposals are accepted while they are what the model samples.
+                run: list[int] = []
+                for proposal in [*proposed, None]:
+                    token = sampled_token(seq_id, len(seq.tokens) + len(run))
+                    run.append(token)
+                    if proposal != token:
+                        break
+                seq.computed -= len(proposed) - (len(run) - 1)
+                for table in seq.tables:  # trimmed to the block of the last computed token
+                    del table[cdiv(seq.computed, self.block_size) :]
+                seq.tokens += run
                 truth = self.truth[seq_id]
                 if len(truth) < len(seq.tokens):
-                    truth.append(token)
+                    truth += seq.tokens[len(truth) :]
                 assert truth[: len(seq.tokens)] == seq.tokens
                 assert len(seq.tokens) - self.prompt_lens[seq_id] <= self.max_tokens[seq_id], "max_tokens"
                 out_ids.append(seq_id)
-                out_tokens.append(token)
+                out_tokens += run
+                counts.append(len(run))
+        for seq_id, seq in self.seqs.items():  # what the next query will see, shared blocks too
+            self.check_visible(seq_id, seq, seq.computed, seq.computed)
         assert out_ids == plan.sampling_seq_ids
-        return out_ids, out_tokens
+        return out_ids, out_tokens, counts
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -191,6 +222,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         preemption_mode=st.sampled_from(["recompute", "swap"]),
         sliding_windows=st.sampled_from(GROUPS),
         tier_share=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
+        num_speculative_tokens=st.sampled_from([0, 1, 3, 3]),
     )
     def setup(
         self,
@@ -200,8 +232,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         sliding_windows,
         max_num_batched_tokens,
         tier_share,
+        num_speculative_tokens,
         **rest,
     ):
+        spec = None
+        if num_speculative_tokens:  # n-gram proposals (the fake model's tokens repeat: some are right)
+            spec = SpeculativeConfig(
+                "ngram", num_speculative_tokens, prompt_lookup_max=2, prompt_lookup_min=1
+            )
         needed = blocks_per_sequence(max_model_len, block_size, sliding_windows, max_num_batched_tokens)
         self.config = SchedulerConfig(
             block_size=block_size,
@@ -211,6 +249,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_batched_tokens=max_num_batched_tokens,
             # A CPU tier of the prefix cache on part or all of the host pool (scheduler.kv_tier).
             num_cpu_offload_blocks=int(tier_share * rest["num_cpu_blocks"]),
+            speculative=spec,
             **rest,
         )
         self.scheduler = Scheduler(self.config)
@@ -218,7 +257,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.prompt_lens: dict[int, int] = {}
         self.executor = FakeExecutor(self.config, self.truth, self.prompt_lens)
         self.requests: dict[int, Request] = {}  # every request ever added
-        self.held: tuple[int, list[int], list[int]] | None = None  # an output one step late
+        self.held: tuple[int, list[int], list[int], list[int]] | None = None  # an output one step late
         self.next_seq_id = 1
         self.known_hashes: dict[BlockHash, list[int]] = {}
 
@@ -277,10 +316,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def deliver(self, output: tuple[int, list[int], list[int]]) -> None:
-        step_id, seq_ids, tokens = output
+    def deliver(self, output: tuple[int, list[int], list[int], list[int]]) -> None:
+        step_id, seq_ids, tokens, counts = output
         live_before = {s for s in seq_ids if self.scheduler.get_request(SeqId(s)) is not None}
-        updated = self.scheduler.process_output(step_id, seq_ids, tokens)
+        updated = self.scheduler.process_output(step_id, seq_ids, tokens, counts)
         assert [r.seq_id for r in updated] == [s for s in seq_ids if s in live_before]
         for request in updated:
             assert request.num_pending_outputs >= 0
@@ -399,7 +438,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def request_counters(self) -> None:
         for seq_id, request in self.requests.items():
-            assert 0 <= request.num_computed_tokens <= request.num_tokens <= self.config.max_model_len
+            # (proposals in flight count as computed until their output arrives)
+            computed = request.num_computed_tokens - request.num_draft_tokens
+            assert 0 <= computed <= request.num_tokens <= self.config.max_model_len
             assert request.num_sampled_tokens <= request.max_tokens
             assert 0 <= request.num_pending_outputs <= 2
             prompt_len = len(request.prompt_token_ids)
