@@ -161,6 +161,8 @@ def _check_drafts(
             f"{where}: {num_draft} proposals must follow its last token (num_computed "
             f"{state.num_computed} + {req.num_new_tokens - num_draft} != its {state.num_tokens} tokens)"
         )
+    if not req.draft_token_ids and limits.has_draft_model and req.num_new_tokens - num_draft != 1:
+        raise PlanError(f"{where}: a draft model's proposals follow exactly one token")
     if len(req.draft_token_ids) != num_draft and not (limits.has_draft_model and not req.draft_token_ids):
         raise PlanError(
             f"{where}: {num_draft} proposals without their draft_token_ids, and the executor has no "

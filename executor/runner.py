@@ -37,11 +37,24 @@ from pagedserve.executor.model import CausalLM
 from pagedserve.executor.plan_check import PlanError, PlanLimits, mask_words, validate_plan
 from pagedserve.executor.profiling import measure_copy_bandwidth, memory_in_use, profile_cuda
 from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
-from pagedserve.executor.sampler import SamplingParams, TokenMasks, prompt_logprobs, sample
-from pagedserve.executor.spec_decode import VerifyLayout, verify_point_mass
+from pagedserve.executor.sampler import (
+    SamplingParams,
+    TokenMasks,
+    _exponential_noise,
+    prompt_logprobs,
+    sample,
+)
+from pagedserve.executor.spec_decode import (
+    VerifyLayout,
+    draft_sampling_params,
+    processed_probs,
+    verify_draft_model,
+    verify_point_mass,
+)
 from pagedserve.executor.step_inputs import (
     HostBatch,
     RequestSlots,
+    StepInputs,
     build_host_batch,
     build_step_inputs,
     stage_batch,
@@ -128,13 +141,14 @@ def resolve_max_model_len(config: ExecutorConfig, spec: ModelSpec) -> int:
     return config.max_model_len
 
 
-def kv_cache_layout(config: ExecutorConfig, model: CausalLM) -> KVCacheLayout:
-    """One block of `model`'s pool (its KV-cache groups' layers, its local KV heads); `pagedserve
-    plan` calls it on a model built on the meta device."""
+def kv_cache_layout(config: ExecutorConfig, model: CausalLM, draft: CausalLM | None = None) -> KVCacheLayout:
+    """One block of `model`'s pool (its KV-cache groups' layers, its local KV heads), with the
+    draft model's layers after them (speculative decoding); `pagedserve plan` calls it on a model
+    built on the meta device."""
     dtype = model.embed_tokens.weight.dtype
     spec = model.spec
     return KVCacheLayout(
-        model.kv_groups.layers_per_block,
+        model.kv_groups.layers_per_block + (0 if draft is None else draft.spec.num_layers),
         config.block_size,
         spec.num_kv_heads,
         spec.head_dim,
@@ -142,12 +156,59 @@ def kv_cache_layout(config: ExecutorConfig, model: CausalLM) -> KVCacheLayout:
     )
 
 
+def load_draft_model(config: ExecutorConfig, target: CausalLM) -> CausalLM | None:
+    """Speculative decoding's draft model (the draft_model method; None otherwise), loaded by the
+    target's rules (dtype, quantization, the loader's checks). Its layers take extra slots of the
+    target's KV blocks, so it must have the target's KV heads, head_dim and vocabulary, and both
+    must attend in full (one KV-cache group); UnsupportedModelError says which differs."""
+    spec_config = config.speculative_config
+    if spec_config is None or spec_config.method != "draft_model":
+        return None
+    assert spec_config.model is not None
+    draft_spec = load_model_spec(spec_config.model)
+    target_spec = target.spec
+    for name in ("num_kv_heads", "head_dim", "vocab_size"):
+        mine, theirs = getattr(draft_spec, name), getattr(target_spec, name)
+        if mine != theirs:
+            raise UnsupportedModelError(
+                f"the draft model {spec_config.model} has {name} {mine}, the target {theirs}: its KV "
+                "shares the target's blocks and its tokens the target's vocabulary, so they must match"
+            )
+    device = target.embed_tokens.weight.device
+    dtype = target.embed_tokens.weight.dtype
+    max_model_len = resolve_max_model_len(config, target_spec)  # the target's limit, as its rotary
+    draft = CausalLM(draft_spec, max_model_len, device, dtype, target.quantization)
+    if target.kv_groups.num_groups != 1 or draft.kv_groups.num_groups != 1:
+        raise UnsupportedModelError(
+            "speculative decoding with a draft model needs full-attention target and draft models "
+            "(one KV-cache group each); sliding-window layers are not supported with it yet"
+        )
+    if config.load_format == "dummy":
+        init_dummy_weights(draft, draft_spec, seed=1)
+    else:
+        load_weights(draft, draft_spec, spec_config.model)
+    return draft
+
+
+@dataclass(frozen=True, slots=True)
+class _DraftProposals:
+    """The draft model's proposals of one step, on the device: per verification row the proposal
+    it checks and the draft distribution q it was drawn from, and the proposals again as the input
+    ids of their batch rows (`token_rows`)."""
+
+    row_ids: torch.Tensor
+    row_probs: torch.Tensor
+    input_ids: torch.Tensor
+    token_rows: torch.Tensor
+
+
 @dataclass(slots=True)
 class _Scheduled:
     state: RequestState
     num_new: int  # proposals included
     num_draft: int = 0  # speculative decoding: the last num_draft new tokens are proposals
-    drafts: np.ndarray | None = None  # their ids (int64)
+    drafts: np.ndarray | None = None  # their ids (int64; zeros the draft model fills in)
+    from_draft_model: bool = False  # proposed here, by the draft model, at the start of the step
 
     @property
     def samples(self) -> bool:
@@ -177,6 +238,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         cuda_graphs: bool = False,
+        draft: CausalLM | None = None,
     ) -> None:
         self.model = model
         self.spec = model.spec
@@ -191,6 +253,12 @@ class ModelRunner:
         self._requests: dict[SeqId, RequestState] = {}
         self.kv_groups = model.kv_groups
         self._layer_caches = kv_cache.layer_caches(self.kv_groups.layer_slot)
+        # Speculative decoding's draft model: its layers' KV in the slots after the target's.
+        self.draft = draft
+        self._draft_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if draft is not None:
+            first = model.kv_groups.layers_per_block
+            self._draft_caches = kv_cache.layer_caches([first + i for i in range(draft.spec.num_layers)])
         self.slots = RequestSlots(
             max_num_seqs, self.max_blocks_per_seq, self.device, self.kv_groups.num_groups
         )
@@ -205,6 +273,7 @@ class ModelRunner:
             max_num_seqs=max_num_seqs,
             max_held_requests=self.slots.capacity,
             sliding_windows=self.kv_groups.sliding_windows,
+            has_draft_model=draft is not None,
         )
         self._busy_until = 0.0
         self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
@@ -254,7 +323,8 @@ class ModelRunner:
             init_dummy_weights(model, spec)
         else:
             load_weights(model, spec, config.model)
-        return cls.from_model(config, model, in_use_at_start=in_use_at_start)
+        draft = load_draft_model(config, model)
+        return cls.from_model(config, model, in_use_at_start=in_use_at_start, draft=draft)
 
     @classmethod
     def from_model(
@@ -264,6 +334,7 @@ class ModelRunner:
         *,
         in_use_at_start: int = 0,
         min_over_ranks: Callable[[int], int] | None = None,
+        draft: CausalLM | None = None,
     ) -> ModelRunner:
         """Sizes and allocates the KV pools for a loaded model (profiling first on CUDA), then
         captures the CUDA graphs (on CUDA, unless enforce_eager).
@@ -273,12 +344,14 @@ class ModelRunner:
                 the CUDA context): outside this executor's budget (see executor.profiling).
             min_over_ranks: tensor parallelism: the smallest of a value over the group's ranks
                 (each rank sizes its pools for its own shard; block ids must mean the same on all).
+            draft: speculative decoding's draft model (`load_draft_model`): its layers' KV in
+                extra slots of every block.
         """
         spec = model.spec
         device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
         check_fp8_support(model.quantization, config.kv_cache_dtype, device)
         max_model_len = resolve_max_model_len(config, spec)
-        layout = kv_cache_layout(config, model)
+        layout = kv_cache_layout(config, model, draft)
         kv_dtype = layout.dtype
         windows = model.kv_groups.sliding_windows
         cuda_graphs = device.type == "cuda" and not config.enforce_eager
@@ -326,7 +399,12 @@ class ModelRunner:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             cuda_graphs=cuda_graphs,
+            draft=draft,
         )
+        if draft is not None:
+            assert config.speculative_config is not None and config.speculative_config.model is not None
+            runner.draft_model_dir = config.speculative_config.model
+            runner.num_speculative_tokens = config.speculative_config.num_speculative_tokens
         runner.graph_reserve_bytes = graph_reserve
         runner.memory_profile = memory
         runner.copy_bytes_per_s = copy_bytes_per_s
@@ -488,7 +566,10 @@ class ModelRunner:
             for group, table in enumerate(req.new_blocks):  # appended at each table's end (checked)
                 self.slots.set_blocks(state.slot, table.first_index, table.block_ids, group)
                 state.table_ends[group] += len(table.block_ids)
-            if req.num_draft_tokens:
+            if req.num_draft_tokens and not req.draft_token_ids:  # the draft model proposes them
+                drafts = np.zeros(req.num_draft_tokens, dtype=np.int64)
+                scheduled.append(_Scheduled(state, req.num_new_tokens, req.num_draft_tokens, drafts, True))
+            elif req.num_draft_tokens:
                 drafts = np.fromiter(req.draft_token_ids, dtype=np.int64, count=len(req.draft_token_ids))
                 scheduled.append(_Scheduled(state, req.num_new_tokens, req.num_draft_tokens, drafts))
             else:
@@ -575,6 +656,9 @@ class ModelRunner:
             pending.order = [s.state.seq_id for s in scheduled if s.samples]
         spec_rows = self._spec_rows(scheduled, batch) if verified else np.zeros(0, dtype=np.int64)
         prompt_rows, prompt_targets = self._prompt_logprob_rows(scheduled, batch, pending)
+        drafted = None
+        if self.draft is not None and any(s.from_draft_model for s in verified):
+            drafted = self._draft_proposals(verified, spec_rows)
         for s in scheduled:
             s.state.num_computed += s.num_new
         calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
@@ -592,8 +676,15 @@ class ModelRunner:
         if graph:
             logits, sample_rows = self.graphs.run(batch)
             self.stats.graph_steps += 1
+            if self.draft is not None:  # the draft's KV for the same tokens, before the feed
+                inputs = stage_batch(batch, self.slots)
+                self._draft_forward(inputs.input_ids, inputs, calibrate=False)
         else:
             inputs = stage_batch(batch, self.slots)
+            input_ids = inputs.input_ids
+            if drafted is not None:  # the draft model's proposals, in their rows of the batch
+                input_ids = input_ids.clone()
+                input_ids[drafted.token_rows] = drafted.input_ids
             indices = None if batch.decode_only else inputs.logits_indices
             if calibrate:
                 self.model.set_kv_calibration(True)
@@ -601,9 +692,11 @@ class ModelRunner:
                 rows = np.concatenate([spec_rows, prompt_rows])
                 extra, targets = int64_to_device([rows, prompt_targets], self.device)
                 indices = torch.cat([inputs.logits_indices, extra])
-            logits = self.model(inputs.input_ids, inputs.meta, self._layer_caches, indices)
+            logits = self.model(input_ids, inputs.meta, self._layer_caches, indices)
             if calibrate:
                 self.model.set_kv_calibration(False)
+            if self.draft is not None:
+                self._draft_forward(input_ids, inputs, calibrate)
             sample_rows = inputs.sample_rows
             if len(prompt_rows):
                 num_rows = len(batch.logits_indices) + len(spec_rows)
@@ -613,12 +706,85 @@ class ModelRunner:
             masks = self._token_masks(plan, sampling)
             self._sample(logits[:num_sampled] if verified else logits, sample_rows, sampling, pending, masks)
         if verified:
-            self._verify(logits[num_sampled:], verified, pending)
+            self._verify(logits[num_sampled:], verified, pending, drafted)
         if not sampling and not verified and self.device.type == "cuda" and pending.prompt_spans:
             pending.done = torch.cuda.Event()
             pending.done.record()
 
-    def _verify(self, logits: torch.Tensor, verified: list[_Scheduled], pending: PendingStep) -> None:
+    def _draft_forward(self, input_ids: torch.Tensor, inputs: StepInputs, calibrate: bool) -> None:
+        """Runs the draft model over the step's tokens for their KV alone (no logits): it must hold
+        the KV of every token the target does, prompts and chunks included."""
+        assert self.draft is not None
+        if calibrate:
+            self.draft.set_kv_calibration(True)
+        self.draft(input_ids, inputs.meta, self._draft_caches, input_ids[:0])
+        if calibrate:
+            self.draft.set_kv_calibration(False)
+
+    def _draft_proposals(self, verified: list[_Scheduled], spec_rows: np.ndarray) -> _DraftProposals:
+        """The draft model's proposals for the verified requests: d_i decode passes of the draft
+        from each one's last token (its KV is the draft's for every earlier token), each sampling
+        the next proposal from the draft's processed distribution q (the request's temperature,
+        top-k and top-p; greedy: its argmax) with its own per-(seed, position) noise. Called before
+        the target's forward, which then computes the proposals with the rest of the step."""
+        assert self.draft is not None
+        states = [s.state for s in verified]
+        num = len(verified)
+        num_drafts = np.array([s.num_draft for s in verified], dtype=np.int64)
+        width = int(num_drafts.max())
+        starts = np.array([st.num_computed for st in states], dtype=np.int64)  # the last token's position
+        slots = np.array([st.slot for st in states], dtype=np.int64)
+        params = [st.sampling for st in states]
+        noise_params = draft_sampling_params(params)
+        vocab = self.spec.vocab_size
+        proposals = torch.zeros((num, width + 1), dtype=torch.int64, device=self.device)
+        probs = torch.zeros((num, width + 1, vocab), dtype=torch.float32, device=self.device)
+        empty = np.zeros(0, dtype=np.int64)
+        for j in range(width):
+            active = np.flatnonzero(num_drafts > j)
+            if j == 0:  # the last token: on the host if it was sent, else fed from last_token
+                chunks = [
+                    st.known_ids[st.num_computed : st.num_computed + 1]
+                    if st.num_computed < len(st.known_ids)
+                    else empty
+                    for st in states
+                ]
+            else:
+                chunks = [empty] * len(active)
+            batch = build_host_batch(
+                rows=slots[active], starts=starts[active] + j, q_lens=np.ones(len(active), dtype=np.int64),
+                samples=np.ones(len(active), dtype=bool), host_chunks=chunks, table=self.slots.table_host,
+                block_size=self.block_size,
+            )  # fmt: skip
+            inputs = stage_batch(batch, self.slots)
+            (rows,) = int64_to_device([active], self.device)
+            input_ids = inputs.input_ids if j == 0 else proposals[rows, j - 1]
+            logits = self.draft(input_ids, inputs.meta, self._draft_caches, None)
+            sub = [params[i] for i in active]
+            q = processed_probs(logits, sub)
+            positions = (starts[active] + j + 1).tolist()
+            noise = _exponential_noise(q, [noise_params[i] for i in active], positions)
+            proposals[rows, j] = (q / noise).argmax(dim=-1)
+            probs[rows, j] = q
+        # Per verification row (j = 0 .. d_i of request i): the proposal it checks and its q (the
+        # last row's entries are ignored), and the batch rows of the proposals (input tokens).
+        seq_index = np.repeat(np.arange(num), num_drafts + 1)
+        j_index = np.concatenate([np.arange(d + 1) for d in num_drafts.tolist()])
+        seq_d, j_d = int64_to_device([seq_index, j_index], self.device)
+        # Proposal j is the input token of verification row j + 1 (`spec_rows`: their batch rows).
+        checked = np.flatnonzero(j_index < np.repeat(num_drafts, num_drafts + 1))
+        token_rows = spec_rows[j_index >= 1]
+        checked_d, token_rows_d = int64_to_device([checked, token_rows], self.device)
+        row_ids = proposals[seq_d, j_d]
+        return _DraftProposals(row_ids, probs[seq_d, j_d], row_ids[checked_d], token_rows_d)
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        verified: list[_Scheduled],
+        pending: PendingStep,
+        drafted: _DraftProposals | None = None,
+    ) -> None:
         """Speculative decoding: accepts each verified request's proposals (`executor.spec_decode`),
         feeds its last emitted token to its next step on the device and starts copying the runs to
         the host. Its state advances in `finish`, once the counts are known there: the scheduler
@@ -634,10 +800,16 @@ class ModelRunner:
             for j in range(d + 1)
         ]
         draft_ids, slots = int64_to_device([draft_rows, np.array([st.slot for st in states])], self.device)
-        result = verify_point_mass(
-            logits, draft_ids, [st.sampling for st in states], [st.num_tokens for st in states], layout,
-            banned if any(banned) else None,
-        )  # fmt: skip
+        params, positions = [st.sampling for st in states], [st.num_tokens for st in states]
+        if drafted is not None:
+            result = verify_draft_model(
+                logits, drafted.row_ids, drafted.row_probs, params, positions, layout,
+                banned if any(banned) else None,
+            )  # fmt: skip
+        else:
+            result = verify_point_mass(
+                logits, draft_ids, params, positions, layout, banned if any(banned) else None
+            )
         self._feed(slots, result.last_token)
         pending.spec = [(st, s.num_draft) for st, s in zip(states, verified, strict=True)]
         pending.spec_token_ids = to_host(result.token_ids)

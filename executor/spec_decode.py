@@ -26,7 +26,7 @@ Two rules, both of which make the emitted tokens distributed exactly as the targ
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -153,6 +153,16 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         point = torch.zeros_like(probs[rows]).scatter_(1, logits[rows].argmax(dim=-1, keepdim=True), 1.0)
         probs[rows] = point
     return probs
+
+
+# Seeded draft proposals draw their noise from mix_seed(seed ^ _DRAFT_SALT, position): independent of
+# the target's (the residual at a rejection must not reuse the noise the proposal was drawn with).
+_DRAFT_SALT = 0x2545F4914F6CDD1D
+
+
+def draft_sampling_params(params: Sequence[SamplingParams]) -> list[SamplingParams]:
+    """The params a draft model samples its proposals with: the same, seeds salted."""
+    return [p if p.seed is None else replace(p, seed=p.seed ^ _DRAFT_SALT) for p in params]
 
 
 def _uniforms(

@@ -48,6 +48,9 @@ class TPDriverRunner(ModelRunner):
     on_fatal: Callable[[], None]  # ends the group (TensorParallelWorkers.fail)
 
     def launch(self, plan: executor_pb2.StepPlan) -> PendingStep:
+        if any(r.num_draft_tokens for r in plan.running):
+            # The ranks advance a verified request in finish(), which only rank 0 runs.
+            raise PlanError("speculative decoding (num_draft_tokens) does not run with tensor parallelism")
         self.group.send(STEP, plan.SerializeToString())
         try:
             return super().launch(plan)

@@ -341,8 +341,8 @@ class Scheduler:
         )
         if room < 1:
             return 0, []
-        if spec.method == "draft_model":
-            return room, []
+        if spec.method == "draft_model":  # after one token: the draft has the KV of all before it
+            return (room, []) if num_new == 1 else (0, [])
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         drafts = propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
         return len(drafts), drafts

@@ -2,18 +2,26 @@
 greedy outputs equal Hugging Face's (and so the run without speculation), a seeded sampled output
 equals the one without speculation token for token (point-mass acceptance draws the sampler's own
 per-(seed, position) noise), stop tokens, stop strings and max_tokens end the request where they
-fall even inside an accepted run, every block comes back, and a bad config fails at start."""
+fall even inside an accepted run, every block comes back, and a bad config fails at start. With a
+draft model (the tiny model with perturbed weights: some proposals right, some wrong), under
+chunked prefill: greedy outputs equal Hugging Face's, a seeded sampled request repeats itself,
+blocks come back; a draft of another KV shape is refused at start, and a scheduler configured for a draft
+refuses an executor without it."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from pagedserve.client import generate, make_request
+from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
 from tests.services import REPO, hf_greedy, running_services, scheduler_stats, wait_for_idle
 
 NGRAM = json.dumps(
@@ -118,3 +126,91 @@ def test_bad_config_fails_at_start_naming_the_field(tiny_model_dir):
         assert proc.returncode == 2, proc.stderr
         assert f"--speculative-config.{message}" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+# ---- the draft_model method ---------------------------------------------------------------------
+
+
+def perturbed_copy(model_dir: Path, directory: Path, scale: float, seed: int = 0) -> Path:
+    """The model with noise of `scale` times each matrix's std added: a draft that agrees with it
+    often, not always (same tokenizer, same KV shape)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, directory)
+    generator = torch.Generator().manual_seed(seed)
+    for path in directory.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if t.dim() > 1:
+                tensors[name] = t + scale * t.std() * torch.randn(t.shape, generator=generator)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_model_dir, tmp_path_factory):
+    return perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("draft") / "draft", scale=0.15)
+
+
+@pytest.fixture(scope="module")
+def draft_services(tiny_model_dir, draft_dir, tmp_path_factory):
+    spec = json.dumps({"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3})
+    flag = f"--speculative-config={spec}"
+    executor_args = ("--num-gpu-blocks-override=48", "--max-model-len=256", flag)
+    # Chunked prefill: the draft computes the KV of every chunk beside the target.
+    scheduler_args = (flag, "--max-num-batched-tokens=16", "--max-num-seqs=8")
+    log_dir = tmp_path_factory.mktemp("spec-draft")
+    with running_services(tiny_model_dir, log_dir, executor_args, scheduler_args) as services:
+        yield services
+
+
+def test_draft_model_greedy_equals_hf_and_seeded_sampling_repeats(draft_services, hf_model):
+    before = scheduler_stats(draft_services)
+    requests = [make_request(p, max_tokens=30, ignore_eos=True, temperature=0) for p in PROMPTS]
+    results = _run(draft_services, requests)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.token_ids == hf_greedy(hf_model, prompt, 30)
+    stats = wait_for_idle(draft_services)
+    assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+    drafted = stats.spec_draft_tokens - before.spec_draft_tokens
+    accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
+    assert 0 < accepted < drafted, (accepted, drafted)
+    sampled = [
+        make_request(p, max_tokens=24, ignore_eos=True, temperature=0.9, seed=5 + i)
+        for i, p in enumerate(PROMPTS)
+    ]
+    # One at a time: with a draft model, which tokens are proposed (and so which noise decides)
+    # depends on the step a request shares with others (docs/speculative-decoding.md).
+    with draft_services.channel() as channel:
+        first = [generate(channel, r, timeout=60) for r in sampled]
+        again = [generate(channel, r, timeout=60) for r in sampled]
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert all(len(r.token_ids) == 24 for r in first)
+    assert wait_for_idle(draft_services).gpu_blocks_in_use == 0
+
+
+def test_draft_of_another_kv_shape_is_refused_at_start(tiny_model_dir, tmp_path):
+    other = write_tiny_model(tmp_path / "other", TinyModelSpec(hidden_size=64, num_attention_heads=2))
+    spec = json.dumps({"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedserve.executor", f"--model={tiny_model_dir}", "--device=cpu",
+         "--port=0", "--num-gpu-blocks-override=64", f"--speculative-config={spec}"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "has head_dim 32, the target 16" in proc.stderr + proc.stdout, proc.stderr
+
+
+def test_scheduler_with_a_draft_refuses_an_executor_without_it(draft_dir):
+    """A scheduler configured for draft_model admits only an executor that loaded that draft."""
+    from pagedserve.scheduler.engine import Engine, ExecutorInfo
+    from pagedserve.scheduler.service_config import ServiceConfig
+
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    engine = Engine(ServiceConfig(model=str(draft_dir), speculative_config=spec), tokenizer=None)
+    info = ExecutorInfo(1, "m", 256, 512, 16, 64, 0, (2,), "cpu")
+    refusal = engine.admit_executor(None, info)
+    assert "needs the executor to load the draft" in refusal and "it has no draft model" in refusal
+    assert "draft model '/elsewhere'" in engine.admit_executor(None, replace(info, draft_model="/elsewhere"))
+    assert engine.admit_executor(None, replace(info, draft_model=str(draft_dir))) is None
