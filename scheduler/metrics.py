@@ -226,6 +226,24 @@ class SchedulerCollector(Collector):
         moved.add_metric([self._model_name, "gpu_to_cpu"], sum(e.kv_offloaded_bytes for e in snap.executors))
         moved.add_metric([self._model_name, "cpu_to_gpu"], sum(e.kv_loaded_bytes for e in snap.executors))
         yield moved
+        # Speculative decoding (--speculative-config), vLLM's names: acceptance rate = accepted /
+        # draft tokens, mean accepted length = 1 + accepted / drafts.
+        yield counter(
+            "spec_decode_num_drafts", "Verifications: one per request per step with proposals.", s.spec_steps
+        )
+        yield counter(
+            "spec_decode_num_draft_tokens", "Proposed tokens verified by the target.", s.spec_draft_tokens
+        )
+        accepted = s.spec_accepted_tokens
+        yield counter("spec_decode_num_accepted_tokens", "Of the proposed tokens, those accepted.", accepted)
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted proposals by their position in the proposal (0: the first).",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(s.spec_accepted_per_pos or ()):
+            per_pos.add_metric([self._model_name, str(position)], count)
+        yield per_pos
         yield from self._per_executor(snap.executors)
 
     def _per_executor(self, executors: list[ExecutorStatusView]) -> Iterator[Metric]:

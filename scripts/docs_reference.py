@@ -158,7 +158,8 @@ def scheduler_registry():
         return cls(**{f.name: values.get(f.name, 0) for f in fields(cls)})
 
     executor = zeros(ExecutorStatusView, address="127.0.0.1:50061", attached=True, state="attached")
-    engine = SimpleNamespace(core_stats=lambda: zeros(SchedulerStats), executor_statuses=lambda: [executor])
+    stats = zeros(SchedulerStats, spec_accepted_per_pos=(0,))  # one position: its label shows
+    engine = SimpleNamespace(core_stats=lambda: stats, executor_statuses=lambda: [executor])
     return SchedulerMetrics(engine, "MODEL").registry
 
 

@@ -308,3 +308,28 @@ def test_seeded_point_mass_verification_repeats_the_samplers_tokens():
     out = verify_point_mass(logits, drafts, [params], [20], VerifyLayout(np.array([4]), np.array([0])))
     assert out.counts.tolist() == [3]
     assert out.token_ids[0, :3].tolist() == alone[:3].tolist()
+
+
+def test_metrics_expose_vllms_spec_decode_counters():
+    from dataclasses import fields
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from pagedserve.scheduler.core import SchedulerStats
+    from pagedserve.scheduler.metrics import SchedulerMetrics
+
+    values = {f.name: 0 for f in fields(SchedulerStats)}
+    values |= dict(
+        spec_steps=10, spec_draft_tokens=40, spec_accepted_tokens=25, spec_accepted_per_pos=(9, 7, 5, 4)
+    )
+    engine = SimpleNamespace(core_stats=lambda: SchedulerStats(**values), executor_statuses=lambda: [])
+    text = generate_latest(SchedulerMetrics(engine, "m").registry).decode()  # type: ignore[arg-type]
+    for line in (
+        'pagedserve:spec_decode_num_drafts_total{model_name="m"} 10.0',
+        'pagedserve:spec_decode_num_draft_tokens_total{model_name="m"} 40.0',
+        'pagedserve:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0',
+        'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9.0',
+        'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="3"} 4.0',
+    ):
+        assert line in text, line

@@ -24,6 +24,8 @@ from pagedserve.client import generate, make_request
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
 from tests.services import REPO, hf_greedy, running_services, scheduler_stats, wait_for_idle
 
+pytestmark = pytest.mark.slow
+
 NGRAM = json.dumps(
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 )
@@ -214,3 +216,23 @@ def test_scheduler_with_a_draft_refuses_an_executor_without_it(draft_dir):
     assert "needs the executor to load the draft" in refusal and "it has no draft model" in refusal
     assert "draft model '/elsewhere'" in engine.admit_executor(None, replace(info, draft_model="/elsewhere"))
     assert engine.admit_executor(None, replace(info, draft_model=str(draft_dir))) is None
+
+
+def test_bench_reports_acceptance_and_steps_per_token(tiny_model_dir, tmp_path, capsys):
+    """`pagedserve bench --in-process --speculative-config`: the table and the JSON carry the
+    acceptance rate, the mean accepted length and the steps per output token."""
+    from pagedserve import bench
+
+    result = tmp_path / "bench.json"
+    argv = ["--in-process", "--model", str(tiny_model_dir), "--executor-args", "--device cpu --dtype float32"]
+    argv += ["--num-prompts", "4", "--input-len", "8:24", "--output-len", "24", "--temperature", "0"]
+    argv += ["--speculative-config", NGRAM, "--result-file", str(result), "--no-plot", "--num-warmups", "0"]
+    assert bench.main(argv) == 0
+    (run,) = json.loads(result.read_text())["runs"]
+    server = run["server"]
+    assert server["spec_draft_tokens"] > 0
+    assert 0 < server["spec_acceptance_rate"] <= 1
+    assert 1 < server["spec_mean_accepted_length"] <= 5
+    assert 0 < server["steps_per_output_token"] < 1
+    out = capsys.readouterr().out
+    assert "spec acceptance rate" in out and "executor steps per output token" in out

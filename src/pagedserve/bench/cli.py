@@ -187,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--scheduler-args", default="", help="extra scheduler flags (one shell-quoted string)"
     )
     launch.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help="with --launch or --in-process: speculative decoding for both services (the flag of "
+        "`pagedserve serve`, added to --executor-args and --scheduler-args); the report adds the "
+        "acceptance rate, mean accepted length and steps per output token",
+    )  # fmt: skip
+    launch.add_argument(
         "--data-parallel-size",
         type=_positive_int,
         default=1,
@@ -612,6 +618,15 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve.bench.openai_client import default_client_processes
 
         args.openai_client_processes = 1 if args.max_concurrency else default_client_processes()
+    if args.speculative_config:
+        if not (args.in_process or args.launch):
+            raise SystemExit(
+                "pagedserve bench: --speculative-config configures launched or in-process services "
+                "(--launch, --in-process); a running server has its own"
+            )
+        flag = " --speculative-config " + shlex.quote(args.speculative_config)
+        args.executor_args += flag
+        args.scheduler_args += flag
     if args.in_process or args.launch:  # bad service flags fail now, not in a launched process
         _in_process_configs(args)
     # Written after the run: a path that cannot be a file fails now, not after minutes of load.

@@ -17,6 +17,9 @@ _CORE_COUNTERS = (
     "prefix_cache_hit_tokens",
     "prefix_cache_query_tokens",
     "peak_gpu_blocks_in_use",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_steps",
 )
 
 
@@ -60,6 +63,8 @@ def server_metrics(result: PassResult) -> dict | None:
     else:
         peak, slot_util, source = result.sampled_peak_blocks, result.sampled_slot_utilization, "sampled"
     hits, queries = delta("prefix_cache_hit_tokens"), delta("prefix_cache_query_tokens")
+    steps, tokens = after.steps - before.steps, after.tokens_generated - before.tokens_generated
+    drafted, accepted, drafts = delta("spec_draft_tokens"), delta("spec_accepted_tokens"), delta("spec_steps")
     return {
         "counters_reset": reset,
         "preemptions": delta("num_preemptions"),
@@ -72,8 +77,16 @@ def server_metrics(result: PassResult) -> dict | None:
         "prefix_cache_hit_tokens": hits,
         "prefix_cache_query_tokens": queries,
         "prefix_cache_hit_rate": hits / queries if queries else None,  # None: not reported or reset
-        "steps": after.steps - before.steps,
-        "tokens_generated": after.tokens_generated - before.tokens_generated,
+        "steps": steps,
+        "tokens_generated": tokens,
+        # Executor steps per token streamed: 1 / the batch without speculation, lower with it.
+        "steps_per_output_token": steps / tokens if tokens else None,
+        # Speculative decoding (None without proposals): accepted / proposed tokens, and the mean
+        # tokens a verification emits (its accepted proposals and the one sampled after them).
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / drafted if drafted and accepted is not None else None,
+        "spec_mean_accepted_length": 1 + accepted / drafts if drafts and accepted is not None else None,
         # The scheduler's CPU per executor step: what decides when a scheduler needs a second one.
         "scheduler_cpu_ms_per_step": (
             1000 * (after.process_cpu_seconds - before.process_cpu_seconds) / (after.steps - before.steps)
@@ -119,6 +132,10 @@ def read_floor(records: Sequence[RequestRecord], inputs: ReadFloorInputs | None)
     }
 
 
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def summarize(result: PassResult) -> dict:
     """Every metric of a pass, JSON-ready, with per-request records."""
     records = result.records
@@ -153,6 +170,11 @@ def summarize(result: PassResult) -> dict:
         "cached_prompt_fraction": cached_tokens / input_tokens if input_tokens else 0.0,
         "request_throughput": len(ok) / duration,
         "output_throughput": output_tokens / duration,
+        # Each request's own decode rate (tokens after the first over the time after the first),
+        # averaged: what speculative decoding speeds up.
+        "output_tps_per_request": _mean(
+            [(r.num_output - 1) / (r.e2e - r.ttft) for r in ok if r.ttft is not None and r.e2e > r.ttft]
+        ),
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None]),
         "max_concurrency": result.max_concurrency,

@@ -80,6 +80,12 @@ def results_table(
     add("prefix cache hit rate (hit/query)", [_pct(s.get("prefix_cache_hit_rate")) for s in servers])
     add("cached prompt tokens (usage)", [f"{r['cached_prompt_fraction']:.1%}" for r in runs])
     add("executor steps", [s.get("steps") for s in servers])
+    add("executor steps per output token", [s.get("steps_per_output_token") for s in servers])
+    if any(s.get("spec_draft_tokens") for s in servers):  # speculative decoding
+        add("output tok/s per request (decode, mean)", [r.get("output_tps_per_request") for r in runs])
+        rates = [_pct(s.get("spec_acceptance_rate")) for s in servers]
+        add("spec acceptance rate (accepted/proposed)", rates)
+        add("spec mean accepted length", [s.get("spec_mean_accepted_length") for s in servers])
     add("scheduler CPU per step (ms)", [s.get("scheduler_cpu_ms_per_step") for s in servers])
     text = render_table("pagedserve bench", ["metric", *(r["label"] for r in runs)], rows)
     for r in runs:
