@@ -48,6 +48,11 @@
 #              (default "bf16: fp8:--quantization,fp8": NAME:FLAGS, commas for spaces; add e.g.
 #              "fp8-kv8:--quantization,fp8,--kv-cache-dtype,fp8"); LATENCY_PROMPTS requests per pass (32);
 #              PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M=M in the environment overrides the FP8 threshold
+#   spec       issue 30, speculative decoding: W7 on the built-in model (SPEC_MODEL) at --max-concurrency
+#              1,4,16 without speculation, with ngram (k 4, lookup 4..2) and with draft_model (SPEC_DRAFT,
+#              default src/pagedserve/models/default-draft; k 4): output tok/s per request, executor steps
+#              per output token, acceptance rate and mean accepted length; then W1 on the llama-8b shape
+#              with ngram and disable_by_batch_size 8 vs off (the cost of speculation configured)
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
 #
 #   OUT=bench-results bash scripts/gpu-bench.sh                  # everything (about 15 minutes)
@@ -91,7 +96,7 @@ if wants moe; then run moe 300 python3 -m benchmarks.moe --result-file "$OUT/moe
 if wants fp8-kernels; then run fp8-kernels 200 python3 -m benchmarks.fp8 --result-file "$OUT/fp8-kernels.json"; fi
 if wants fp8-quality; then run fp8-quality 300 python3 -m benchmarks.fp8_quality --result-file "$OUT/fp8-quality.json"; fi
 if wants w1 || wants w1-default || wants w2 || wants w3 || wants w1-fp8 || wants w5-fp8 || wants scale-out || wants tp \
-  || wants plan || wants tune || wants w1-json || wants w6-tier || wants latency; then
+  || wants plan || wants tune || wants w1-json || wants w6-tier || wants latency || wants spec; then
   [ -f "$MODEL/model.safetensors" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --device "$device" "$MODEL"
 fi
 if [ -n "${QUICK:-}" ]; then  # a handful of requests of each kind, to check the script itself
@@ -172,6 +177,38 @@ if wants latency; then  # issue 33 (QUICK: the same on the CPU, tiny shapes, the
     variant=${variant//,/ }  # "fp8-kv8:--quantization,fp8,--kv-cache-dtype,fp8": commas for spaces
     bench "latency-${variant%%:*}" 420 --num-prompts "$lat_prompts" "${lat_len[@]}" --request-rate inf \
       --num-warmups "$lat_warm" --max-concurrency "$lat_conc" --executor-args "$fp8_executor ${variant#*:}"
+  done
+fi
+if wants spec; then  # issue 30 (QUICK: the same passes on the CPU, a few short requests)
+  root=$(cd "$(dirname "$0")/.." && pwd)
+  spec_model=${SPEC_MODEL:-$root/src/pagedserve/models/default}
+  spec_draft=${SPEC_DRAFT:-$root/src/pagedserve/models/default-draft}
+  ngram='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
+  draft_cfg="{\"method\":\"draft_model\",\"model\":\"$spec_draft\",\"num_speculative_tokens\":4}"
+  spec_w7=(--workload W7 --num-warmups 2 --max-concurrency 1,4,16) spec_exec="" spec_w1=(--num-warmups 8)
+  if [ -n "${QUICK:-}" ]; then
+    spec_w7=(--workload W7 --num-prompts 4 --output-len 16 --num-warmups 0 --max-concurrency 1,2) spec_exec="--device cpu"
+    spec_w1=(--num-prompts 8 --input-len 16:64 --output-len 4:16)
+  fi
+  python3 -c "import sys; from pagedserve.bench.workloads import PRESETS; sys.exit('W7' not in PRESETS)" \
+    || echo "=== spec: this checkout has no W7 preset (pagedserve.bench.workloads); the W7 passes will fail"
+  variants=("off:" "ngram:$ngram")
+  if [ -f "$spec_draft/config.json" ]; then
+    variants+=("draft:$draft_cfg")
+  else
+    echo "=== spec: no draft model at $spec_draft (python -m scripts.train_default_model --draft-of" \
+      "src/pagedserve/models/default --output src/pagedserve/models/default-draft); draft_model pass skipped"
+  fi
+  for variant in "${variants[@]}"; do
+    cfg=() && [ -n "${variant#*:}" ] && cfg=(--speculative-config "${variant#*:}")
+    MODEL=$spec_model bench "spec-w7-${variant%%:*}" 600 "${spec_w7[@]}" --executor-args "$spec_exec" "${cfg[@]}"
+  done
+  # W1 at 512 running requests: speculation configured but off above 8 (disable_by_batch_size) vs none.
+  ngram_w1='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2,"disable_by_batch_size":8}'
+  for variant in "off:" "ngram:$ngram_w1"; do
+    cfg=() && [ -n "${variant#*:}" ] && cfg=(--speculative-config "${variant#*:}")
+    bench "spec-w1-${variant%%:*}" 300 --workload W1 "${spec_w1[@]}" --scheduler-args "$W1_SCHEDULER_FLAGS" \
+      --executor-args "$spec_exec $W1_EXECUTOR_FLAGS" "${cfg[@]}"
   done
 fi
 if wants w5-fp8; then
