@@ -11,7 +11,9 @@ Two families are captured:
 * *mixed* graphs, one per padded token count T (`mixed_graph_sizes`): any batch of up to
   `max_num_seqs` sequences and T tokens (prefill chunks, whole prompts, decodes), laid out as
   `num_seq_slots` sequences so the shape never depends on the batch; the attention runs the varlen
-  kernel. Logits are computed for `num_seq_slots` rows (the sampled rows first).
+  kernel. Logits are computed for `num_seq_slots` rows (the sampled rows first). Speculative
+  decoding's verification steps run here too: their logits rows are the sampled rows and then the
+  k + 1 rows of each verified sequence, as long as they number at most `num_seq_slots`.
 
 A graph replays fixed addresses, so its inputs live in one static int64 device buffer (a field per
 input), filled by one non-blocking copy per step. Padding cannot disturb anything:
@@ -241,28 +243,48 @@ class StepGraphs:
         num_tokens = len(batch.positions)
         if batch.decode_only and num_tokens <= self.max_decode:
             return next(s for s in self.decode_sizes if s >= num_tokens), False
-        if self.mixed_sizes and num_tokens <= self.mixed_sizes[-1] and batch.num_seqs <= self.max_seqs:
+        if (
+            self.mixed_sizes
+            and num_tokens <= self.mixed_sizes[-1]
+            and batch.num_seqs <= self.max_seqs
+            and len(batch.logits_indices) <= self.num_seq_slots
+        ):
             return next(s for s in self.mixed_sizes if s >= num_tokens), True
         return None
 
     def can_run(self, batch: HostBatch) -> bool:
         return self._plan(batch) is not None
 
-    def run(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, batch: HostBatch, token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the graph for `batch`: returns its float32 logits [sampled rows, vocab] and the
-        slots of those rows (on the device, for `RequestSlots.store_sampled`)."""
+        slots of those rows (on the device, for `RequestSlots.store_sampled`). `token_ids`: (batch
+        rows, ids) on the device, the input ids of rows whose host id is a placeholder (a draft
+        model's proposals)."""
         num_tokens, mixed = self._plan(batch)
         self._fill(batch, num_tokens, mixed)
+        self._set_token_ids(token_ids)
         (self._mixed_graphs if mixed else self._decode_graphs)[num_tokens].replay()
         return self._outputs(batch)
 
     @torch.inference_mode()
-    def run_uncaptured(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_uncaptured(
+        self, batch: HostBatch, token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Computes what `run` replays, padding included, without a graph (tests run it on the CPU)."""
         num_tokens, mixed = self._plan(batch)
         self._fill(batch, num_tokens, mixed)
+        self._set_token_ids(token_ids)
         self._forward(num_tokens, mixed)
         return self._outputs(batch)
+
+    def _set_token_ids(self, token_ids: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Writes device-side input ids into the static host-id field (after `_fill`'s copy, on the
+        same stream); their feed slots are -1, so the graph reads them as host ids."""
+        if token_ids is not None:
+            rows, ids = token_ids
+            self._static.index_copy_(0, rows + self._offsets["host_ids"], ids)
 
     def _outputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         num_sampled = len(batch.logits_indices)

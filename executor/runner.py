@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import structlog
@@ -664,21 +664,33 @@ class ModelRunner:
         calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
         # Prompt logprobs and verification need logits at more rows than the graphs compute: those
         # steps run eagerly, as does the step that calibrates the FP8 KV scales.
+        graph_batch = batch
+        if verified and self.graphs is not None:  # the graph's logits rows: sampled, then verified
+            graph_batch = replace(
+                batch,
+                logits_indices=np.concatenate([batch.logits_indices, spec_rows]),
+                sample_rows=np.concatenate([batch.sample_rows, np.full(len(spec_rows), self.slots.pad_row)]),
+            )
         graph = (
             not calibrate
             and self.graphs is not None
             and not len(prompt_rows)
-            and not verified
-            and self.graphs.can_run(batch)
+            and self.graphs.can_run(graph_batch)
         )
         if pending.trace is not None:
             self.tracer.forward_starts(pending.trace, batch, graph)
         if graph:
-            logits, sample_rows = self.graphs.run(batch)
+            token_ids = None if drafted is None else (drafted.token_rows, drafted.input_ids)
+            logits, sample_rows = self.graphs.run(graph_batch, token_ids)
+            sample_rows = sample_rows[: len(batch.logits_indices)]
             self.stats.graph_steps += 1
             if self.draft is not None:  # the draft's KV for the same tokens, before the feed
                 inputs = stage_batch(batch, self.slots)
-                self._draft_forward(inputs.input_ids, inputs, calibrate=False)
+                input_ids = inputs.input_ids
+                if drafted is not None:
+                    input_ids = input_ids.clone()
+                    input_ids[drafted.token_rows] = drafted.input_ids
+                self._draft_forward(input_ids, inputs, calibrate=False)
         else:
             inputs = stage_batch(batch, self.slots)
             input_ids = inputs.input_ids

@@ -307,3 +307,22 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt) :].tolist()
+
+
+def perturbed_copy(model_dir: Path, directory: Path, scale: float, seed: int = 0) -> Path:
+    """The model with noise of `scale` times each matrix's std added: a draft that agrees with it
+    often, not always (same tokenizer, same KV shape)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, directory)
+    generator = torch.Generator().manual_seed(seed)
+    for path in directory.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if t.dim() > 1:
+                tensors[name] = t + scale * t.std() * torch.randn(t.shape, generator=generator)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return directory

@@ -24,6 +24,7 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.core import Scheduler
 from pagedserve.scheduler.ngram import propose_ngram
 from pagedserve.scheduler.request import Request, SamplingOptions, SeqId
+from tests.services import hf_greedy
 
 NGRAM = SpeculativeConfig("ngram", 4, prompt_lookup_max=3, prompt_lookup_min=1)
 
@@ -333,3 +334,127 @@ def test_metrics_expose_vllms_spec_decode_counters():
         'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="3"} 4.0',
     ):
         assert line in text, line
+
+
+# ---- the executor: verification steps through the graphs' padded layouts ------------------------
+
+BLOCK = 16
+
+
+def _verify_through(runner, hf_model, drafts_for, num_steps: int, d: int = 3) -> tuple[dict, int]:
+    """Drives a runner by hand: two prompts, then steps that each verify `d` proposals per request
+    (`drafts_for(seq_id, tokens so far)`: their ids, or None for a draft model's), trimming and
+    growing the tables as the protocol says. Returns each request's outputs and how many tokens
+    the verifications accepted."""
+    from pagedserve.protos import executor_pb2 as pb
+
+    runner.reset()
+    prompts = {1: list(range(30, 47)), 2: [5, 6, 7, 5, 6]}
+    blocks = {1: list(range(1, 9)), 2: list(range(9, 17))}
+    greedy = pb.Sampling(temperature=0)
+    plan = pb.StepPlan(step_id=0)
+    for seq_id, prompt in prompts.items():
+        first = blocks[seq_id][: -(-len(prompt) // BLOCK)]
+        plan.new_requests.add(
+            seq_id=seq_id, token_ids=prompt, num_computed_tokens=0, num_new_tokens=len(prompt),
+            block_tables=[pb.BlockTable(first_index=0, block_ids=first)], sampling=greedy,
+        )  # fmt: skip
+    out = runner.execute(plan)
+    tokens = {s: list(prompts[s]) for s in prompts}
+    ends = {s: -(-len(prompts[s]) // BLOCK) for s in prompts}
+    for seq_id, token in zip(out.seq_ids, out.token_ids, strict=True):
+        tokens[seq_id].append(token)
+    accepted = 0
+    for step in range(1, num_steps):
+        plan = pb.StepPlan(step_id=step)
+        for seq_id in prompts:
+            computed = len(tokens[seq_id]) - 1
+            need = -(-(computed + 1 + d) // BLOCK)
+            running = plan.running.add(seq_id=seq_id, num_new_tokens=1 + d, num_draft_tokens=d)
+            if need > ends[seq_id]:
+                running.new_blocks.add(
+                    first_index=ends[seq_id], block_ids=blocks[seq_id][ends[seq_id] : need]
+                )
+            ids = drafts_for(seq_id, tokens[seq_id])
+            if ids is not None:
+                running.draft_token_ids.extend(ids)
+        out = runner.execute(plan)
+        offset = 0
+        for seq_id, count in zip(out.seq_ids, out.num_tokens, strict=True):
+            tokens[seq_id] += out.token_ids[offset : offset + count]
+            offset += count
+            accepted += count - 1
+            ends[seq_id] = -(-(len(tokens[seq_id]) - 1) // BLOCK)  # trimmed to the last computed token
+    outputs = {s: tokens[s][len(prompts[s]) :] for s in prompts}
+    for seq_id, prompt in prompts.items():
+        assert outputs[seq_id] == hf_greedy(hf_model, prompt, len(outputs[seq_id])), seq_id
+    return outputs, accepted
+
+
+def _through_graph_layouts(runner, monkeypatch):
+    """The runner's steps computed as their CUDA graphs would compute them (padded static inputs,
+    no capture: the CPU can run it), and a count of the steps that took that path."""
+    from pagedserve.executor.cuda_graphs import StepGraphs
+
+    graphs = StepGraphs(runner.model, runner._layer_caches, runner.slots, [1, 2, 4], [32, 64])
+    monkeypatch.setattr(graphs, "run", graphs.run_uncaptured)
+    monkeypatch.setattr(runner, "graphs", graphs)
+
+
+@pytest.fixture(scope="module")
+def ngram_runner(tiny_model_dir):
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner
+
+    config = ExecutorConfig(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", num_gpu_blocks_override=64,
+        max_model_len=256, max_num_seqs=4, swap_space=0.002,
+    )  # fmt: skip
+    return ModelRunner.create(config)
+
+
+@pytest.fixture(scope="module")
+def draft_runner(tiny_model_dir, tmp_path_factory):
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner
+    from tests.services import perturbed_copy
+
+    draft = perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("d") / "draft", scale=0.15)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    config = ExecutorConfig(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", num_gpu_blocks_override=64,
+        max_model_len=256, max_num_seqs=4, swap_space=0.002, speculative_config=spec,
+    )  # fmt: skip
+    return ModelRunner.create(config)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_verification_steps_equal_hf_eagerly_and_in_graph_layouts(
+    ngram_runner, hf_model, monkeypatch, graphs
+):
+    """Proposals that are the true continuation with every third one wrong: greedy outputs equal
+    Hugging Face's, in eager steps and in the mixed graphs' padded layout."""
+    if graphs:
+        _through_graph_layouts(ngram_runner, monkeypatch)
+    before = ngram_runner.stats.graph_steps
+
+    def drafts_for(seq_id: int, tokens: list[int]) -> list[int]:
+        truth = hf_greedy(hf_model, tokens, 3)
+        return [t if (len(tokens) + i) % 3 else (t + 1) % 512 for i, t in enumerate(truth)]
+
+    _, accepted = _verify_through(ngram_runner, hf_model, drafts_for, num_steps=6)
+    assert accepted > 0
+    assert (ngram_runner.stats.graph_steps - before > 0) == graphs
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_draft_model_steps_equal_hf_eagerly_and_in_graph_layouts(draft_runner, hf_model, monkeypatch, graphs):
+    """The executor's draft proposes (some right, some wrong): greedy outputs equal Hugging Face's,
+    its proposals reach the target's input rows in eager steps and in the graphs' layout."""
+    if graphs:
+        _through_graph_layouts(draft_runner, monkeypatch)
+    before = draft_runner.stats.graph_steps
+    _, accepted = _verify_through(draft_runner, hf_model, lambda seq_id, tokens: None, num_steps=6)
+    assert accepted > 0
+    assert (draft_runner.stats.graph_steps - before > 0) == graphs
+    assert draft_runner.kv_cache.layout.layers_per_block == 4  # the target's 2 layers, the draft's 2

@@ -11,18 +11,23 @@ refuses an executor without it."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from pagedserve.client import generate, make_request
 from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
-from tests.services import REPO, hf_greedy, running_services, scheduler_stats, wait_for_idle
+from tests.services import (
+    REPO,
+    hf_greedy,
+    perturbed_copy,
+    running_services,
+    scheduler_stats,
+    wait_for_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -131,23 +136,6 @@ def test_bad_config_fails_at_start_naming_the_field(tiny_model_dir):
 
 
 # ---- the draft_model method ---------------------------------------------------------------------
-
-
-def perturbed_copy(model_dir: Path, directory: Path, scale: float, seed: int = 0) -> Path:
-    """The model with noise of `scale` times each matrix's std added: a draft that agrees with it
-    often, not always (same tokenizer, same KV shape)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model_dir, directory)
-    generator = torch.Generator().manual_seed(seed)
-    for path in directory.glob("*.safetensors"):
-        tensors = load_file(path)
-        for name, t in tensors.items():
-            if t.dim() > 1:
-                tensors[name] = t + scale * t.std() * torch.randn(t.shape, generator=generator)
-        save_file(tensors, path, metadata={"format": "pt"})
-    return directory
 
 
 @pytest.fixture(scope="module")
