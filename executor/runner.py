@@ -54,7 +54,6 @@ from pagedserve.executor.spec_decode import (
 from pagedserve.executor.step_inputs import (
     HostBatch,
     RequestSlots,
-    StepInputs,
     build_host_batch,
     build_step_inputs,
     stage_batch,
@@ -295,6 +294,13 @@ class ModelRunner:
                 mixed_graph_sizes(max_num_batched_tokens, max_num_seqs, max_model_len),
             )  # fmt: skip
             self.graphs.capture()
+        self.draft_graphs: StepGraphs | None = None  # the draft model's, bound to the same slots
+        if cuda_graphs and draft is not None:
+            self.draft_graphs = StepGraphs(
+                draft, self._draft_caches, self.slots, decode_graph_sizes(max_num_seqs),
+                mixed_graph_sizes(max_num_batched_tokens, max_num_seqs, max_model_len),
+            )  # fmt: skip
+            self.draft_graphs.capture()
 
     @classmethod
     def create(cls, config: ExecutorConfig) -> ModelRunner:
@@ -685,12 +691,7 @@ class ModelRunner:
             sample_rows = sample_rows[: len(batch.logits_indices)]
             self.stats.graph_steps += 1
             if self.draft is not None:  # the draft's KV for the same tokens, before the feed
-                inputs = stage_batch(batch, self.slots)
-                input_ids = inputs.input_ids
-                if drafted is not None:
-                    input_ids = input_ids.clone()
-                    input_ids[drafted.token_rows] = drafted.input_ids
-                self._draft_forward(input_ids, inputs, calibrate=False)
+                self._draft_pass(batch, token_ids)
         else:
             inputs = stage_batch(batch, self.slots)
             input_ids = inputs.input_ids
@@ -708,7 +709,8 @@ class ModelRunner:
             if calibrate:
                 self.model.set_kv_calibration(False)
             if self.draft is not None:
-                self._draft_forward(input_ids, inputs, calibrate)
+                token_ids = None if drafted is None else (drafted.token_rows, drafted.input_ids)
+                self._draft_pass(batch, token_ids, calibrate=calibrate)
             sample_rows = inputs.sample_rows
             if len(prompt_rows):
                 num_rows = len(batch.logits_indices) + len(spec_rows)
@@ -723,15 +725,34 @@ class ModelRunner:
             pending.done = torch.cuda.Event()
             pending.done.record()
 
-    def _draft_forward(self, input_ids: torch.Tensor, inputs: StepInputs, calibrate: bool) -> None:
-        """Runs the draft model over the step's tokens for their KV alone (no logits): it must hold
-        the KV of every token the target does, prompts and chunks included."""
+    def _draft_pass(
+        self,
+        batch: HostBatch,
+        token_ids: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
+        logits: bool = False,
+        calibrate: bool = False,
+    ) -> torch.Tensor | None:
+        """Runs the draft model over `batch` (its CUDA graph when one fits, else eagerly), with
+        `token_ids` (device rows, ids) replacing those rows' host placeholders. Over a step's tokens
+        it runs for their KV alone: it must hold the KV of every token the target does, prompts and
+        chunks included. With `logits`: returns each row's (a decode batch of the proposals)."""
         assert self.draft is not None
+        graphs = self.draft_graphs
+        if graphs is not None and not calibrate and graphs.can_run(batch):
+            out, _ = graphs.run(batch, token_ids)
+            return out if logits else None
+        inputs = stage_batch(batch, self.slots)
+        input_ids = inputs.input_ids
+        if token_ids is not None:
+            input_ids = input_ids.clone()
+            input_ids[token_ids[0]] = token_ids[1]
         if calibrate:
             self.draft.set_kv_calibration(True)
-        self.draft(input_ids, inputs.meta, self._draft_caches, input_ids[:0])
+        out = self.draft(input_ids, inputs.meta, self._draft_caches, None if logits else input_ids[:0])
         if calibrate:
             self.draft.set_kv_calibration(False)
+        return out
 
     def _draft_proposals(self, verified: list[_Scheduled], spec_rows: np.ndarray) -> _DraftProposals:
         """The draft model's proposals for the verified requests: d_i decode passes of the draft
@@ -761,17 +782,16 @@ class ModelRunner:
                     else empty
                     for st in states
                 ]
-            else:
-                chunks = [empty] * len(active)
+            else:  # the previous proposal: a host placeholder, its id written on the device
+                chunks = [np.zeros(1, dtype=np.int64)] * len(active)
             batch = build_host_batch(
                 rows=slots[active], starts=starts[active] + j, q_lens=np.ones(len(active), dtype=np.int64),
                 samples=np.ones(len(active), dtype=bool), host_chunks=chunks, table=self.slots.table_host,
                 block_size=self.block_size,
             )  # fmt: skip
-            inputs = stage_batch(batch, self.slots)
-            (rows,) = int64_to_device([active], self.device)
-            input_ids = inputs.input_ids if j == 0 else proposals[rows, j - 1]
-            logits = self.draft(input_ids, inputs.meta, self._draft_caches, None)
+            rows, batch_rows = int64_to_device([active, np.arange(len(active))], self.device)
+            token_ids = None if j == 0 else (batch_rows, proposals[rows, j - 1])
+            logits = self._draft_pass(batch, token_ids, logits=True)
             sub = [params[i] for i in active]
             q = processed_probs(logits, sub)
             positions = (starts[active] + j + 1).tolist()

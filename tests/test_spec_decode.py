@@ -391,14 +391,23 @@ def _verify_through(runner, hf_model, drafts_for, num_steps: int, d: int = 3) ->
     return outputs, accepted
 
 
-def _through_graph_layouts(runner, monkeypatch):
+def _through_graph_layouts(runner, monkeypatch) -> list | None:
     """The runner's steps computed as their CUDA graphs would compute them (padded static inputs,
-    no capture: the CPU can run it), and a count of the steps that took that path."""
+    no capture: the CPU can run it); with a draft model, its passes too (returns their calls)."""
     from pagedserve.executor.cuda_graphs import StepGraphs
 
     graphs = StepGraphs(runner.model, runner._layer_caches, runner.slots, [1, 2, 4], [32, 64])
     monkeypatch.setattr(graphs, "run", graphs.run_uncaptured)
     monkeypatch.setattr(runner, "graphs", graphs)
+    if runner.draft is not None:  # the draft's graphs: its passes over the step and its proposals
+        draft_graphs = StepGraphs(runner.draft, runner._draft_caches, runner.slots, [1, 2, 4], [32, 64])
+        calls = []
+        monkeypatch.setattr(
+            draft_graphs, "run", lambda *a: calls.append(1) or draft_graphs.run_uncaptured(*a)
+        )
+        monkeypatch.setattr(runner, "draft_graphs", draft_graphs)
+        return calls
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -451,10 +460,11 @@ def test_verification_steps_equal_hf_eagerly_and_in_graph_layouts(
 def test_draft_model_steps_equal_hf_eagerly_and_in_graph_layouts(draft_runner, hf_model, monkeypatch, graphs):
     """The executor's draft proposes (some right, some wrong): greedy outputs equal Hugging Face's,
     its proposals reach the target's input rows in eager steps and in the graphs' layout."""
-    if graphs:
-        _through_graph_layouts(draft_runner, monkeypatch)
+    calls = _through_graph_layouts(draft_runner, monkeypatch) if graphs else None
     before = draft_runner.stats.graph_steps
     _, accepted = _verify_through(draft_runner, hf_model, lambda seq_id, tokens: None, num_steps=6)
     assert accepted > 0
     assert (draft_runner.stats.graph_steps - before > 0) == graphs
+    if graphs:  # per step: the pass over its tokens and one per proposal (3)
+        assert len(calls) == 6 * 1 + 5 * 3
     assert draft_runner.kv_cache.layout.layers_per_block == 4  # the target's 2 layers, the draft's 2
