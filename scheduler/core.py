@@ -59,7 +59,7 @@ import structlog
 from pagedserve.scheduler.block_pool import BlockHash
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import NO_HIT, BlockSpan, KVCacheManager, PrefixHit
-from pagedserve.scheduler.ngram import propose_ngram
+from pagedserve.scheduler.ngram import NgramProposer
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 from pagedserve.scheduler.structured import batch_matcher, fill_bitmasks
 
@@ -208,8 +208,12 @@ class Scheduler:
         self._prefix_query_tokens = 0
         self._cpu_prefix_hit_tokens = 0
         self._batch_matcher = None  # xgrammar's, made for the first plan with constrained requests
-        self._spec = config.speculative
+        self._spec = spec = config.speculative
         self._spec_on = False  # speculation in the step being planned (disable_by_batch_size)
+        self._ngram = None
+        if spec is not None and spec.method == "ngram":
+            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+            self._ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self._spec_draft_tokens = 0
         self._spec_accepted_tokens = 0
         self._spec_steps = 0
@@ -269,6 +273,8 @@ class Scheduler:
             self._waiting.remove(request)
             self._forget_queued_prefix(seq_id)
         self.kv_cache_manager.forget(seq_id)
+        if self._ngram is not None:
+            self._ngram.forget(seq_id)
         request.status = RequestStatus.FINISHED
 
     def get_request(self, seq_id: SeqId) -> Request | None:
@@ -341,10 +347,9 @@ class Scheduler:
         )
         if room < 1:
             return 0, []
-        if spec.method == "draft_model":  # after one token: the draft has the KV of all before it
+        if self._ngram is None:  # draft_model, after one token: the draft has the KV of all before it
             return (room, []) if num_new == 1 else (0, [])
-        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
-        drafts = propose_ngram(request.all_token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        drafts = self._ngram.propose(request, room)
         return len(drafts), drafts
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, step: _Step) -> list[BlockSpan] | None:

@@ -47,6 +47,40 @@ def test_ngram_proposes_what_followed_the_longest_earlier_match(tokens, k, expec
     assert propose_ngram(tokens, k, lookup_min=1, lookup_max=3) == expected
 
 
+def test_ngram_search_equals_comparing_every_window():
+    """The search that checks only positions holding the last token finds what comparing every
+    earlier window with the suffix finds (random short sequences over 4 tokens: many matches)."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    def every_window(ids: np.ndarray, k: int, lo: int, hi: int) -> list[int]:
+        for n in range(min(hi, len(ids) - 1), lo - 1, -1):
+            hits = np.flatnonzero((sliding_window_view(ids[:-1], n) == ids[len(ids) - n :]).all(axis=1))
+            if len(hits):
+                return ids[int(hits[0]) + n :][:k].tolist()
+        return []
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        ids = np.array([rng.randrange(4) for _ in range(rng.randrange(1, 50))])
+        lo = rng.randrange(1, 4)
+        hi, k = rng.randrange(lo, 6), rng.randrange(1, 5)
+        assert propose_ngram(ids, k, lo, hi) == every_window(ids, k, lo, hi), (ids.tolist(), k, lo, hi)
+
+
+def test_ngram_proposer_keeps_each_requests_tokens_as_they_arrive():
+    from pagedserve.scheduler.ngram import NgramProposer
+
+    proposer = NgramProposer(lookup_min=1, lookup_max=2)
+    request = Request(SeqId(1), [1, 2, 3], max_tokens=200)
+    assert proposer.propose(request, 2) == []
+    request.output_token_ids += [1]
+    assert proposer.propose(request, 2) == [2, 3]
+    request.output_token_ids += list(range(10, 150)) + [10]  # grows past its first buffer
+    assert proposer.propose(request, 3) == [11, 12, 13]
+    proposer.forget(request.seq_id)
+    assert proposer.propose(request, 1) == [11]
+
+
 def test_ngram_lookup_min_bounds_the_match():
     assert propose_ngram([1, 2, 3, 4, 9, 4], 2, lookup_min=2, lookup_max=3) == []
     assert propose_ngram([1, 2, 3, 4, 9, 4], 2, lookup_min=1, lookup_max=3) == [9, 4]
