@@ -534,6 +534,7 @@ class ModelRunner:
         for i, ((st, num_draft), count) in enumerate(zip(pending.spec, counts, strict=True)):
             lps = spec_logprobs[i][:count] if spec_logprobs and st.sampling.return_logprobs else [0.0] * count
             runs[st.seq_id] = (tokens[i][:count], lps)
+            self.stats.tokens_sampled += count  # (launch counted the other sampling rows)
             st.num_tokens += count
             st.num_computed -= num_draft - (count - 1)
             end = -(-st.num_computed // self.block_size)

@@ -81,13 +81,26 @@ def test_ngram_greedy_equals_hf_and_every_block_comes_back(ngram_services, hf_mo
 
 
 def test_seeded_sampling_equals_the_run_without_speculation(ngram_services, plain_services):
+    """Seeded sampling (top-k, top-p), logprobs of every emitted token, and min_tokens banning a
+    stop token inside accepted runs: the same as without speculation."""
     requests = [
         make_request(p, max_tokens=32, ignore_eos=True, temperature=0.8, top_k=20, seed=11 + i)
         for i, p in enumerate(PROMPTS)
     ]
+    requests += [
+        make_request(PROMPTS[0], max_tokens=24, temperature=0.7, top_p=0.9, seed=3, return_logprobs=True),
+        make_request(PROMPTS[3], max_tokens=24, temperature=0, return_logprobs=True),
+        # 140 is the greedy output's most frequent token: banned until 12 tokens, then a stop.
+        make_request(PROMPTS[0], max_tokens=24, temperature=0, min_tokens=12, stop_token_ids=[140]),
+    ]
     with_spec = _run(ngram_services, requests)
     without = _run(plain_services, requests)
     assert [r.token_ids for r in with_spec] == [r.token_ids for r in without]
+    assert [r.finish_reason for r in with_spec] == [r.finish_reason for r in without]
+    for spec_result, plain_result in zip(with_spec[-3:-1], without[-3:-1], strict=True):
+        assert len(spec_result.logprobs) == len(spec_result.token_ids)
+        assert spec_result.logprobs == pytest.approx(plain_result.logprobs, abs=1e-4)
+    assert len(with_spec[-1].token_ids) >= 12
     assert wait_for_idle(ngram_services).gpu_blocks_in_use == 0
 
 
