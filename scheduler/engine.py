@@ -422,6 +422,8 @@ class Engine:
             seq_ids = [seq_id for seq_id, count in zip(seq_ids, counts, strict=True) for _ in range(count)]
         logprobs = output.logprobs
         get_active = self._active.get
+        # Speculative decoding: a request's run of tokens goes out as one message (its deltas merged).
+        runs: dict[int, tuple[ActiveRequest, Delta]] | None = {} if counts else None
         for i, (seq_id, token_id) in enumerate(zip(seq_ids, token_ids, strict=True)):
             active = get_active(seq_id)
             if active is None or active.replica is not replica:
@@ -440,11 +442,20 @@ class Engine:
                 delta = completion.add_token(token_id, logprob, ended)
             if delta is None:
                 continue  # held back (--stream-interval)
+            if runs is not None:
+                if seq_id in runs:
+                    delta = runs[seq_id][1].merged(delta)
+                runs[seq_id] = (active, delta)
+                if delta.finish_reason is None:
+                    continue
+                del runs[seq_id]
             active.deltas.put_nowait(delta)
             if delta.finish_reason is not None:
                 del self._active[seq_id]
                 replica.finish_request(seq_id)
                 active.replica = None
+        for active, delta in (runs or {}).values():
+            active.deltas.put_nowait(delta)
 
     # ---- executors ----------------------------------------------------------------------------
 

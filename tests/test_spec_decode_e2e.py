@@ -76,8 +76,9 @@ def test_ngram_greedy_equals_hf_and_every_block_comes_back(ngram_services, hf_mo
     assert accepted > 40, "the repeating outputs should have accepted proposals"
     assert stats.spec_draft_tokens >= stats.spec_accepted_tokens
     assert sum(stats.spec_accepted_per_pos) == stats.spec_accepted_tokens
-    # Fewer steps than tokens: several tokens per step for the accepted runs.
     assert stats.tokens_generated - before.tokens_generated == 40 * len(PROMPTS)
+    # An accepted run goes out as one message: fewer messages than tokens.
+    assert sum(r.num_messages for r in results) < 40 * len(PROMPTS)
 
 
 def test_seeded_sampling_equals_the_run_without_speculation(ngram_services, plain_services):
