@@ -133,6 +133,26 @@ def test_stops_inside_accepted_runs_end_the_request_there(ngram_services, hf_mod
     assert wait_for_idle(ngram_services).gpu_blocks_in_use == 0
 
 
+def test_executor_crash_mid_stream_resumes_with_the_same_tokens(ngram_services, hf_model):
+    """Failover with proposals in flight: the executor dies mid-stream and comes back; the request
+    is placed again from its prompt and the tokens already streamed, and ends with exactly the
+    greedy tokens of an undisturbed run."""
+    from pagedserve.client import stream
+    from tests.services import wait_until_ready
+
+    prompt, length = PROMPTS[1], 160
+    with ngram_services.channel() as channel:
+        responses = stream(channel, make_request(prompt, max_tokens=length, temperature=0), timeout=120)
+        tokens = list(next(responses).token_ids)
+        ngram_services.restart_executor()
+        for response in responses:
+            tokens += response.token_ids
+    assert tokens == hf_greedy(hf_model, prompt, length)
+    assert "requests re-placed" in ngram_services.scheduler_log()
+    wait_until_ready(ngram_services)
+    assert wait_for_idle(ngram_services).gpu_blocks_in_use == 0
+
+
 def test_bad_config_fails_at_start_naming_the_field(tiny_model_dir):
     """Both services refuse it as a bad flag (exit 2, the flag and field named; every kind of bad
     value is in tests/test_spec_decode.py)."""
