@@ -502,3 +502,17 @@ def test_draft_model_steps_equal_hf_eagerly_and_in_graph_layouts(draft_runner, h
     if graphs:  # per step: the pass over its tokens and one per proposal (3)
         assert len(calls) == 6 * 1 + 5 * 3
     assert draft_runner.kv_cache.layout.layers_per_block == 4  # the target's 2 layers, the draft's 2
+
+
+def test_a_draft_of_another_kv_shape_is_refused(ngram_runner, tmp_path):
+    """The draft's KV shares the target's blocks: another head_dim is refused at start, named."""
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.loader import UnsupportedModelError
+    from pagedserve.executor.runner import load_draft_model
+    from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
+
+    other = write_tiny_model(tmp_path / "other", TinyModelSpec(hidden_size=64, num_attention_heads=2))
+    spec = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}
+    config = ExecutorConfig(model=str(other), device="cpu", speculative_config=spec)
+    with pytest.raises(UnsupportedModelError, match="has head_dim 32, the target 16"):
+        load_draft_model(config, ngram_runner.model)

@@ -5,8 +5,7 @@ per-(seed, position) noise), stop tokens, stop strings and max_tokens end the re
 fall even inside an accepted run, every block comes back, and a bad config fails at start. With a
 draft model (the tiny model with perturbed weights: some proposals right, some wrong), under
 chunked prefill: greedy outputs equal Hugging Face's, a seeded sampled request repeats itself,
-blocks come back; a draft of another KV shape is refused at start, and a scheduler configured for a draft
-refuses an executor without it."""
+blocks come back, and a scheduler configured for a draft refuses an executor without it."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from dataclasses import replace
 import pytest
 
 from pagedserve.client import generate, make_request
-from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
 from tests.services import (
     REPO,
     hf_greedy,
@@ -212,18 +210,6 @@ def test_draft_model_greedy_equals_hf_and_seeded_sampling_repeats(draft_services
     assert [r.token_ids for r in first] == [r.token_ids for r in again]
     assert all(len(r.token_ids) == 24 for r in first)
     assert wait_for_idle(draft_services).gpu_blocks_in_use == 0
-
-
-def test_draft_of_another_kv_shape_is_refused_at_start(tiny_model_dir, tmp_path):
-    other = write_tiny_model(tmp_path / "other", TinyModelSpec(hidden_size=64, num_attention_heads=2))
-    spec = json.dumps({"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
-    proc = subprocess.run(
-        [sys.executable, "-m", "pagedserve.executor", f"--model={tiny_model_dir}", "--device=cpu",
-         "--port=0", "--num-gpu-blocks-override=64", f"--speculative-config={spec}"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert "has head_dim 32, the target 16" in proc.stderr + proc.stdout, proc.stderr
 
 
 def test_scheduler_with_a_draft_refuses_an_executor_without_it(draft_dir):
