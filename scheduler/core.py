@@ -24,7 +24,9 @@ step at most); the executor is never made to wait.
 
 Speculative decoding (``config.speculative``) uses the same rule: in a step where speculation is on
 (at most ``disable_by_batch_size`` requests running), a request is given tokens only with no output
-pending, since its proposals need its latest tokens and its slots depend on how many were accepted.
+pending, since its proposals need its latest tokens and its slots depend on how many were accepted
+(with n-gram proposals only a request that is copying waits so: one whose known tokens end in an
+n-gram seen before; the others stay in every plan, without proposals, ``_waits``).
 A request whose scheduled tokens reach its end then also gets up to k proposed tokens
 (``RunningPlan.draft_token_ids``: n-gram proposals made here, scheduler.ngram; or, for the
 draft_model method, only their count, the executor's draft proposes them), capped by max_tokens and
@@ -644,10 +646,19 @@ class Scheduler:
         if request.num_sampled_tokens >= request.max_tokens:
             return 0
         if request.num_pending_outputs and (
-            request.grammar is not None or self._spec_on or request.num_draft_tokens
+            request.grammar is not None
+            or request.num_draft_tokens
+            or (self._spec_on and self._waits(request))
         ):
             return 0  # its next mask, or its proposals and slots, need the output in flight
         return request.num_tokens - request.num_computed_tokens
+
+    def _waits(self, request: Request) -> bool:
+        """Speculative decoding: whether a request with an output pending waits for it, to get
+        proposals in the plan after (a draft model always proposes); with n-gram proposals only a
+        request whose known tokens end in an n-gram seen before: one that is copying. The others
+        stay in every plan without proposals, as without speculation."""
+        return self._ngram is None or self._ngram.matches(request)
 
     def _remove_running(self, request: Request) -> None:
         if self._running and self._running[-1] is request:

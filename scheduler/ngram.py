@@ -56,13 +56,26 @@ class NgramProposer:
         self.lookup_min = lookup_min
         self.lookup_max = lookup_max
         self._tokens: dict[SeqId, tuple[np.ndarray, int]] = {}  # buffer, tokens in it
+        self._matched: dict[SeqId, tuple[int, bool]] = {}  # known tokens, whether they matched
 
     def propose(self, request: Request, k: int) -> list[int]:
         """Up to `k` tokens to follow the request's known tokens."""
         return propose_ngram(self._known(request), k, self.lookup_min, self.lookup_max)
 
+    def matches(self, request: Request) -> bool:
+        """Whether the request's known tokens end in an n-gram seen before (memoized per length):
+        the scheduler holds back for proposals only requests that are copying."""
+        known = request.num_known_tokens
+        memo = self._matched.get(request.seq_id)
+        if memo is not None and memo[0] == known:
+            return memo[1]
+        matched = bool(self.propose(request, 1))
+        self._matched[request.seq_id] = (known, matched)
+        return matched
+
     def forget(self, seq_id: SeqId) -> None:
         self._tokens.pop(seq_id, None)
+        self._matched.pop(seq_id, None)
 
     def _known(self, request: Request) -> np.ndarray:
         """The request's known tokens (prompt, then outputs), appended to its array as they come."""

@@ -234,6 +234,22 @@ def test_no_registered_block_ever_holds_a_rejected_token():
     assert sched.kv_cache_manager.block_pool.num_blocks_in_use == 0
 
 
+def test_only_copying_requests_wait_for_their_output():
+    """With n-gram proposals, a request whose tokens end in no n-gram seen before stays in every
+    plan (pipelined, no proposals); one that is copying waits for its output to get proposals."""
+    sched = _scheduler()
+    fresh = Request(SeqId(1), [1, 2, 3, 4, 5], max_tokens=20)
+    copying = Request(SeqId(2), [7, 8, 9, 7, 8], max_tokens=20)
+    sched.add_request(fresh)
+    sched.add_request(copying)
+    plan = sched.schedule()
+    sched.process_output(plan.step_id, [1, 2], [6, 9])  # 1: ... 5 6 (new); 2: ... 7 8 9 (copying)
+    plan = sched.schedule()
+    assert {p.seq_id: p.draft_token_ids for p in plan.running} == {1: [], 2: [7, 8, 9]}
+    ahead = sched.schedule()  # both outputs pending: only the fresh request is planned ahead
+    assert [p.seq_id for p in ahead.running] == [1]
+
+
 def test_disable_by_batch_size_turns_proposals_off_above_it():
     spec = SpeculativeConfig("ngram", 2, prompt_lookup_max=2, prompt_lookup_min=1, disable_by_batch_size=1)
     sched = _scheduler(spec)
