@@ -8,6 +8,7 @@ executor's state and pool stay exactly as they were.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -74,6 +75,7 @@ def validate_plan(
     kept = set(held).difference(plan.removed_seq_ids)
     seen: set[int] = set()
     sampling: set[int] = set()  # the requests whose computed tokens reach their end in this step
+    num_drafts: dict[int, int] = {}  # speculative decoding: the verified requests' proposals
     total_tokens = 0
     params: list[SamplingParams] = []
     for req in plan.new_requests:
@@ -129,12 +131,14 @@ def validate_plan(
         )
         if req.num_new_tokens and state.num_computed + req.num_new_tokens - num_draft == state.num_tokens:
             sampling.add(req.seq_id)
+            if num_draft:
+                num_drafts[req.seq_id] = num_draft
         total_tokens += req.num_new_tokens
     if total_tokens > limits.max_num_batched_tokens:
         raise PlanError(
             f"plan computes {total_tokens} tokens > max_num_batched_tokens {limits.max_num_batched_tokens}"
         )
-    _check_masks(plan, sampling, limits.vocab_size)
+    _check_masks(plan, sampling, limits.vocab_size, num_drafts)
     if len(seen) > limits.max_num_seqs:
         raise PlanError(f"plan schedules {len(seen)} sequences > max_num_seqs {limits.max_num_seqs}")
     if len(kept) + len(plan.new_requests) > limits.max_held_requests:
@@ -179,14 +183,24 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def _check_masks(plan: executor_pb2.StepPlan, sampling: set[int], vocab_size: int) -> None:
-    """Structured outputs: one mask row per listed request, each of which samples in this step."""
+def _check_masks(
+    plan: executor_pb2.StepPlan, sampling: set[int], vocab_size: int, num_drafts: Mapping[int, int]
+) -> None:
+    """Structured outputs: one mask row per listed request, each of which samples in this step;
+    a verified request (speculative decoding) has num_draft_tokens + 1 rows in a row, one per
+    position it samples at."""
     masked = list(plan.masked_seq_ids)
-    if len(set(masked)) != len(masked):
-        raise PlanError("masked_seq_ids: a request appears twice")
-    for seq_id in masked:
+    rows = Counter(masked)
+    for seq_id, count in rows.items():
         if seq_id not in sampling:
             raise PlanError(f"masked_seq_ids: seq_id={seq_id} does not sample in this step")
+        expected = num_drafts.get(seq_id, 0) + 1  # one per position it samples at
+        if count != expected:
+            times = "twice" if count == 2 else f"{count} times"
+            raise PlanError(f"masked_seq_ids: seq_id={seq_id} appears {times}; it samples at {expected}")
+        first = masked.index(seq_id)
+        if masked[first : first + count] != [seq_id] * count:
+            raise PlanError(f"masked_seq_ids: seq_id={seq_id}'s rows are not consecutive")
     expected = len(masked) * mask_words(vocab_size) * 4
     if len(plan.token_bitmask) != expected:
         raise PlanError(

@@ -717,11 +717,13 @@ class ModelRunner:
                 num_rows = len(batch.logits_indices) + len(spec_rows)
                 logits = self._prompt_logprobs(logits, num_rows, targets, pending)
         num_sampled = len(batch.logits_indices)
+        bitmask = self._plan_bitmask(plan)
         if sampling:
-            masks = self._token_masks(plan, sampling)
+            masks = self._token_masks(plan, sampling, bitmask)
             self._sample(logits[:num_sampled] if verified else logits, sample_rows, sampling, pending, masks)
         if verified:
-            self._verify(logits[num_sampled:], verified, pending, drafted)
+            masks = self._verify_masks(plan, verified, bitmask)
+            self._verify(logits[num_sampled:], verified, pending, drafted, masks)
         if not sampling and not verified and self.device.type == "cuda" and pending.prompt_spans:
             pending.done = torch.cuda.Event()
             pending.done.record()
@@ -817,6 +819,7 @@ class ModelRunner:
         verified: list[_Scheduled],
         pending: PendingStep,
         drafted: _DraftProposals | None = None,
+        masks: TokenMasks | None = None,
     ) -> None:
         """Speculative decoding: accepts each verified request's proposals (`executor.spec_decode`),
         feeds its last emitted token to its next step on the device and starts copying the runs to
@@ -841,7 +844,7 @@ class ModelRunner:
             )  # fmt: skip
         else:
             result = verify_point_mass(
-                logits, draft_ids, params, positions, layout, banned if any(banned) else None
+                logits, draft_ids, params, positions, layout, banned if any(banned) else None, masks
             )
         self._feed(slots, result.last_token)
         pending.spec = [(st, s.num_draft) for st, s in zip(states, verified, strict=True)]
@@ -853,19 +856,55 @@ class ModelRunner:
             pending.done = torch.cuda.Event()
             pending.done.record()
 
-    def _token_masks(self, plan: executor_pb2.StepPlan, sampling: list[RequestState]) -> TokenMasks | None:
-        """The plan's packed next-token masks (structured outputs) on the device, lined up with the
-        sampling rows they belong to (validated: each masked request samples in this step)."""
+    def _plan_bitmask(self, plan: executor_pb2.StepPlan) -> torch.Tensor | None:
+        """The plan's packed next-token masks (structured outputs) on the device, one row per
+        masked_seq_ids entry (None without any)."""
         if not plan.masked_seq_ids:
             return None
-        index = {seq_id: i for i, seq_id in enumerate(plan.masked_seq_ids)}
-        rows = [i for i, st in enumerate(sampling) if st.seq_id in index]
-        order = [index[sampling[i].seq_id] for i in rows]
-        shape = (len(index), mask_words(self.spec.vocab_size))
-        bitmask = bytes_to_device(plan.token_bitmask, torch.int32, shape, self.device)
-        if order != list(range(len(order))):
+        shape = (len(plan.masked_seq_ids), mask_words(self.spec.vocab_size))
+        return bytes_to_device(plan.token_bitmask, torch.int32, shape, self.device)
+
+    def _token_masks(
+        self, plan: executor_pb2.StepPlan, sampling: list[RequestState], bitmask: torch.Tensor | None
+    ) -> TokenMasks | None:
+        """The masks lined up with the sampling rows they belong to (validated: each masked
+        request samples in this step)."""
+        if bitmask is None:
+            return None
+        first: dict[int, int] = {}
+        for i, seq_id in enumerate(plan.masked_seq_ids):
+            first.setdefault(seq_id, i)
+        rows = [i for i, st in enumerate(sampling) if st.seq_id in first]
+        if not rows:
+            return None
+        order = [first[sampling[i].seq_id] for i in rows]
+        if order != list(range(len(bitmask))):
             bitmask = bitmask[to_device(order, torch.int64, self.device)]
         return TokenMasks(to_device(rows, torch.int64, self.device), bitmask)
+
+    def _verify_masks(
+        self, plan: executor_pb2.StepPlan, verified: list[_Scheduled], bitmask: torch.Tensor | None
+    ) -> TokenMasks | None:
+        """A constrained verified request's masks (one per position it is verified at, in order),
+        lined up with its verification rows."""
+        if bitmask is None:
+            return None
+        first: dict[int, int] = {}
+        for i, seq_id in enumerate(plan.masked_seq_ids):
+            first.setdefault(seq_id, i)
+        rows: list[int] = []
+        order: list[int] = []
+        offset = 0
+        for s in verified:
+            seq_id = s.state.seq_id
+            if seq_id in first:
+                rows += range(offset, offset + s.num_draft + 1)
+                order += range(first[seq_id], first[seq_id] + s.num_draft + 1)
+            offset += s.num_draft + 1
+        if not rows:
+            return None
+        index, order_d = int64_to_device([np.array(rows), np.array(order)], self.device)
+        return TokenMasks(index, bitmask[order_d])
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, num_sampled: int, targets: torch.Tensor, pending: PendingStep

@@ -33,6 +33,7 @@ import torch
 
 from pagedserve.executor.sampler import (
     SamplingParams,
+    TokenMasks,
     _ban,
     _exponential_noise,
     _mask_top_k_top_p,
@@ -118,6 +119,7 @@ def verify_point_mass(
     positions: Sequence[int],
     layout: VerifyLayout,
     banned: Sequence[Sequence[int]] | None = None,
+    masks: TokenMasks | None = None,
 ) -> VerifyOutput:
     """Acceptance of point-mass proposals (n-gram).
 
@@ -129,9 +131,10 @@ def verify_point_mass(
         positions: per sequence, the position its row-0 token takes (its tokens so far).
         banned: per row, ids it may not sample (min_tokens: the row's own count of generated
             tokens decides).
+        masks: structured outputs: the rows' grammar masks (each after the proposals before it).
     """
     row_params, row_positions = _row_params(params, layout, positions)
-    result = sample(logits, row_params, row_positions, banned)
+    result = sample(logits, row_params, row_positions, banned, masks)
     accept = result.token_ids == draft_ids
     return _gather_emitted(result.token_ids, accept, layout, result.logprobs)
 

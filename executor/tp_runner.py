@@ -102,8 +102,11 @@ class TPWorkerRunner(ModelRunner):
     ) -> None:
         return None  # no logits here: rank 0 reports prompt logprobs
 
-    def _token_masks(self, plan: executor_pb2.StepPlan, sampling: list[RequestState]) -> None:
+    def _plan_bitmask(self, plan: executor_pb2.StepPlan) -> None:
         return None  # rank 0 samples, within the masks
+
+    def _token_masks(self, plan: executor_pb2.StepPlan, sampling: list[RequestState], bitmask) -> None:
+        return None
 
     def _sample(
         self,

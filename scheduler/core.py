@@ -35,8 +35,10 @@ flight, ``num_draft_tokens`` says how many). Its output carries the accepted pro
 token; ``process_output`` takes the rejected ones back out of ``num_computed_tokens`` and trims the
 request's tables to the block of its last computed token. The prefix cache registers only blocks full of
 known tokens (``min(num_computed, num_known)``), and proposals are never known tokens until they
-are accepted, so no registered block ever holds a rejected token. Constrained requests do not
-speculate. Without a speculative config nothing here costs anything.
+are accepted, so no registered block ever holds a rejected token. A constrained request speculates
+with n-gram proposals cut to what its grammar allows (``RequestGrammar.allowed_prefix``), and its
+masks are one per verified position (``fill_bitmasks_along``). Without a speculative config nothing
+here costs anything.
 
 Order within a step:
 1. running requests, by (priority, arrival): decodes and ongoing prefill chunks; a request that
@@ -63,7 +65,7 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import NO_HIT, BlockSpan, KVCacheManager, PrefixHit
 from pagedserve.scheduler.ngram import NgramProposer
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
-from pagedserve.scheduler.structured import batch_matcher, fill_bitmasks
+from pagedserve.scheduler.structured import batch_matcher, fill_bitmasks, fill_bitmasks_along
 
 log = structlog.get_logger()
 
@@ -340,8 +342,8 @@ class Scheduler:
         the step's budget (the requests still unserved keep one token each); (0, []): none."""
         spec = self._spec
         assert spec is not None
-        if request.grammar is not None or request.num_pending_outputs:
-            return 0, []
+        if request.num_pending_outputs or (request.grammar is not None and self._ngram is None):
+            return 0, []  # (a draft model's proposals would need masks of their own)
         room = min(
             spec.num_speculative_tokens,
             request.max_tokens - request.num_sampled_tokens - 1,
@@ -352,6 +354,8 @@ class Scheduler:
         if self._ngram is None:  # draft_model, after one token: the draft has the KV of all before it
             return (room, []) if num_new == 1 else (0, [])
         drafts = self._ngram.propose(request, room)
+        if request.grammar is not None:
+            drafts = request.grammar.allowed_prefix(drafts)
         return len(drafts), drafts
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, step: _Step) -> list[BlockSpan] | None:
@@ -550,17 +554,28 @@ class Scheduler:
 
     def _fill_masks(self, plan: StepPlan) -> None:
         """The next-token masks of the constrained requests that sample in `plan` (none: no cost
-        beyond one attribute read per sampling request)."""
+        beyond one attribute read per sampling request). A constrained request with n-gram
+        proposals (the grammar allows them all: `RequestGrammar.allowed_prefix`) gets one mask per
+        position it is verified at: after its known tokens, then after each proposal."""
         requests = self._requests
         constrained = [r for seq_id in plan.sampling_seq_ids if (r := requests[seq_id]).grammar is not None]
         if not constrained:
             return
         start = time.perf_counter()
-        if self._batch_matcher is None and len(constrained) >= 16:
-            self._batch_matcher = batch_matcher()
+        drafts = {p.seq_id: p.draft_token_ids for p in plan.running if p.draft_token_ids}
         grammars = [r.grammar for r in constrained]
-        plan.masked_seq_ids = [r.seq_id for r in constrained]
-        plan.token_bitmask = fill_bitmasks(grammars, grammars[0].vocab_size, self._batch_matcher)
+        if any(r.seq_id in drafts for r in constrained):
+            plan.masked_seq_ids = [
+                r.seq_id for r in constrained for _ in range(len(drafts.get(r.seq_id, ())) + 1)
+            ]
+            plan.token_bitmask = fill_bitmasks_along(
+                grammars, [drafts.get(r.seq_id, []) for r in constrained], grammars[0].vocab_size
+            )
+        else:
+            if self._batch_matcher is None and len(constrained) >= 16:
+                self._batch_matcher = batch_matcher()
+            plan.masked_seq_ids = [r.seq_id for r in constrained]
+            plan.token_bitmask = fill_bitmasks(grammars, grammars[0].vocab_size, self._batch_matcher)
         self.mask_seconds.append(time.perf_counter() - start)
         if len(self.mask_seconds) > 4096:
             del self.mask_seconds[:2048]

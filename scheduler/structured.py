@@ -212,6 +212,20 @@ class RequestGrammar:
         """Writes the allowed next tokens into row `row` of an int32 [rows, words] array."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def allowed_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Speculative decoding: the longest prefix of `token_ids` the grammar allows after the
+        accepted tokens (the matcher is left as it was)."""
+        if self.failed or self.matcher.is_terminated():
+            return []
+        allowed = 0
+        for token_id in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            allowed += 1
+        if allowed:
+            self.matcher.rollback(allowed)
+        return list(token_ids[:allowed])
+
 
 def fill_bitmasks(grammars: Sequence[RequestGrammar], vocab_size: int, batch: Any = None) -> np.ndarray:
     """The next-token masks of `grammars`, one row each (int32 [len, words]); `batch`: an xgrammar
@@ -222,6 +236,25 @@ def fill_bitmasks(grammars: Sequence[RequestGrammar], vocab_size: int, batch: An
     else:
         for row, grammar in enumerate(grammars):
             grammar.fill_bitmask(bitmask, row)
+    return bitmask
+
+
+def fill_bitmasks_along(
+    grammars: Sequence[RequestGrammar], proposals: Sequence[Sequence[int]], vocab_size: int
+) -> np.ndarray:
+    """Speculative decoding: for each grammar, the masks of the next token after its accepted
+    tokens and after each of its `proposals` (which it allows: `allowed_prefix`), len(proposals) + 1
+    rows each, in order; every matcher is left as it was."""
+    bitmask = np.empty((sum(len(p) + 1 for p in proposals), bitmask_words(vocab_size)), dtype=np.int32)
+    row = 0
+    for grammar, tokens in zip(grammars, proposals, strict=True):
+        for position in range(len(tokens) + 1):
+            grammar.fill_bitmask(bitmask, row)
+            row += 1
+            if position < len(tokens):
+                assert grammar.matcher.accept_token(tokens[position]), "a proposal outside the grammar"
+        if tokens:
+            grammar.matcher.rollback(len(tokens))
     return bitmask
 
 

@@ -103,6 +103,37 @@ def test_seeded_sampling_equals_the_run_without_speculation(ngram_services, plai
     assert wait_for_idle(ngram_services).gpu_blocks_in_use == 0
 
 
+def test_constrained_requests_speculate_within_their_grammar(ngram_services, plain_services):
+    """Structured outputs with n-gram proposals: proposals are cut where the grammar stops allowing
+    them, each verified position samples within its own mask, and outputs equal the run without
+    speculation (repetitive constraints, so that proposals are made and accepted)."""
+    constraints = [
+        {"regex": "(ab ){6}(cd ){6}[0-9]{4}"},
+        {"choice": ["one two one two one two one two", "three"]},
+        {
+            "json": {
+                "type": "object",
+                "properties": {"a": {"type": "string", "maxLength": 40}},
+                "required": ["a"],
+            }
+        },
+    ]
+    requests = [
+        make_request(PROMPTS[i % 2], max_tokens=48, temperature=t, seed=4, structured_outputs=c)
+        for i, c in enumerate(constraints)
+        for t in (0, 0.9)
+    ]
+    before = scheduler_stats(ngram_services)
+    with_spec = _run(ngram_services, requests)
+    without = _run(plain_services, requests)
+    assert [r.text for r in with_spec] == [r.text for r in without]
+    assert [r.token_ids for r in with_spec] == [r.token_ids for r in without]
+    assert with_spec[0].text.startswith("ab ab ab ab ab ab cd")
+    stats = wait_for_idle(ngram_services)
+    assert stats.spec_accepted_tokens > before.spec_accepted_tokens
+    assert stats.gpu_blocks_in_use == 0
+
+
 def test_stops_inside_accepted_runs_end_the_request_there(ngram_services, hf_model, tiny_model_dir):
     """Every cut point of a repeating output: max_tokens, a stop token and a stop string at each of
     them end the output exactly there (most fall inside runs of accepted proposals)."""
