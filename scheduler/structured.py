@@ -214,12 +214,16 @@ class RequestGrammar:
 
     def allowed_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Speculative decoding: the longest prefix of `token_ids` the grammar allows after the
-        accepted tokens (the matcher is left as it was)."""
+        accepted tokens, short of a token that would end it (the token after the proposals is
+        sampled, so it must be one the grammar can take); the matcher is left as it was."""
         if self.failed or self.matcher.is_terminated():
             return []
         allowed = 0
         for token_id in token_ids:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+            if not self.matcher.accept_token(token_id):
+                break
+            if self.matcher.is_terminated():
+                self.matcher.rollback(1)
                 break
             allowed += 1
         if allowed:

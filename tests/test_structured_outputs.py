@@ -437,3 +437,24 @@ def test_the_gateways_constraint_fields_become_one_constraint():
     )
     assert chat.request_values()["structured_outputs"] is None
     assert chat.constraint_options() == {"disable_any_whitespace": True}
+
+
+def test_proposals_are_cut_where_the_grammar_stops_allowing_them(compiler):
+    """Speculative decoding: n-gram proposals keep their longest allowed prefix, short of the token
+    that would end the grammar; masks follow each proposal; the matcher is left as it was."""
+    from pagedserve.scheduler.structured import fill_bitmasks_along
+
+    tokenizer, pool = compiler
+    grammar = pool.grammar_blocking(StructuredOutputs("choice", ("abab cd",)))
+    ids = tokenizer.encode("abab cd", add_special_tokens=False)
+    assert grammar.accept(ids[0])
+    rest, eos, wrong = ids[1:], tokenizer.eos_token_id, tokenizer.encode("zz", add_special_tokens=False)[0]
+    assert grammar.allowed_prefix([*rest, eos]) == rest  # not the EOS that would end it
+    assert grammar.allowed_prefix([rest[0], wrong, *rest[1:]]) == rest[:1]
+    assert grammar.num_accepted == 1 and not grammar.failed
+    masks = fill_bitmasks_along([grammar], [rest], 512)
+    assert len(masks) == len(rest) + 1
+    for row, token in enumerate([*rest, eos]):  # each row allows the next token of the choice
+        allowed = np.flatnonzero(np.unpackbits(masks[row : row + 1].view(np.uint8), bitorder="little"))
+        assert token in allowed, row
+    assert grammar.allowed_prefix(rest) == rest  # unchanged by the masks
