@@ -53,6 +53,7 @@ KINDS = (
     ("moe gate_up", ("_gate_up_kernel",)),  # kernels.triton_moe
     ("moe down", ("_down_kernel",)),
     ("moe align", ("_align_",)),
+    ("moe combine", ("_sum_top_k_kernel",)),
 )
 
 

@@ -62,7 +62,7 @@ STAGES = (
     ("gate_up", "_gate_up_kernel"),
     ("down", "_down_kernel"),
     ("quantize", "_quant_kernel"),
-    ("combine", "reduce_kernel"),
+    ("combine", "_sum_top_k_kernel"),
 )
 BREAKDOWN_CALLS = 20
 # --sweep candidates (block_m, block_n, block_k, group_m, warps, stages, tma_weights); gate_up's

@@ -133,6 +133,10 @@ def sweep_configs(m: int) -> list:
         (64, 256, 4, 4),
         (64, 128, 4, 4),
         (128, 128, 8, 3),
+        (64, 512, 8, 3),
+        (32, 512, 4, 3),
+        (128, 256, 8, 3),
+        (256, 128, 8, 3),
     ):
         configs.append(GemvConfig(block_m, block_n, block_k, True, warps, stages))
     table = config_for(m)  # and the table's own with split-K off, and with 8 splits

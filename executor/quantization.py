@@ -57,11 +57,11 @@ MIN_KV_SCALE = 1.0 / fp8.FP8_MAX
 
 # Steps of at most this many tokens run FP8 projections weight-only (bf16 activations against the
 # widened e4m3 weights), larger ones quantize the activations per token for `_scaled_mm`.
-# 0, i.e. off, until measured: the kernel has not yet run on a GPU. benchmarks/small_m.py
-# (scripts/gpu-bench.sh latency) measures, for the llama-8b shapes at M = 1..64, where `_scaled_mm`
-# (with its quantizing pass) overtakes the weight-only kernel on the H200; this constant is to be
-# set from that run (16 is the first guess to try: PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M=16).
-WEIGHT_ONLY_MAX_M = 0
+# Measured with benchmarks/small_m.py on the H200 (benchmarks/results/2026-12-03-h200): on the
+# llama-8b shapes at M = 1, 2 and 4 the weight-only kernel took ~100 us per layer against ~122
+# for `_scaled_mm` (and for bf16), winning on o, gate_up, down and the LM head (qkv within 1 us);
+# from M = 8 `_scaled_mm`'s small-M tiles catch up (a tie per layer, the LM head ~20% faster).
+WEIGHT_ONLY_MAX_M = 4
 # Overrides WEIGHT_ONLY_MAX_M for the process (read once, at import): benchmarks sweep it, and
 # 0 turns the weight-only path off.
 WEIGHT_ONLY_MAX_M_ENV = "PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M"

@@ -86,15 +86,12 @@ class GemvConfig:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 
 
-# M -> configuration (the first entry whose bound is >= M). First guesses, to be measured on the
-# H200 (benchmarks/small_m.py --sweep prints the best per shape and M): the multiply-and-sum keeps
-# registers at BLOCK_M * BLOCK_N * BLOCK_K / (32 * num_warps) float32 per thread (<= 64 here), so
-# it suits a few rows; from 8 rows on, the tensor cores do the arithmetic (widening the weights
-# is the same work either way).
+# M -> configuration (the first entry whose bound is >= M), from `benchmarks/small_m.py --sweep`
+# on the H200 (benchmarks/results/2026-12-03-h200): up to 16 rows one tensor-core tile of 16 x 64
+# x 256 is within 3% of each llama-8b shape's best (qkv, o, gate_up, down, LM head) and its time
+# does not depend on M, while the CUDA-core multiply-and-sum of a few rows (use_dot=False, still
+# a valid configuration) ran 1.3-13x slower from M = 2 on.
 CONFIG_TABLE: tuple[tuple[int, GemvConfig], ...] = (
-    (1, GemvConfig(block_m=1, block_n=16, block_k=512, use_dot=False, num_warps=4, num_stages=4)),
-    (2, GemvConfig(block_m=2, block_n=16, block_k=256, use_dot=False, num_warps=4, num_stages=4)),
-    (4, GemvConfig(block_m=4, block_n=16, block_k=128, use_dot=False, num_warps=4, num_stages=4)),
     (16, GemvConfig(block_m=16, block_n=64, block_k=256, use_dot=True, num_warps=4, num_stages=4)),
     (32, GemvConfig(block_m=32, block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=4)),
     (64, GemvConfig(block_m=64, block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=3)),

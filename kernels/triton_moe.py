@@ -19,10 +19,10 @@ every (token, expert) assignment is one row of two grouped GEMMs:
    reference's rounding point), at the assignment's row: the activation never makes a round trip
    through memory in [*, 2 * inter] form.
 3. `_down_kernel`: the same over w2, each row times its routing weight, written at the
-   assignment's row; then a sum over each token's top_k rows (torch's, accumulating in float32)
-   makes the output, as vLLM's `moe_sum` and SGLang's `moe_sum_reduce` do. The sum is a separate
-   pass (one read of [tokens, top_k, hidden]) rather than atomics in the epilogue: it is
-   deterministic and needs no zeroed float32 buffer.
+   assignment's row; then a sum over each token's top_k rows (`_sum_top_k_kernel`, accumulating
+   in float32 in a fixed order) makes the output, as vLLM's `moe_sum` and SGLang's
+   `moe_sum_reduce` do. The sum is a separate pass (one read of [tokens, top_k, hidden]) rather
+   than atomics in the epilogue: it is deterministic and needs no zeroed float32 buffer.
 
 Tile configs come from the number of assignment rows per expert (`choose_config`): small blocks
 that spread the weight reads over many programs at decode sizes (memory bound: every expert's
@@ -470,6 +470,30 @@ def _down_kernel(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _sum_top_k_kernel(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, :] = sum over k of rows[t * TOP_K + k, :] (float32 accumulation, k in order) for one
+    token t and BLOCK_H columns: one read of the down GEMM's rows at streaming speed (torch's
+    generic reduction over the middle dimension ran ~1.6x slower on the H200)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + (token * TOP_K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_top_k(rows: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out [tokens, hidden] = rows [tokens * top_k, hidden] summed over each token's top_k rows."""
+    num_tokens, hidden = out.shape
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _sum_top_k_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        rows, out, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4
+    )
+    return out
+
+
 # --------------------------------------------------------------------------------------------- #
 # Python entry point
 # --------------------------------------------------------------------------------------------- #
@@ -595,5 +619,5 @@ def fused_moe(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if top_k > 1:
-        torch.sum(down.view(num_tokens, top_k, hidden), dim=1, out=out)
+        sum_top_k(down, out, top_k)
     return out

@@ -172,6 +172,28 @@ def test_w6_is_conversations_whose_turns_follow_each_other():
         bench.resolve(bench.build_parser().parse_args(["--workload", "W1", "--num-turns", "3"]))
 
 
+def test_w7_prompts_are_standard_library_files_with_an_edit_request():
+    """W7: 32 standard-library files (each used once, seeded) cut to 512-1,024 tokens of the model's
+    tokenizer, then a line asking to repeat a function defined in the cut; 256 output tokens."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.common.default_model import DEFAULT_MODEL_DIR
+
+    with pytest.raises(SystemExit, match="W7 .* needs --model"):
+        bench.resolve(bench.build_parser().parse_args(["--workload", "W7"]))
+    args = bench.build_parser().parse_args(["--workload", "W7", "--model", str(DEFAULT_MODEL_DIR)])
+    workload, _ = bench.resolve(args)
+    requests = bench.generate_requests(workload, vocab_size=8192, max_model_len=2048)
+    assert len(requests) == 32 and all(r.output_len == 256 for r in requests)
+    assert all(512 <= len(r.prompt) <= 1024 + 40 for r in requests)
+    assert len({r.prompt[:64] for r in requests}) == 32  # no file twice: no prefix-cache hits
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    text = tokenizer.decode(requests[0].prompt)
+    name = text.rsplit("# Repeat the function `", 1)[1].split("`", 1)[0]
+    assert f"def {name}(" in text and text.endswith(f"rename it to `{name}_v2`.\n")
+    assert bench.generate_requests(workload, vocab_size=8192, max_model_len=2048) == requests
+
+
 def test_small_vocabulary_and_context_are_respected():
     workload = Workload("random", 50, LengthRange(100, 300), LengthRange(100, 300), seed=3)
     requests = bench.generate_requests(workload, vocab_size=512, max_model_len=256)

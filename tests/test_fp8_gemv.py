@@ -96,17 +96,17 @@ def test_split_k_fills_the_device_and_keeps_loops_long():
 
     cpu = torch.device("cpu")  # planned for 132 SMs
     one = gemv.config_for(1)
-    assert one.block_n == 16 and not one.use_dot
-    # o_proj at M=1: 256 tiles of 16 rows, 528 programs wanted, but K=4096 has 8 steps of 512: 2
-    assert gemv._split_k(one, 1, 4096, 4096, cpu) == 2
-    assert gemv._split_k(one, 1, 4096, 14336, cpu) == 3  # down_proj: 28 steps
-    # the LM head has 8016 tiles already: no split
+    assert one.block_n == 64 and one.use_dot
+    # o_proj at M=1: 64 tiles of 64 rows, 9 splits wanted, but K=4096 has 16 steps of 256: 4
+    assert gemv._split_k(one, 1, 4096, 4096, cpu) == 4
+    assert gemv._split_k(one, 1, 4096, 14336, cpu) == 9  # down_proj: 56 steps, 9 splits fill it
+    # the LM head has 2004 tiles already: no split
     assert gemv._split_k(one, 1, 128256, 4096, cpu) == 1
     # a short K is never cut below 4 steps of block_k
     assert gemv._split_k(gemv.config_for(64), 64, 64, 1024, cpu) == 2
     assert gemv._split_k(gemv.GemvConfig(1, 16, 512, False, split_k=8), 1, 16, 1024, cpu) == 2
     assert [gemv.config_for(m).block_m for m in (1, 2, 3, 4, 8, 16, 17, 32, 64, 100)] == [
-        1, 2, 4, 4, 16, 16, 32, 32, 64, 64,
+        16, 16, 16, 16, 16, 16, 32, 32, 64, 64,
     ]  # fmt: skip
     with pytest.raises(ValueError, match="power of two"):
         gemv.GemvConfig(1, 24, 64, False)

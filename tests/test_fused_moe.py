@@ -253,6 +253,20 @@ def test_fused_moe_fp8_activations_match_their_emulation(top_k: int) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("top_k, hidden", [(2, 1500), (8, 48), (3, 1024)])
+def test_top_k_sum_matches_torch(top_k: int, hidden: int) -> None:
+    """The combine over each token's top_k rows: a hidden size that splits into a partial column
+    block, odd top_k; float32 accumulation, so the bf16 result rounds once (exactly torch's on
+    CUDA; the interpreter's float32 -> bf16 conversion may differ by one unit in the last place)."""
+    gen = torch.Generator().manual_seed(top_k * hidden)
+    rows = torch.randn(5 * top_k, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    out = torch.empty(5, hidden, dtype=torch.bfloat16, device=DEVICE)
+    want = rows.float().view(5, top_k, hidden).sum(dim=1).to(torch.bfloat16)
+    ulp = 2**-7 if INTERPRETED else 0.0
+    torch.testing.assert_close(tm.sum_top_k(rows, out, top_k), want, rtol=ulp, atol=0)
+
+
+@needs_triton
 def test_fused_moe_with_no_tokens_and_one_token() -> None:
     args = make_moe(1, 8, 2, 32, 16, torch.float32)
     assert_close(tm.fused_moe(**args), reference_moe(args), TOLERANCE[torch.float32])

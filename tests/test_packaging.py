@@ -63,6 +63,10 @@ def test_wheel_holds_only_the_pagedserve_namespace(wheel):
     assert protos == expected
     assert "pagedserve/kernels/fp8_decode.cu" in names  # compiled at run time (kernels.cuda_decode)
     assert "pagedserve/executor/models/gemma.py" in names  # a sub-package of a mapped folder
+    for model in ("default", "default_draft"):  # the built-in model and its speculative draft
+        assert f"pagedserve/models/{model}/model.safetensors.index.json" in names or (
+            f"pagedserve/models/{model}/model.safetensors" in names
+        )
     assert not [n for n in names if "/tests/" in n or n.startswith("tests/")]
 
 

@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dataset",
         choices=DATASETS,
-        help="random token ids, prompts sharing prefixes, or multi-turn conversations (W6)",
+        help="random token ids, prompts sharing prefixes, multi-turn conversations (W6), or "
+        "held-out Python files with an edit request (W7: needs --model for its tokenizer)",
     )
     p.add_argument("--num-prompts", type=_positive_int, help="requests per pass")
     p.add_argument(
@@ -281,6 +282,10 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
         if getattr(args, flag) is not None and dataset != "multi-turn":
             name = "--" + flag.replace("_", "-")
             raise SystemExit(f"pagedserve bench: {name} needs --dataset multi-turn (or --workload W6)")
+    if dataset == "source-edit" and not args.model:
+        raise SystemExit(
+            "pagedserve bench: W7 (--dataset source-edit) needs --model DIR: its tokenizer cuts the files"
+        )
     prefix_len = pick("prefix_len") if dataset == "shared-prefix" else 0
     if dataset == "shared-prefix" and args.prefix_len is None and "prefix_len" not in preset:
         prefix_len = 256
@@ -297,6 +302,7 @@ def resolve(args: argparse.Namespace) -> tuple[Workload, list[float]]:
         structured_outputs=preset.get("structured_outputs"),
         num_turns=pick("num_turns") if dataset == "multi-turn" else 1,
         think_time=pick("think_time") if dataset == "multi-turn" else 0.0,
+        tokenizer=args.model if dataset == "source-edit" else None,
     )
     if args.request_rates:
         rates = [float(x) for x in args.request_rates.split(",") if x.strip()]

@@ -2,12 +2,14 @@
 the README's Workloads section are presets of these: W4 compares routing over several executors,
 W5 is the KV-bound workload of the FP8 KV cache, W1-JSON is W1 with a JSON schema on every request,
 the cost of structured outputs, W6 is multi-turn chat, whose histories come back as prompts: the
-prefix cache's CPU tier)."""
+prefix cache's CPU tier, W7 is real text whose answers repeat their prompts: speculative decoding)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+import re
 from dataclasses import dataclass, replace
 
 
@@ -43,13 +45,18 @@ class Workload:
     prefix i mod num_prefixes: the groups arrive interleaved (prefix 0, 1, ..., then 0 again), so
     a router that ignores the prefix cache spreads every group over every executor.
 
+    "source-edit" (W7): each prompt is a Python standard-library file cut to `input_len`
+    tokens of `tokenizer` (a model directory), then a line asking to repeat one of the functions it
+    defines with one change: text whose answer largely repeats the prompt, as "rewrite this
+    function" requests do, so that n-gram and draft-model speculation meet real text.
+
     "multi-turn": `num_prompts` conversations of `num_turns` turns each; a turn adds `input_len`
     user tokens to the conversation's history (every earlier prompt and answer) and is sent
     `think_time` seconds after the previous turn's answer ended, so each prompt is the whole
     conversation so far.
     """
 
-    dataset: str  # "random", "shared-prefix" or "multi-turn"
+    dataset: str  # one of DATASETS
     num_prompts: int
     input_len: LengthRange
     output_len: LengthRange
@@ -59,6 +66,7 @@ class Workload:
     structured_outputs: dict | None = None  # a constraint on every request (W1-JSON)
     num_turns: int = 1  # multi-turn: turns per conversation
     think_time: float = 0.0  # multi-turn: seconds between an answer and the next turn
+    tokenizer: str | None = None  # source-edit: the model directory whose tokenizer cuts the files
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -71,6 +79,8 @@ class Workload:
             raise ValueError("output lengths must be at least 1")
         if self.num_prefixes < 1:
             raise ValueError("num_prefixes must be positive")
+        if self.dataset == "source-edit" and not self.tokenizer:
+            raise ValueError("the source-edit dataset (W7) needs a tokenizer: a model directory")
 
 
 # W1-JSON: an object of 4 typed fields, the last a free text of at least 4,096 characters, so that
@@ -88,7 +98,7 @@ W1_JSON_SCHEMA = {
     "additionalProperties": False,
 }
 
-DATASETS = ("random", "shared-prefix", "multi-turn")
+DATASETS = ("random", "shared-prefix", "multi-turn", "source-edit")
 
 # the README's Workloads; W3 is W1's lengths with Poisson arrivals (the rate comes from the command line).
 PRESETS: dict[str, dict] = {
@@ -139,6 +149,11 @@ PRESETS: dict[str, dict] = {
         think_time=0.5,
         request_rate="inf",
     ),
+    # Issue 30: speculation on real text (the built-in model; run at --max-concurrency 1,4,16),
+    # greedy, every answer 256 tokens.
+    "W7": dict(
+        dataset="source-edit", num_prompts=32, input_len="512:1024", output_len="256", request_rate="inf"
+    ),
 }
 DEFAULTS = dict(
     dataset="random",
@@ -184,6 +199,8 @@ def generate_requests(
     so the draws do not depend on the server."""
     rng = random.Random(workload.seed)
     lo, hi = token_id_range(vocab_size)
+    if workload.dataset == "source-edit":
+        return source_edit_requests(workload, rng, max_model_len)
     if workload.dataset == "multi-turn":  # conversation c's turn t is request c * num_turns + t
         turns = workload.num_turns
         return [
@@ -210,6 +227,64 @@ def generate_requests(
             prompt = prompt[: max_model_len - 1]
             output_len = max(1, min(output_len, max_model_len - len(prompt)))
         requests.append(BenchRequest(index, tuple(prompt), output_len, workload.structured_outputs))
+    return requests
+
+
+_FUNCTION = re.compile(r"^[ \t]*def ([A-Za-z_]\w*)\(", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=1)
+def _standard_library_files() -> tuple:
+    """The Python files of this machine's standard library, in the corpus' sorted order."""
+    from pagedserve.bench.corpus import corpus_roots, list_files
+
+    return tuple(f for f in list_files(corpus_roots(())[0]) if f.path.suffix == ".py")
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(directory: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def source_edit_requests(
+    workload: Workload, rng: random.Random, max_model_len: int | None
+) -> list[BenchRequest]:
+    """W7's requests (see `Workload`): standard-library files in a seeded order, each used once,
+    skipping those shorter than the shortest prompt or defining no function; per request its
+    first `input_len` tokens, one function defined in them, and the instruction."""
+    tokenizer = _tokenizer(workload.tokenizer)
+    files = list(_standard_library_files())
+    rng.shuffle(files)
+    requests = []
+    for file in files:
+        if len(requests) == workload.num_prompts:
+            break
+        try:
+            text = file.path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        n = workload.input_len.sample(rng)
+        output_len = workload.output_len.sample(rng)
+        if max_model_len is not None:
+            n = max(16, min(n, max_model_len - output_len - 48))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        body = tokenizer.decode(ids[:n])
+        names = _FUNCTION.findall(body)
+        if len(ids) < workload.input_len.lo or not names:
+            continue
+        name = rng.choice(names)
+        ask = f"\n\n# Repeat the function `{name}` from above with one change: rename it to `{name}_v2`.\n"
+        prompt = tokenizer.encode(body + ask)
+        if max_model_len is not None:
+            prompt = prompt[: max_model_len - 1]
+            output_len = max(1, min(output_len, max_model_len - len(prompt)))
+        requests.append(BenchRequest(len(requests), tuple(prompt), output_len, workload.structured_outputs))
+    if len(requests) < workload.num_prompts:
+        raise ValueError(
+            f"only {len(requests)} standard-library files suit W7 prompts, not {workload.num_prompts}"
+        )
     return requests
 
 

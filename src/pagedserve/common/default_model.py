@@ -11,6 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "default"
+# Its draft for speculative decoding (`"method": "draft_model"`): a 3.3M-parameter Llama trained the
+# same way on the same text with the same tokenizer and KV shape (`--draft-of`; training.json beside it).
+DEFAULT_DRAFT_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "default_draft"
 
 
 def resolve_model(value: str | None) -> str:
