@@ -50,7 +50,7 @@
 #              PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M=M in the environment overrides the FP8 threshold
 #   spec       issue 30, speculative decoding: W7 on the built-in model (SPEC_MODEL) at --max-concurrency
 #              1,4,16 without speculation, with ngram (k 4, lookup 4..2) and with draft_model (SPEC_DRAFT,
-#              default src/pagedserve/models/default-draft; k 4): output tok/s per request, executor steps
+#              default src/pagedserve/models/default_draft; k 4): output tok/s per request, executor steps
 #              per output token, acceptance rate and mean accepted length; then W1 on the llama-8b shape
 #              with ngram and disable_by_batch_size 8 vs off (the cost of speculation configured)
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
@@ -182,7 +182,7 @@ fi
 if wants spec; then  # issue 30 (QUICK: the same passes on the CPU, a few short requests)
   root=$(cd "$(dirname "$0")/.." && pwd)
   spec_model=${SPEC_MODEL:-$root/src/pagedserve/models/default}
-  spec_draft=${SPEC_DRAFT:-$root/src/pagedserve/models/default-draft}
+  spec_draft=${SPEC_DRAFT:-$root/src/pagedserve/models/default_draft}
   ngram='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
   draft_cfg="{\"method\":\"draft_model\",\"model\":\"$spec_draft\",\"num_speculative_tokens\":4}"
   spec_w7=(--workload W7 --num-warmups 2 --max-concurrency 1,4,16) spec_exec="" spec_w1=(--num-warmups 8)
@@ -197,7 +197,7 @@ if wants spec; then  # issue 30 (QUICK: the same passes on the CPU, a few short 
     variants+=("draft:$draft_cfg")
   else
     echo "=== spec: no draft model at $spec_draft (python -m scripts.train_default_model --draft-of" \
-      "src/pagedserve/models/default --output src/pagedserve/models/default-draft); draft_model pass skipped"
+      "src/pagedserve/models/default --output src/pagedserve/models/default_draft); draft_model pass skipped"
   fi
   for variant in "${variants[@]}"; do
     cfg=() && [ -n "${variant#*:}" ] && cfg=(--speculative-config "${variant#*:}")
