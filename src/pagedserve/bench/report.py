@@ -81,8 +81,8 @@ def results_table(
     add("cached prompt tokens (usage)", [f"{r['cached_prompt_fraction']:.1%}" for r in runs])
     add("executor steps", [s.get("steps") for s in servers])
     add("executor steps per output token", [s.get("steps_per_output_token") for s in servers])
+    add("output tok/s per request (decode, mean)", [r.get("output_tps_per_request") for r in runs])
     if any(s.get("spec_draft_tokens") for s in servers):  # speculative decoding
-        add("output tok/s per request (decode, mean)", [r.get("output_tps_per_request") for r in runs])
         rates = [_pct(s.get("spec_acceptance_rate")) for s in servers]
         add("spec acceptance rate (accepted/proposed)", rates)
         add("spec mean accepted length", [s.get("spec_mean_accepted_length") for s in servers])
