@@ -532,3 +532,33 @@ def test_a_draft_of_another_kv_shape_is_refused(ngram_runner, tmp_path):
     config = ExecutorConfig(model=str(other), device="cpu", speculative_config=spec)
     with pytest.raises(UnsupportedModelError, match="has head_dim 32, the target 16"):
         load_draft_model(config, ngram_runner.model)
+
+
+def test_llm_takes_a_speculative_config(tiny_model_dir, hf_model):
+    """The offline API: LLM(speculative_config={...}) speculates (greedy equals HF) and refuses a
+    bad config naming the field."""
+    from pagedserve import LLM
+    from pagedserve import SamplingParams as LLMSamplingParams
+
+    with pytest.raises(ValueError, match="speculative_config.prompt_lookup_max: the ngram method needs it"):
+        LLM(
+            str(tiny_model_dir),
+            device="cpu",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = LLM(
+        str(tiny_model_dir),
+        device="cpu",
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        speculative_config=spec,
+    )
+    try:
+        prompt = [7, 8, 9, 10, 11, 7, 8, 9]
+        (out,) = llm.generate(
+            {"prompt_token_ids": prompt}, LLMSamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+        )
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 24)
+    finally:
+        llm.shutdown()
