@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pagedserve.client import generate, make_request
-from tests.services import hf_greedy, perturbed_copy, running_services, wait_for_idle
+from tests.services import hf_greedy, running_services, wait_for_idle
 
 pytestmark = pytest.mark.slow
 
@@ -21,21 +21,18 @@ MAX_TOKENS = 40
 
 @pytest.mark.parametrize(
     ("mode", "speculation"),
-    [("recompute", None), ("swap", None), ("swap", "ngram"), ("recompute", "draft_model")],
+    [("recompute", None), ("swap", None), ("swap", "ngram")],
 )
 def test_preemption_keeps_greedy_outputs_exact(mode, speculation, tiny_model_dir, hf_model, tmp_path):
-    """With speculative decoding too: requests pre-empted with proposals in flight, their slots
-    reserved and trimmed under pressure (n-gram proposals; a draft model's KV in the same blocks)."""
+    """With speculative decoding too: requests swapped out with proposals in flight, their slots
+    reserved and trimmed under pressure (n-gram proposals; a draft model under pre-emption is in
+    tests/test_spec_decode_e2e.py)."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(10, 60))] for _ in range(16)]
     executor_args = (f"--num-gpu-blocks-override={NUM_BLOCKS}", "--max-model-len=128", "--swap-space=0.01")
     scheduler_args = (f"--preemption-mode={mode}", "--max-num-batched-tokens=256")
     if speculation is not None:
-        spec = {"method": speculation, "num_speculative_tokens": 3}
-        if speculation == "ngram":
-            spec["prompt_lookup_max"] = 3
-        else:
-            spec["model"] = str(perturbed_copy(tiny_model_dir, tmp_path / "draft", scale=0.15))
+        spec = {"method": speculation, "num_speculative_tokens": 3, "prompt_lookup_max": 3}
         flag = "--speculative-config=" + json.dumps(spec)
         executor_args, scheduler_args = (*executor_args, flag), (*scheduler_args, flag)
     with running_services(tiny_model_dir, tmp_path, executor_args, scheduler_args) as services:

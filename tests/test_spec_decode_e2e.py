@@ -4,7 +4,7 @@ equals the one without speculation token for token (point-mass acceptance draws 
 per-(seed, position) noise), stop tokens, stop strings and max_tokens end the request where they
 fall even inside an accepted run, every block comes back, and a bad config fails at start. With a
 draft model (the tiny model with perturbed weights: some proposals right, some wrong), under
-chunked prefill: greedy outputs equal Hugging Face's, a seeded sampled request repeats itself,
+chunked prefill and pre-emption: greedy outputs equal Hugging Face's, a seeded sampled request repeats itself,
 blocks come back, and a scheduler configured for a draft refuses an executor without it."""
 
 from __future__ import annotations
@@ -210,8 +210,9 @@ def draft_dir(tiny_model_dir, tmp_path_factory):
 def draft_services(tiny_model_dir, draft_dir, tmp_path_factory):
     spec = json.dumps({"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3})
     flag = f"--speculative-config={spec}"
-    executor_args = ("--num-gpu-blocks-override=48", "--max-model-len=256", flag)
-    # Chunked prefill: the draft computes the KV of every chunk beside the target.
+    # A pool too small for all four requests (pre-emption by recompute, the draft's KV recomputed
+    # with the target's) and chunked prefill (the draft computes the KV of every chunk).
+    executor_args = ("--num-gpu-blocks-override=12", "--max-model-len=128", flag)
     scheduler_args = (flag, "--max-num-batched-tokens=16", "--max-num-seqs=8")
     log_dir = tmp_path_factory.mktemp("spec-draft")
     with running_services(tiny_model_dir, log_dir, executor_args, scheduler_args) as services:
@@ -226,6 +227,7 @@ def test_draft_model_greedy_equals_hf_and_seeded_sampling_repeats(draft_services
         assert result.token_ids == hf_greedy(hf_model, prompt, 30)
     stats = wait_for_idle(draft_services)
     assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+    assert stats.num_preemptions > before.num_preemptions, "the pool was meant to be too small"
     drafted = stats.spec_draft_tokens - before.spec_draft_tokens
     accepted = stats.spec_accepted_tokens - before.spec_accepted_tokens
     assert 0 < accepted < drafted, (accepted, drafted)
