@@ -275,5 +275,6 @@ def test_bench_reports_acceptance_and_steps_per_token(tiny_model_dir, tmp_path, 
     assert 0 < server["spec_acceptance_rate"] <= 1
     assert 1 < server["spec_mean_accepted_length"] <= 5
     assert 0 < server["steps_per_output_token"] < 1
+    assert 0 < run["messages_per_output_token"] < 1  # accepted runs arrive as one message
     out = capsys.readouterr().out
     assert "spec acceptance rate" in out and "executor steps per output token" in out

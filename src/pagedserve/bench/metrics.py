@@ -175,6 +175,11 @@ def summarize(result: PassResult) -> dict:
         "output_tps_per_request": _mean(
             [(r.num_output - 1) / (r.e2e - r.ttft) for r in ok if r.ttft is not None and r.e2e > r.ttft]
         ),
+        # Messages per token of each request, averaged: with the server's --stream-interval 1, the
+        # steps it sampled in per token (an accepted run of proposals is one message).
+        "messages_per_output_token": _mean(
+            [len(r.message_tokens) / r.num_output for r in ok if r.num_output]
+        ),
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None]),
         "max_concurrency": result.max_concurrency,

@@ -82,6 +82,7 @@ def results_table(
     add("executor steps", [s.get("steps") for s in servers])
     add("executor steps per output token", [s.get("steps_per_output_token") for s in servers])
     add("output tok/s per request (decode, mean)", [r.get("output_tps_per_request") for r in runs])
+    add("messages per output token (per request)", [r.get("messages_per_output_token") for r in runs])
     if any(s.get("spec_draft_tokens") for s in servers):  # speculative decoding
         rates = [_pct(s.get("spec_acceptance_rate")) for s in servers]
         add("spec acceptance rate (accepted/proposed)", rates)
