@@ -600,7 +600,9 @@ class Scheduler:
             The requests that got tokens, in output order: live ones, plus those this call finished
             by length (status FINISHED). Outputs of aborted requests are ignored.
         """
-        counts = list(num_tokens) if num_tokens else [1] * len(seq_ids)
+        if not num_tokens:  # one token each: the loop of every step without speculation
+            return self._process_one_each(step_id, seq_ids, token_ids)
+        counts = list(num_tokens)
         if len(counts) != len(seq_ids) or sum(counts) != len(token_ids):
             raise ValueError(
                 f"step {step_id}: {len(seq_ids)} seq ids, {len(counts)} token counts summing to "
@@ -629,6 +631,30 @@ class Scheduler:
                 request.output_token_ids.append(token_id)
                 if request.grammar is not None and not request.grammar.accept(token_id):
                     log.error("token outside the grammar", seq_id=seq_id, token_id=token_id, step_id=step_id)
+            updated.append(request)
+            if len(request.output_token_ids) >= request.max_tokens:
+                self.abort_request(request.seq_id)
+        return updated
+
+    def _process_one_each(self, step_id: int, seq_ids: list[int], token_ids: list[int]) -> list[Request]:
+        """`process_output` of an output with one token per request (no accepted proposals)."""
+        if len(seq_ids) != len(token_ids):
+            raise ValueError(f"step {step_id}: {len(seq_ids)} seq ids but {len(token_ids)} tokens")
+        expected = self._in_flight.pop(step_id, set())
+        updated: list[Request] = []
+        for seq_id, token_id in zip(seq_ids, token_ids, strict=True):
+            request = self._requests.get(SeqId(seq_id))
+            if request is None:
+                continue  # finished or aborted while the step ran
+            if seq_id not in expected or request.num_pending_outputs == 0:
+                log.warning("unexpected_output", step_id=step_id, seq_id=seq_id)
+                continue
+            request.output_token_ids.append(token_id)
+            request.num_pending_outputs -= 1
+            if request.num_draft_tokens:  # (an executor that reported no counts accepted none)
+                self._settle_drafts(request, 0)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                log.error("token outside the grammar", seq_id=seq_id, token_id=token_id, step_id=step_id)
             updated.append(request)
             if len(request.output_token_ids) >= request.max_tokens:
                 self.abort_request(request.seq_id)
