@@ -657,8 +657,15 @@ class ModelRunner:
         """Queues the forward pass (a CUDA graph replay when one fits), the sampler, the
         device-side token feed and the copy of the sampled tokens to the host."""
         batch = self._host_batch(scheduled)
-        verified = [s for s in scheduled if s.num_draft and s.samples]
-        sampling = [s.state for s in scheduled if s.samples and not s.num_draft]
+        sampling: list[RequestState] = []  # they sample one token
+        verified: list[_Scheduled] = []  # they verify proposals (speculative decoding)
+        for s in scheduled:
+            st = s.state
+            if st.num_computed + s.num_new - s.num_draft == st.num_tokens:
+                if s.num_draft:
+                    verified.append(s)
+                else:
+                    sampling.append(st)
         if verified:
             pending.order = [s.state.seq_id for s in scheduled if s.samples]
         spec_rows = self._spec_rows(scheduled, batch) if verified else np.zeros(0, dtype=np.int64)
