@@ -47,6 +47,7 @@ SIZING_FLAGS = (
     "kv_cache_dtype",
     "tensor_parallel_size",
     "disable_hybrid_kv_cache_manager",
+    "speculative_config",  # a draft model's weights and KV layers
 )
 # The seed's advice: validate --gpu-memory-utilization in this range on real traffic.
 UTILIZATION_RANGE = (0.85, 0.92)
@@ -243,11 +244,18 @@ def make_plan(args: argparse.Namespace, config: Any, spec: Any, traffic: Any = N
     tp = config.tensor_parallel_size
     hybrid = not config.disable_hybrid_kv_cache_manager
     model = _meta_model(spec, max_model_len, dtype, config.quantization, tp, hybrid)
-    layout = kv_cache_layout(config, model)
+    draft = None  # speculative decoding's draft model: its weights, and its layers in every block
+    speculative = config.speculative_config
+    if speculative is not None and speculative.method == "draft_model":
+        from pagedserve.executor.loader import load_model_spec
+
+        draft = _meta_model(load_model_spec(speculative.model), max_model_len, dtype, config.quantization, tp)
+    layout = kv_cache_layout(config, model, draft)
     groups = model.kv_groups
     windows = groups.sliding_windows
-    static = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    models = (model,) if draft is None else (model, draft)
+    static = sum(t.numel() * t.element_size() for m in models for t in (*m.parameters(), *m.buffers()))
+    weights = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
     estimate = None
     in_use = 0
     if device == "cuda" and config.num_gpu_blocks_override is None:
