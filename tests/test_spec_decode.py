@@ -5,6 +5,7 @@ over many draws with fixed seeds)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -562,3 +563,21 @@ def test_llm_takes_a_speculative_config(tiny_model_dir, hf_model):
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, 24)
     finally:
         llm.shutdown()
+
+
+def test_plan_counts_a_draft_models_weights_and_kv_layers(capsys):
+    """`pagedserve plan --speculative-config` (the built-in model and its draft): each block holds
+    the draft's 2 layers beside the target's, and the weights are both models'."""
+    from pagedserve import plan
+    from pagedserve.common.default_model import DEFAULT_DRAFT_MODEL_DIR
+
+    def planned(*flags: str) -> dict:
+        assert plan.main(["--device", "cpu", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    alone = planned()
+    spec = {"method": "draft_model", "model": str(DEFAULT_DRAFT_MODEL_DIR), "num_speculative_tokens": 4}
+    with_draft = planned("--speculative-config", json.dumps(spec))
+    layers = sum(g["num_layers"] for g in alone["kv_groups"])
+    assert with_draft["kv_bytes_per_block"] * layers == alone["kv_bytes_per_block"] * (layers + 2)
+    assert with_draft["weight_bytes"] > alone["weight_bytes"]
