@@ -150,8 +150,9 @@ class ExecutorConfig:
             problems.append(f"metrics_port must be in 1..65535, got {self.metrics_port}")
         if self.tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.speculative_config is not None and self.tensor_parallel_size > 1:
-            problems.append("speculative_config does not work with tensor_parallel_size > 1 yet")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            problems.append("speculative_config's draft_model needs tensor_parallel_size 1 (for now)")
         if problems:
             raise ValueError("invalid executor config: " + "; ".join(problems))
 

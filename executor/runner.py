@@ -535,10 +535,7 @@ class ModelRunner:
             lps = spec_logprobs[i][:count] if spec_logprobs and st.sampling.return_logprobs else [0.0] * count
             runs[st.seq_id] = (tokens[i][:count], lps)
             self.stats.tokens_sampled += count  # (launch counted the other sampling rows)
-            st.num_tokens += count
-            st.num_computed -= num_draft - (count - 1)
-            end = -(-st.num_computed // self.block_size)
-            st.table_ends = [min(e, end) for e in st.table_ends]
+            self._advance_verified(st, num_draft, count)
         output = executor_pb2.StepOutput(step_id=pending.step_id)
         for seq_id in pending.order:
             run_tokens, run_logprobs = runs[seq_id]
@@ -547,6 +544,14 @@ class ModelRunner:
             output.token_ids.extend(run_tokens)
             output.logprobs.extend(run_logprobs)
         return output
+
+    def _advance_verified(self, st: RequestState, num_draft: int, count: int) -> None:
+        """A verified request got `count` tokens (count - 1 of its `num_draft` proposals accepted):
+        its state advances by them, and its tables end at the block of its last computed token."""
+        st.num_tokens += count
+        st.num_computed -= num_draft - (count - 1)
+        end = -(-st.num_computed // self.block_size)
+        st.table_ends = [min(e, end) for e in st.table_ends]
 
     def _admit(self, plan: executor_pb2.StepPlan, new_params: list[SamplingParams]) -> list[_Scheduled]:
         """Creates the new requests' state, appends the running ones' new blocks, updates the
@@ -727,10 +732,11 @@ class ModelRunner:
         bitmask = self._plan_bitmask(plan)
         if sampling:
             masks = self._token_masks(plan, sampling, bitmask)
-            self._sample(logits[:num_sampled] if verified else logits, sample_rows, sampling, pending, masks)
+            rows = logits[:num_sampled] if verified and logits is not None else logits
+            self._sample(rows, sample_rows, sampling, pending, masks)
         if verified:
             masks = self._verify_masks(plan, verified, bitmask)
-            self._verify(logits[num_sampled:], verified, pending, drafted, masks)
+            self._verify(None if logits is None else logits[num_sampled:], verified, pending, drafted, masks)
         if not sampling and not verified and self.device.type == "cuda" and pending.prompt_spans:
             pending.done = torch.cuda.Event()
             pending.done.record()
@@ -854,6 +860,7 @@ class ModelRunner:
                 logits, draft_ids, params, positions, layout, banned if any(banned) else None, masks
             )
         self._feed(slots, result.last_token)
+        self._verified(result.counts)
         pending.spec = [(st, s.num_draft) for st, s in zip(states, verified, strict=True)]
         pending.spec_token_ids = to_host(result.token_ids)
         pending.spec_counts = to_host(result.counts)
@@ -862,6 +869,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             pending.done = torch.cuda.Event()
             pending.done.record()
+
+    def _verified(self, counts: torch.Tensor) -> None:
+        """Hook: a verification's token counts are on the device (tensor parallelism sends them to
+        the other ranks)."""
 
     def _plan_bitmask(self, plan: executor_pb2.StepPlan) -> torch.Tensor | None:
         """The plan's packed next-token masks (structured outputs) on the device, one row per

@@ -36,6 +36,7 @@ from pagedserve.executor.runner import (
     resolve_max_model_len,
 )
 from pagedserve.executor.tp_group import RESET, STEP, STOP, TensorParallelGroup
+from pagedserve.executor.transfer import to_device, to_host
 from pagedserve.protos import executor_pb2
 
 log = structlog.get_logger(__name__)
@@ -48,9 +49,8 @@ class TPDriverRunner(ModelRunner):
     on_fatal: Callable[[], None]  # ends the group (TensorParallelWorkers.fail)
 
     def launch(self, plan: executor_pb2.StepPlan) -> PendingStep:
-        if any(r.num_draft_tokens for r in plan.running):
-            # The ranks advance a verified request in finish(), which only rank 0 runs.
-            raise PlanError("speculative decoding (num_draft_tokens) does not run with tensor parallelism")
+        if any(r.num_draft_tokens and not r.draft_token_ids for r in plan.running):
+            raise PlanError("a draft model's proposals: the executor has no draft model (tensor parallelism)")
         self.group.send(STEP, plan.SerializeToString())
         try:
             return super().launch(plan)
@@ -74,11 +74,60 @@ class TPDriverRunner(ModelRunner):
         self.group.broadcast_tokens(token_ids)
         super()._feed(sample_rows, token_ids)
 
+    def _verified(self, counts: torch.Tensor) -> None:
+        self.group.broadcast_tokens(counts)  # the workers advance the verified requests by them
+
 
 class TPWorkerRunner(ModelRunner):
-    """Ranks 1..N-1: runs rank 0's plans; takes rank 0's sampled tokens instead of sampling."""
+    """Ranks 1..N-1: runs rank 0's plans; takes rank 0's sampled tokens instead of sampling.
+
+    Speculative decoding (n-gram proposals): rank 0 sends a verification's last tokens (fed like
+    sampled ones) and its token counts; a worker advances the verified requests by the counts two
+    plans later (`_settle`), never waiting for its device: the scheduler plans a verified request
+    again only after its output, which rank 0 sends once the step is done, so the plan right after
+    never holds it."""
 
     group: TensorParallelGroup
+    # (step id, its verified requests and their proposal counts, the token counts (host), their event)
+    _unsettled: list[tuple[int, list[tuple[RequestState, int]], torch.Tensor, torch.cuda.Event | None]]
+
+    def launch(self, plan: executor_pb2.StepPlan) -> PendingStep:
+        self._settle(plan.step_id)
+        return super().launch(plan)
+
+    def reset(self) -> None:
+        self._unsettled = []
+        super().reset()
+
+    def _settle(self, step_id: int) -> None:
+        """Advances the requests verified two or more plans before `step_id` (their counts are in)."""
+        unsettled = getattr(self, "_unsettled", [])
+        keep = []
+        for entry in unsettled:
+            verified_in, verified, counts, copied = entry
+            if verified_in > step_id - 2:
+                keep.append(entry)
+                continue
+            if copied is not None:
+                copied.synchronize()  # that step's copy only: the steps queued behind it run on
+            for (st, num_draft), count in zip(verified, counts.tolist(), strict=True):
+                self._advance_verified(st, num_draft, count)
+        self._unsettled = keep
+
+    def _verify(self, logits, verified, pending, drafted=None, masks=None) -> None:
+        slots = to_device([s.state.slot for s in verified], torch.int64, self.device)
+        tokens = torch.empty(len(verified), dtype=torch.int64, device=self.device)
+        counts = torch.empty(len(verified), dtype=torch.int64, device=self.device)
+        self.group.broadcast_tokens(tokens)  # rank 0's _feed
+        self.group.broadcast_tokens(counts)  # rank 0's _verified
+        self._feed(slots, tokens)
+        copied = None
+        host_counts = to_host(counts)
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        entry = (pending.step_id, [(s.state, s.num_draft) for s in verified], host_counts, copied)
+        self._unsettled = [*getattr(self, "_unsettled", []), entry]
 
     def serve(self) -> None:
         """Runs rank 0's messages until it says stop."""

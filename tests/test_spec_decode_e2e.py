@@ -278,3 +278,17 @@ def test_bench_reports_acceptance_and_steps_per_token(tiny_model_dir, tmp_path, 
     assert 0 < run["messages_per_output_token"] < 1  # accepted runs arrive as one message
     out = capsys.readouterr().out
     assert "spec acceptance rate" in out and "executor steps per output token" in out
+
+
+def test_ngram_under_tensor_parallelism_equals_hf(tiny_model_dir, hf_model, tmp_path):
+    """A TP=2 executor (rank 0 and a worker process, gloo) verifies n-gram proposals: every rank
+    feeds the verified tokens and advances by rank 0's counts; greedy outputs equal HF's."""
+    flag = f"--speculative-config={NGRAM}"
+    executor_args = ("--tensor-parallel-size=2", "--num-gpu-blocks-override=48", "--max-model-len=256")
+    with running_services(tiny_model_dir, tmp_path, executor_args, (flag,)) as services:
+        requests = [make_request(p, max_tokens=32, ignore_eos=True, temperature=0) for p in PROMPTS]
+        results = _run(services, requests)
+        stats = wait_for_idle(services)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.token_ids == hf_greedy(hf_model, prompt, 32)
+    assert stats.spec_accepted_tokens > 0 and stats.gpu_blocks_in_use == 0
