@@ -786,8 +786,9 @@ class ModelRunner:
         params = [st.sampling for st in states]
         noise_params = draft_sampling_params(params)
         vocab = self.spec.vocab_size
+        greedy = all(p.greedy for p in params)  # proposals are the draft's argmax; q is not needed
         proposals = torch.zeros((num, width + 1), dtype=torch.int64, device=self.device)
-        probs = torch.zeros((num, width + 1, vocab), dtype=torch.float32, device=self.device)
+        probs = torch.zeros((num, 1 if greedy else width + 1, vocab), dtype=torch.float32, device=self.device)
         empty = np.zeros(0, dtype=np.int64)
         for j in range(width):
             active = np.flatnonzero(num_drafts > j)
@@ -808,6 +809,9 @@ class ModelRunner:
             rows, batch_rows = int64_to_device([active, np.arange(len(active))], self.device)
             token_ids = None if j == 0 else (batch_rows, proposals[rows, j - 1])
             logits = self._draft_pass(batch, token_ids, logits=True)
+            if greedy:
+                proposals[rows, j] = logits.argmax(dim=-1)
+                continue
             sub = [params[i] for i in active]
             q = processed_probs(logits, sub)
             positions = (starts[active] + j + 1).tolist()
@@ -824,7 +828,8 @@ class ModelRunner:
         token_rows = spec_rows[j_index >= 1]
         checked_d, token_rows_d = int64_to_device([checked, token_rows], self.device)
         row_ids = proposals[seq_d, j_d]
-        return _DraftProposals(row_ids, probs[seq_d, j_d], row_ids[checked_d], token_rows_d)
+        row_probs = probs[seq_d, j_d if not greedy else torch.zeros_like(j_d)]  # (greedy: unused)
+        return _DraftProposals(row_ids, row_probs, row_ids[checked_d], token_rows_d)
 
     def _verify(
         self,

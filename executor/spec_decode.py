@@ -199,6 +199,8 @@ def verify_draft_model(
             (ignored at each sequence's last row).
         params, positions, banned: as `verify_point_mass`.
     """
+    if all(p.greedy for p in params):  # argmax matching: no distribution is needed
+        return verify_point_mass(logits, draft_ids, params, positions, layout, banned)
     row_params, row_positions = _row_params(params, layout, positions)
     if banned is not None and any(banned):
         logits = _ban(logits, banned)
