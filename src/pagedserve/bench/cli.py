@@ -178,7 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="write no plot")
     launch = p.add_argument_group("launched services")
     launch.add_argument("--launch", action="store_true", help="start executor + scheduler on loopback")
-    launch.add_argument("--model", help="model directory (--launch and baselines)")
+    # Absolute: the launched services run in the package's folder, not the caller's.
+    launch.add_argument(
+        "--model", type=lambda path: str(Path(path).resolve()), help="model directory (--launch, baselines)"
+    )
     launch.add_argument(
         "--log-likelihood", action="store_true",
         help="score held-out text through the executor instead (see `pagedserve bench --log-likelihood -h`)",
