@@ -40,7 +40,7 @@ from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_d
 from pagedserve.executor.sampler import (
     SamplingParams,
     TokenMasks,
-    _exponential_noise,
+    exponential_noise,
     prompt_logprobs,
     sample,
 )
@@ -815,7 +815,7 @@ class ModelRunner:
             sub = [params[i] for i in active]
             q = processed_probs(logits, sub)
             positions = (starts[active] + j + 1).tolist()
-            noise = _exponential_noise(q, [noise_params[i] for i in active], positions)
+            noise = exponential_noise(q, [noise_params[i] for i in active], positions)
             proposals[rows, j] = (q / noise).argmax(dim=-1)
             probs[rows, j] = q
         # Per verification row (j = 0 .. d_i of request i): the proposal it checks and its q (the

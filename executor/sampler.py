@@ -84,7 +84,7 @@ def mix_seed(seed: int, position: int) -> int:
     return _splitmix64(seed ^ _splitmix64(position)) >> 1
 
 
-def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Sets to -inf every logit outside each row's top-k and top-p nucleus (one sort for both).
 
     Args:
@@ -103,7 +103,7 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _exponential_noise(probs: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]):
+def exponential_noise(probs: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]):
     """Exp(1) noise per row: one batched draw for the unseeded rows, a seeded generator per seeded row."""
     seeded = [i for i, p in enumerate(params) if p.seed is not None]
     if not seeded:
@@ -147,7 +147,7 @@ def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
     return logits
 
 
-def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
+def ban_tokens(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
     rows = [i for i, ids in enumerate(banned) for _ in ids]
     if not rows:
         return logits
@@ -180,7 +180,7 @@ def sample(
     if masks is not None:
         logits = apply_token_masks(logits, masks)
     if banned is not None:
-        logits = _ban(logits, banned)
+        logits = ban_tokens(logits, banned)
     token_ids = logits.argmax(dim=-1)  # all that an all-greedy batch needs
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
@@ -214,9 +214,9 @@ def _sample_rows(
     if any(0 < p.top_k < vocab or p.top_p < 1 for p in sub):
         top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in sub], torch.int64, device)
         top_p = to_device([p.top_p for p in sub], torch.float32, device)
-        scaled = _mask_top_k_top_p(scaled, top_k, top_p)
+        scaled = mask_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
-    noise = _exponential_noise(probs, sub, positions if every_row else [positions[i] for i in rows])
+    noise = exponential_noise(probs, sub, positions if every_row else [positions[i] for i in rows])
     choice = (probs / noise).argmax(dim=-1)
     if rows_t is None:
         token_ids.copy_(choice)

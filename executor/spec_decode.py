@@ -34,9 +34,9 @@ import torch
 from pagedserve.executor.sampler import (
     SamplingParams,
     TokenMasks,
-    _ban,
-    _exponential_noise,
-    _mask_top_k_top_p,
+    ban_tokens,
+    exponential_noise,
+    mask_top_k_top_p,
     mix_seed,
     sample,
 )
@@ -148,7 +148,7 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
         top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
         top_p = to_device([p.top_p for p in params], torch.float32, device)
-        scaled = _mask_top_k_top_p(scaled, top_k, top_p)
+        scaled = mask_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -203,7 +203,7 @@ def verify_draft_model(
         return verify_point_mass(logits, draft_ids, params, positions, layout, banned)
     row_params, row_positions = _row_params(params, layout, positions)
     if banned is not None and any(banned):
-        logits = _ban(logits, banned)
+        logits = ban_tokens(logits, banned)
     p = processed_probs(logits, row_params)
     idx = draft_ids.clamp(min=0)[:, None]
     p_x = p.gather(1, idx).squeeze(1)
@@ -218,7 +218,7 @@ def verify_draft_model(
     residual = torch.where(last_d.bool()[:, None], p, (p - draft_probs).clamp(min=0))
     # A residual of all zeros (p == q) cannot be reached by a rejection; keep p there.
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p)
-    noise = _exponential_noise(residual, row_params, row_positions)
+    noise = exponential_noise(residual, row_params, row_positions)
     tokens = (residual / noise).argmax(dim=-1)
     greedy = [i for i, rp in enumerate(row_params) if rp.greedy]
     if greedy:

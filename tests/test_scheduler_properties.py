@@ -368,7 +368,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert table[len(table) - len(held) :] == held, "only a table's head is released"
                 if window is not None:  # at most the window and the last step's chunk
                     chunk = self.config.max_num_batched_tokens
-                    assert len(held) <= blocks_per_sequence(request.num_tokens, size, (window,), chunk)
+                    extent = request.num_tokens + request.num_draft_tokens  # proposals hold slots too
+                    assert len(held) <= blocks_per_sequence(extent, size, (window,), chunk)
                 holders.update(b.block_id for b in held)
                 for i, block in enumerate(table):
                     if block is not None and block.block_hash is not None:  # full, known, its own hash
