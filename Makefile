@@ -30,5 +30,7 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
+# Two workers, each taking whole files (a file's tests share the services it starts): the suite is
+# mostly waiting on processes it started, so two workers on two cores take ~60% of one's time.
 test: lint docs
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
