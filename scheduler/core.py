@@ -623,17 +623,8 @@ class Scheduler:
             if count > request.num_draft_tokens + 1:
                 log.error("more tokens than proposals", step_id=step_id, seq_id=seq_id, count=count)
                 tokens = tokens[: request.num_draft_tokens + 1]
-            request.num_pending_outputs -= 1
-            if request.num_draft_tokens:
-                self._settle_drafts(request, len(tokens) - 1)
-            room = request.max_tokens - len(request.output_token_ids)
-            for token_id in tokens[:room]:
-                request.output_token_ids.append(token_id)
-                if request.grammar is not None and not request.grammar.accept(token_id):
-                    log.error("token outside the grammar", seq_id=seq_id, token_id=token_id, step_id=step_id)
+            self._take_output(request, tokens, step_id)
             updated.append(request)
-            if len(request.output_token_ids) >= request.max_tokens:
-                self.abort_request(request.seq_id)
         return updated
 
     def _process_one_each(self, step_id: int, seq_ids: list[int], token_ids: list[int]) -> list[Request]:
@@ -649,16 +640,25 @@ class Scheduler:
             if seq_id not in expected or request.num_pending_outputs == 0:
                 log.warning("unexpected_output", step_id=step_id, seq_id=seq_id)
                 continue
-            request.output_token_ids.append(token_id)
-            request.num_pending_outputs -= 1
-            if request.num_draft_tokens:  # (an executor that reported no counts accepted none)
-                self._settle_drafts(request, 0)
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                log.error("token outside the grammar", seq_id=seq_id, token_id=token_id, step_id=step_id)
+            self._take_output(request, (token_id,), step_id)  # (no counts: no proposal accepted)
             updated.append(request)
-            if len(request.output_token_ids) >= request.max_tokens:
-                self.abort_request(request.seq_id)
         return updated
+
+    def _take_output(self, request: Request, tokens: Sequence[int], step_id: int) -> None:
+        """One request's share of a step's output: its in-flight proposals settled (all but the
+        last token accepted), the tokens appended up to max_tokens and fed to its grammar, and
+        the request finished once it reaches max_tokens."""
+        request.num_pending_outputs -= 1
+        if request.num_draft_tokens:
+            self._settle_drafts(request, len(tokens) - 1)
+        for token_id in tokens[: request.max_tokens - len(request.output_token_ids)]:
+            request.output_token_ids.append(token_id)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                log.error(
+                    "token outside the grammar", seq_id=request.seq_id, token_id=token_id, step_id=step_id
+                )
+        if len(request.output_token_ids) >= request.max_tokens:
+            self.abort_request(request.seq_id)
 
     def _settle_drafts(self, request: Request, num_accepted: int) -> None:
         """Speculative decoding: of the request's ``num_draft_tokens`` proposals in flight,
