@@ -139,6 +139,7 @@ def validate_plan(
             f"plan computes {total_tokens} tokens > max_num_batched_tokens {limits.max_num_batched_tokens}"
         )
     _check_masks(plan, sampling, limits.vocab_size, num_drafts)
+    _check_late_masked(plan, sampling, num_drafts)
     if len(seen) > limits.max_num_seqs:
         raise PlanError(f"plan schedules {len(seen)} sequences > max_num_seqs {limits.max_num_seqs}")
     if len(kept) + len(plan.new_requests) > limits.max_held_requests:
@@ -206,6 +207,55 @@ def _check_masks(
         raise PlanError(
             f"token_bitmask: {len(plan.token_bitmask)} bytes, {len(masked)} masks of vocab_size "
             f"{vocab_size} take {expected}"
+        )
+
+
+def _check_late_masked(
+    plan: executor_pb2.StepPlan, sampling: set[int], num_drafts: Mapping[int, int]
+) -> None:
+    """Structured outputs, masks behind the plan: each listed request samples one token in this
+    step (no proposals: their masks are made along them, with the plan) and has no mask in it."""
+    late = list(plan.late_masked_seq_ids)
+    if not late:
+        return
+    if plan.HasField("masks"):
+        raise PlanError("a StepPlan with masks set is the late masks of another plan, not a plan")
+    if len(set(late)) != len(late):
+        raise PlanError("late_masked_seq_ids: a seq_id appears twice")
+    eager = set(plan.masked_seq_ids)
+    for seq_id in late:
+        if seq_id not in sampling:
+            raise PlanError(f"late_masked_seq_ids: seq_id={seq_id} does not sample in this step")
+        if seq_id in num_drafts:
+            raise PlanError(
+                f"late_masked_seq_ids: seq_id={seq_id} verifies proposals (its masks come with them)"
+            )
+        if seq_id in eager:
+            raise PlanError(f"late_masked_seq_ids: seq_id={seq_id} also has a mask in masked_seq_ids")
+
+
+def validate_masks(
+    masks: executor_pb2.StepMasks, step_id: int, awaited: Sequence[int], vocab_size: int
+) -> None:
+    """Checks a StepMasks against the launched plan `step_id` that awaits the masks of `awaited`
+    (its late_masked_seq_ids): the same step, a subset of those requests, each once, one row each.
+
+    Raises:
+        PlanError: naming the first inconsistency found.
+    """
+    if masks.step_id != step_id:
+        raise PlanError(f"masks for step {masks.step_id}, but step {step_id} awaits its masks")
+    listed = list(masks.seq_ids)
+    if len(set(listed)) != len(listed):
+        raise PlanError(f"masks of step {step_id}: a seq_id appears twice")
+    unknown = set(listed).difference(awaited)
+    if unknown:
+        raise PlanError(f"masks of step {step_id}: seq_id={min(unknown)} is not in its late_masked_seq_ids")
+    expected = len(listed) * mask_words(vocab_size) * 4
+    if len(masks.token_bitmask) != expected:
+        raise PlanError(
+            f"masks of step {step_id}: token_bitmask of {len(masks.token_bitmask)} bytes, {len(listed)} "
+            f"masks of vocab_size {vocab_size} take {expected}"
         )
 
 

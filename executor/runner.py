@@ -4,6 +4,15 @@ It knows nothing of gRPC. `launch(plan) -> PendingStep` queues a step on the dev
 once; `finish(pending) -> StepOutput` waits for its sampled tokens. `execute(plan)` does both. The
 service launches step N+1 before finishing step N, so the GPU never waits for the host between them.
 
+Masks behind the plan (structured outputs): a plan with `late_masked_seq_ids` was made while its
+constrained requests' previous tokens were being sampled, and their masks depend on those tokens.
+`launch` queues its forward pass and keeps the sampling (`PendingStep.awaits_masks`) until
+`apply_masks` brings the StepMasks, which the scheduler sends once it has the previous step's
+output; so the forward overlaps the round trip and the mask computation. At most one step awaits
+masks, and nothing else runs until it has sampled: the next plan's forward reads its tokens. A step
+whose masks never come is sampled without them when the runner is reset (`_drop_awaiting`; its
+output is never sent), so that the device state, and every tensor-parallel rank, stays in step.
+
 Each request's state persists between steps: the token ids the host knows (NewRequest.token_ids),
 how many tokens it has (counting those sampled here, whose values stay on the device), how many of
 them have their KV in the pool, its slot (device block table row and last sampled token, see
@@ -34,7 +43,7 @@ from pagedserve.executor.loader import (
     load_weights,
 )
 from pagedserve.executor.model import CausalLM
-from pagedserve.executor.plan_check import PlanError, PlanLimits, mask_words, validate_plan
+from pagedserve.executor.plan_check import PlanError, PlanLimits, mask_words, validate_masks, validate_plan
 from pagedserve.executor.profiling import measure_copy_bandwidth, memory_in_use, profile_cuda
 from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
 from pagedserve.executor.sampler import (
@@ -118,10 +127,17 @@ class PendingStep:
     spec_counts: torch.Tensor | None = None
     spec_logprobs: torch.Tensor | None = None
     order: list[SeqId] = field(default_factory=list)
+    # Masks behind the plan: its sampling, kept until the StepMasks arrives (`apply_masks`).
+    deferred: _StepSampling | None = None
+
+    @property
+    def awaits_masks(self) -> bool:
+        """Launched, but not sampled: its late masks have not arrived yet."""
+        return self.deferred is not None
 
     def ready(self) -> bool:
-        """Whether finishing it would not block."""
-        return self.done is None or self.done.query()
+        """Whether finishing it would not block (never while it awaits its masks)."""
+        return self.deferred is None and (self.done is None or self.done.query())
 
 
 def resolve_max_model_len(config: ExecutorConfig, spec: ModelSpec) -> int:
@@ -202,6 +218,22 @@ class _DraftProposals:
 
 
 @dataclass(slots=True)
+class _StepSampling:
+    """A launched step's sampling, once its forward pass is queued: its logits, the requests that
+    sample or verify, and the masks known so far (the late ones are appended by `apply_masks`)."""
+
+    logits: torch.Tensor | None  # None on a tensor-parallel worker
+    sample_rows: torch.Tensor
+    sampling: list[RequestState]
+    verified: list[_Scheduled]
+    drafted: _DraftProposals | None
+    num_sampled: int  # logits rows of the sampling requests (the verified rows follow)
+    masked_seq_ids: list[SeqId]  # one per bitmask row
+    bitmask: torch.Tensor | None
+    late_seq_ids: list[SeqId]  # the plan's late_masked_seq_ids
+
+
+@dataclass(slots=True)
 class _Scheduled:
     state: RequestState
     num_new: int  # proposals included
@@ -227,6 +259,9 @@ class ModelRunner:
     """
 
     tensor_parallel_size = 1
+    # Whether a plan's late masks are awaited before sampling (a tensor-parallel worker samples
+    # nothing: it takes rank 0's tokens, whenever rank 0 sends them).
+    waits_for_late_masks = True
 
     def __init__(
         self,
@@ -250,6 +285,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.stats = RunnerStats()
         self._requests: dict[SeqId, RequestState] = {}
+        self._awaiting: PendingStep | None = None  # the launched step that awaits its late masks
         self.kv_groups = model.kv_groups
         self._layer_caches = kv_cache.layer_caches(self.kv_groups.layer_slot)
         # Speculative decoding's draft model: its layers' KV in the slots after the target's.
@@ -446,6 +482,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forgets every request (a new lease); the pool's contents become meaningless."""
+        self._drop_awaiting()
         self._requests.clear()
         self.slots.reset()
 
@@ -460,8 +497,9 @@ class ModelRunner:
         Returns without waiting for the device.
 
         Raises:
-            PlanError: the plan is inconsistent; nothing was applied.
+            PlanError: the plan is inconsistent, or a step still awaits its masks; nothing was applied.
         """
+        self._check_not_awaiting(plan)
         pending = PendingStep(plan.step_id, time.perf_counter())
         if self.tracer is not None:
             pending.trace = self.tracer.begin(plan.step_id)
@@ -479,15 +517,62 @@ class ModelRunner:
         stats = self.stats
         stats.steps += 1
         stats.tokens_computed += sum(s.num_new for s in scheduled)
-        stats.tokens_sampled += len(pending.seq_ids)
         stats.swap_out_blocks += len(plan.swap_out)
         stats.swap_in_blocks += len(plan.swap_in)
         if pending.trace is not None:
             self.tracer.launched(pending.trace)
         return pending
 
+    @torch.inference_mode()
+    def apply_masks(self, pending: PendingStep, masks: executor_pb2.StepMasks) -> None:
+        """Samples a launched step that awaits its late masks: the requests of `masks` within their
+        rows, the other late ones without a mask (they finished: their tokens are discarded).
+
+        Raises:
+            PlanError: `pending` awaits no masks, or these are not its masks; nothing was sampled.
+        """
+        work = pending.deferred
+        if work is None or pending is not self._awaiting:
+            raise PlanError(f"masks for step {masks.step_id}, but step {pending.step_id} awaits none")
+        vocab = self.spec.vocab_size
+        validate_masks(masks, pending.step_id, work.late_seq_ids, vocab)
+        if masks.seq_ids:
+            shape = (len(masks.seq_ids), mask_words(vocab))
+            late = bytes_to_device(masks.token_bitmask, torch.int32, shape, self.device)
+            work.bitmask = late if work.bitmask is None else torch.cat([work.bitmask, late])
+            work.masked_seq_ids += masks.seq_ids
+        self._resume(pending)
+
+    def _resume(self, pending: PendingStep) -> None:
+        """Samples the step that awaited its masks, with what it has of them."""
+        work, pending.deferred, self._awaiting = pending.deferred, None, None
+        assert work is not None
+        self._sample_step(work, pending)
+
+    def _drop_awaiting(self) -> None:
+        """A step whose masks will never come (its stream ended, a new lease): sampled without
+        them, its output never sent, so that what later steps read on the device is consistent."""
+        if self._awaiting is not None:
+            log.info("executor.late_masks_dropped", step_id=self._awaiting.step_id)
+            with torch.inference_mode():
+                self._resume(self._awaiting)
+
+    def drop_awaiting(self, pending: PendingStep) -> None:
+        """`pending`'s stream ended while it awaited its masks (no-op if it awaits none)."""
+        if pending is self._awaiting:
+            self._drop_awaiting()
+
+    def _check_not_awaiting(self, plan: executor_pb2.StepPlan) -> None:
+        """A plan's forward reads the tokens of the step before: none may await its masks."""
+        if self._awaiting is not None:
+            raise PlanError(
+                f"plan {plan.step_id} arrived while step {self._awaiting.step_id} awaits its late masks"
+            )
+
     def finish(self, pending: PendingStep) -> executor_pb2.StepOutput:
         """Waits for a launched step's sampled tokens and reports them, in plan order."""
+        if pending.deferred is not None:
+            raise RuntimeError(f"step {pending.step_id} awaits its late masks: nothing sampled yet")
         if pending.done is not None:
             pending.done.synchronize()
         if pending.spec:
@@ -728,16 +813,27 @@ class ModelRunner:
             if len(prompt_rows):
                 num_rows = len(batch.logits_indices) + len(spec_rows)
                 logits = self._prompt_logprobs(logits, num_rows, targets, pending)
-        num_sampled = len(batch.logits_indices)
-        bitmask = self._plan_bitmask(plan)
-        if sampling:
-            masks = self._token_masks(plan, sampling, bitmask)
-            rows = logits[:num_sampled] if verified and logits is not None else logits
-            self._sample(rows, sample_rows, sampling, pending, masks)
-        if verified:
-            masks = self._verify_masks(plan, verified, bitmask)
-            self._verify(None if logits is None else logits[num_sampled:], verified, pending, drafted, masks)
-        if not sampling and not verified and self.device.type == "cuda" and pending.prompt_spans:
+        work = _StepSampling(
+            logits, sample_rows, sampling, verified, drafted, len(batch.logits_indices),
+            list(plan.masked_seq_ids), self._plan_bitmask(plan), list(plan.late_masked_seq_ids),
+        )  # fmt: skip
+        if work.late_seq_ids and self.waits_for_late_masks:
+            pending.deferred, self._awaiting = work, pending  # sampled by apply_masks
+            return
+        self._sample_step(work, pending)
+
+    def _sample_step(self, work: _StepSampling, pending: PendingStep) -> None:
+        """Queues the sampler (within the masks) and the verification of a launched step."""
+        logits, num_sampled = work.logits, work.num_sampled
+        if work.sampling:
+            masks = self._token_masks(work.masked_seq_ids, work.sampling, work.bitmask)
+            rows = logits[:num_sampled] if work.verified and logits is not None else logits
+            self._sample(rows, work.sample_rows, work.sampling, pending, masks)
+        if work.verified:
+            masks = self._verify_masks(work.masked_seq_ids, work.verified, work.bitmask)
+            rows = None if logits is None else logits[num_sampled:]
+            self._verify(rows, work.verified, pending, work.drafted, masks)
+        if not work.sampling and not work.verified and self.device.type == "cuda" and pending.prompt_spans:
             pending.done = torch.cuda.Event()
             pending.done.record()
 
@@ -888,14 +984,14 @@ class ModelRunner:
         return bytes_to_device(plan.token_bitmask, torch.int32, shape, self.device)
 
     def _token_masks(
-        self, plan: executor_pb2.StepPlan, sampling: list[RequestState], bitmask: torch.Tensor | None
+        self, masked_seq_ids: list[SeqId], sampling: list[RequestState], bitmask: torch.Tensor | None
     ) -> TokenMasks | None:
-        """The masks lined up with the sampling rows they belong to (validated: each masked
-        request samples in this step)."""
+        """The masks (row i is masked_seq_ids[i]'s) lined up with the sampling rows they belong to
+        (validated: each masked request samples in this step)."""
         if bitmask is None:
             return None
         first: dict[int, int] = {}
-        for i, seq_id in enumerate(plan.masked_seq_ids):
+        for i, seq_id in enumerate(masked_seq_ids):
             first.setdefault(seq_id, i)
         rows = [i for i, st in enumerate(sampling) if st.seq_id in first]
         if not rows:
@@ -906,14 +1002,14 @@ class ModelRunner:
         return TokenMasks(to_device(rows, torch.int64, self.device), bitmask)
 
     def _verify_masks(
-        self, plan: executor_pb2.StepPlan, verified: list[_Scheduled], bitmask: torch.Tensor | None
+        self, masked_seq_ids: list[SeqId], verified: list[_Scheduled], bitmask: torch.Tensor | None
     ) -> TokenMasks | None:
         """A constrained verified request's masks (one per position it is verified at, in order),
         lined up with its verification rows."""
         if bitmask is None:
             return None
         first: dict[int, int] = {}
-        for i, seq_id in enumerate(plan.masked_seq_ids):
+        for i, seq_id in enumerate(masked_seq_ids):
             first.setdefault(seq_id, i)
         rows: list[int] = []
         order: list[int] = []
@@ -958,6 +1054,7 @@ class ModelRunner:
         self._feed(sample_rows, result.token_ids)
         for st in sampling:
             st.num_tokens += 1
+        self.stats.tokens_sampled += len(sampling)
         pending.seq_ids = [st.seq_id for st in sampling]
         pending.wants_logprobs = [st.sampling.return_logprobs for st in sampling]
         pending.token_ids = to_host(result.token_ids)

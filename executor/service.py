@@ -16,6 +16,14 @@ by then, so the GPU goes from one step straight into the next. It never waits fo
 step is finished: the scheduler, once it has nothing more to plan, waits for output N before it
 sends anything, so holding output N back for plan N+1 would deadlock. Outputs leave in plan order.
 
+Masks behind the plan (structured outputs): a plan N+1 with late_masked_seq_ids is launched as it
+arrives (its forward pass is queued) and output N goes out; then the loop waits for the message that
+must come next, the StepMasks of N+1 (the scheduler sends it as soon as it has output N), samples
+N+1 within them, and goes on as usual. Anything else in its place ends the stream with
+INVALID_ARGUMENT; a stream that ends or is fenced meanwhile ends as any other, and the runner samples
+the orphaned step without masks (`ModelRunner.drop_awaiting`), never sending its output. Shutting
+down then does not wait for the masks: output N, the step in flight, has gone out already.
+
 Operations: grpc.health.v1 reports SERVING once the server starts (the model is loaded before), for
 "" and "pagedserve.v1.Executor"; `--metrics-port` serves Prometheus metrics (executor/metrics.py).
 On SIGTERM the executor goes NOT_SERVING, finishes the step in flight (its output is sent), ends
@@ -166,6 +174,7 @@ def attach_response(
         copy_bytes_per_s=runner.copy_bytes_per_s,
         draft_model=runner.draft_model_dir,
         num_speculative_tokens=runner.num_speculative_tokens,
+        accepts_late_masks=True,
     )
 
 
@@ -295,43 +304,62 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self, plans: _PlanReader, epoch: int, context: grpc.ServicerContext
     ) -> Iterator[executor_pb2.StepOutput]:
         pending: PendingStep | None = None  # launched, output not sent yet
-        while True:
-            item = plans.next(pending)
-            if item is _STEP_DONE:
-                yield self._finish(pending, epoch)
-                pending = None
-                continue
-            if item is _END or self._shutting_down.is_set():
-                if pending is not None:  # the step in flight completes and its output goes out
+        try:
+            while True:
+                awaits_masks = pending is not None and pending.awaits_masks
+                item = plans.next(None if awaits_masks else pending)  # masks: wait for the message
+                if item is _STEP_DONE:
                     yield self._finish(pending, epoch)
-                if item is not _END:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
-                return
-            if item is _WAKE:
-                continue
-            if isinstance(item, _Fenced):  # the runner forgot the pending step's requests already
-                log.info("executor.stream_fenced", lease_epoch=epoch, reason=item.message)
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, item.message)
-            launched, error = self._launch(item, epoch, context)
-            if pending is not None:  # step N's output goes out after step N+1 is queued
-                yield self._finish(pending, epoch)
-            if error is not None:
-                context.abort(*error)
-            pending = launched
+                    pending = None
+                    continue
+                if item is _END or self._shutting_down.is_set():
+                    if pending is not None and not awaits_masks:  # the step in flight: its output goes out
+                        yield self._finish(pending, epoch)
+                    if item is not _END:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, "the executor is shutting down")
+                    return
+                if item is _WAKE:
+                    continue
+                if isinstance(item, _Fenced):  # the runner forgot the pending step's requests already
+                    log.info("executor.stream_fenced", lease_epoch=epoch, reason=item.message)
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, item.message)
+                if item.HasField("masks"):  # the late masks of the pending step: it samples now
+                    step_id = pending.step_id if pending is not None else item.masks.step_id
+                    _, error = self._call_runner(
+                        step_id, epoch, context, self._apply_masks, pending, item.masks
+                    )
+                    if error is not None:
+                        context.abort(*error)
+                    continue
+                launched, error = self._call_runner(item.step_id, epoch, context, self._runner.launch, item)
+                if pending is not None and not awaits_masks:  # step N's output, after N+1 is queued
+                    yield self._finish(pending, epoch)
+                if error is not None:
+                    context.abort(*error)
+                pending = launched
+        finally:
+            if pending is not None and pending.awaits_masks:  # its masks will not come on this stream
+                with self._lock:
+                    self._runner.drop_awaiting(pending)
 
-    def _launch(
-        self, plan: executor_pb2.StepPlan, epoch: int, context: grpc.ServicerContext
-    ) -> tuple[PendingStep | None, tuple[grpc.StatusCode, str] | None]:
+    def _apply_masks(self, pending: PendingStep | None, masks: executor_pb2.StepMasks) -> None:
+        if pending is None:
+            raise PlanError(f"masks for step {masks.step_id}, but no step awaits masks")
+        self._runner.apply_masks(pending, masks)
+
+    def _call_runner(self, step_id: int, epoch: int, context: grpc.ServicerContext, call, *args):
+        """`call(*args)` on the runner under the lock, for step `step_id`: (its result, None), or
+        (None, the status that ends the stream) if it failed."""
         with self._lock:
             self._check_lease(epoch, context)
             try:
-                return self._runner.launch(plan), None
+                return call(*args), None
             except PlanError as e:
-                log.warning("executor.bad_plan", step_id=plan.step_id, error=str(e))
-                return None, (grpc.StatusCode.INVALID_ARGUMENT, f"step {plan.step_id}: {e}")
+                log.warning("executor.bad_plan", step_id=step_id, error=str(e))
+                return None, (grpc.StatusCode.INVALID_ARGUMENT, f"step {step_id}: {e}")
             except Exception as e:  # noqa: BLE001 - any failure must end the stream with a status
-                log.exception("executor.step_failed", step_id=plan.step_id)
-                message = f"step {plan.step_id} failed: {type(e).__name__}: {e}"
+                log.exception("executor.step_failed", step_id=step_id)
+                message = f"step {step_id} failed: {type(e).__name__}: {e}"
                 return None, (grpc.StatusCode.INTERNAL, message)
             finally:
                 # A long step (a big prefill on the CPU runs inside launch) must not cost its lease.

@@ -13,6 +13,12 @@ identically by every worker, with nothing applied on any rank.
 Only rank 0 computes logits and samples; it broadcasts the sampled token ids over the device group
 (`_feed`), and each worker writes them into its `last_token` (the next decode step's input), so
 the ranks' state stays identical without a worker ever reading a token on the host.
+
+Masks behind the plan (structured outputs) stay on rank 0: a worker never sees a StepMasks. It
+launches a plan with late masks like any other and waits in the token broadcast (on CUDA its stream
+does) until rank 0 has the masks and samples; rank 0 refuses the next plan before sending it to the
+workers while a step awaits masks, and samples a step whose masks never came before it sends a
+reset (`_drop_awaiting`), so the collectives keep one order on every rank.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class TPDriverRunner(ModelRunner):
     on_fatal: Callable[[], None]  # ends the group (TensorParallelWorkers.fail)
 
     def launch(self, plan: executor_pb2.StepPlan) -> PendingStep:
+        self._check_not_awaiting(plan)  # before the workers see it: they would run it
         if any(r.num_draft_tokens and not r.draft_token_ids for r in plan.running):
             raise PlanError("a draft model's proposals: the executor has no draft model (tensor parallelism)")
         self.group.send(STEP, plan.SerializeToString())
@@ -62,7 +69,18 @@ class TPDriverRunner(ModelRunner):
             self.on_fatal()
             raise
 
+    def apply_masks(self, pending: PendingStep, masks: executor_pb2.StepMasks) -> None:
+        try:
+            super().apply_masks(pending, masks)
+        except PlanError:
+            raise  # nothing sampled: the workers still wait for the tokens
+        except Exception:
+            log.exception("executor.tp_step_failed", step_id=pending.step_id)
+            self.on_fatal()
+            raise
+
     def reset(self) -> None:
+        self._drop_awaiting()  # its tokens first: the workers wait for them before they read RESET
         self.group.send(RESET)
         super().reset()
 
@@ -88,6 +106,7 @@ class TPWorkerRunner(ModelRunner):
     never holds it."""
 
     group: TensorParallelGroup
+    waits_for_late_masks = False  # rank 0 waits for them, then broadcasts the tokens (`_sample`)
     # (step id, its verified requests and their proposal counts, the token counts (host), their event)
     _unsettled: list[tuple[int, list[tuple[RequestState, int]], torch.Tensor, torch.cuda.Event | None]]
 
@@ -154,7 +173,7 @@ class TPWorkerRunner(ModelRunner):
     def _plan_bitmask(self, plan: executor_pb2.StepPlan) -> None:
         return None  # rank 0 samples, within the masks
 
-    def _token_masks(self, plan: executor_pb2.StepPlan, sampling: list[RequestState], bitmask) -> None:
+    def _token_masks(self, masked_seq_ids: list[int], sampling: list[RequestState], bitmask) -> None:
         return None
 
     def _sample(

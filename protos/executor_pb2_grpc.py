@@ -90,6 +90,8 @@ class ExecutorServicer:
     def Step(self, request_iterator, context):
         """One long-lived stream: StepPlan in, one StepOutput out per plan, in order. The stream must
         carry the current lease epoch in the `lease-epoch` metadata key; a stale one is refused.
+        A StepPlan with `masks` set is no plan but the late masks of an earlier one (StepMasks): it
+        gets no StepOutput of its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

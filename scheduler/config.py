@@ -32,6 +32,11 @@ class SchedulerConfig:
         speculative: speculative decoding (--speculative-config; None: off): the scheduler makes
             the n-gram proposals, reserves KV slots for the proposed tokens and trims what was not
             accepted (see scheduler/core.py).
+        late_masks: structured outputs, masks behind the plan: a constrained request is planned
+            while its previous token is in flight, and its mask follows the plan once that token
+            arrived (the executor says on attach whether it takes them: AttachResponse
+            .accepts_late_masks). Off: it is planned only with no token in flight (every other
+            plan). See scheduler/core.py.
     """
 
     block_size: int = 16
@@ -45,6 +50,7 @@ class SchedulerConfig:
     sliding_windows: tuple[int | None, ...] = (None,)
     num_cpu_offload_blocks: int = 0
     speculative: SpeculativeConfig | None = None
+    late_masks: bool = False
 
     def __post_init__(self) -> None:
         for name in (

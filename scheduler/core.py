@@ -12,15 +12,22 @@ N arrives. A request whose scheduled tokens reach ``num_tokens`` samples a token
 can already give the request its decode token, which the executor feeds itself, and
 ``process_output`` later fills in the value.
 
-Structured outputs break that for constrained requests: the mask of a request's next token depends
-on the token before it, which is still on the device while plan N+1 is made. So a constrained
-request is given tokens only when no output of it is pending (``_num_tokens_wanted``): it samples in
-every other plan while the pipeline is full (plan N samples it, plan N+1 skips it, output N arrives
-and advances its matcher, plan N+2 samples it with a mask made from every token before). Its masks
-are filled when the plan is finished (``_finish_step``), as vLLM V1 fills them at schedule time.
-Unconstrained requests are untouched: without a constrained request a plan carries no mask and
-nothing here costs anything. The price is the constrained requests' own speed (half the tokens per
-step at most); the executor is never made to wait.
+Structured outputs: the mask of a constrained request's next token depends on the token before
+it, which is still on the device while plan N+1 is made. With ``config.late_masks`` (the executor
+takes them: AttachResponse.accepts_late_masks) the masks go *behind the plan*, as vLLM V1 does with
+async scheduling: plan N+1 schedules the request like any other (the executor feeds the token
+itself) and names it in ``late_masked_seq_ids``; once output N has advanced its matcher
+(``process_output``), ``fill_late_masks`` makes the masks of plan N+1's late rows, which the replica
+sends at once as a StepMasks. The executor runs plan N+1's forward meanwhile and samples it when the
+masks arrive, so a constrained request advances every step, as an unconstrained one. A constrained
+request with no output pending (its first token, one resumed) gets its mask in the plan, filled
+when the plan is finished (``_finish_step``). A request that finishes with output N (its grammar
+ended, a stop string, an abort) while plan N+1 holds it is left out of the late masks (the
+executor samples that row without a mask): its token is discarded and its blocks were freed when
+it finished, as for any request whose stop is found one plan late. Without ``late_masks`` a
+constrained request is given tokens only when no output of it is pending (``_num_tokens_wanted``),
+so it samples in every other plan while the pipeline is full. Unconstrained requests are untouched:
+without a constrained request a plan carries no mask and nothing here costs anything.
 
 Speculative decoding (``config.speculative``) uses the same rule: in a step where speculation is on
 (at most ``disable_by_batch_size`` requests running), a request is given tokens only with no output
@@ -37,8 +44,10 @@ request's tables to the block of its last computed token. The prefix cache regis
 known tokens (``min(num_computed, num_known)``), and proposals are never known tokens until they
 are accepted, so no registered block ever holds a rejected token. A constrained request speculates
 with n-gram proposals cut to what its grammar allows (``RequestGrammar.allowed_prefix``), and its
-masks are one per verified position (``fill_bitmasks_along``). Without a speculative config nothing
-here costs anything.
+masks are one per verified position (``fill_bitmasks_along``), made with the plan: proposals are
+inputs of the forward pass and cannot come late, so a constrained request that waits for proposals
+(``_waits``) keeps the every-other-plan rule even with late masks; one that does not wait goes
+without proposals and with a late mask. Without a speculative config nothing here costs anything.
 
 Order within a step:
 1. running requests, by (priority, arrival): decodes and ongoing prefill chunks; a request that
@@ -104,6 +113,8 @@ class StepPlan:
 
     ``masked_seq_ids`` / ``token_bitmask``: the constrained requests among them and their packed
     next-token masks, one int32 row each (structured outputs; empty without any).
+    ``late_masked_seq_ids``: the constrained requests among them whose masks follow the plan
+    (``Scheduler.fill_late_masks``), their previous token being in flight.
     """
 
     step_id: int
@@ -115,6 +126,7 @@ class StepPlan:
     sampling_seq_ids: list[SeqId] = field(default_factory=list)
     masked_seq_ids: list[SeqId] = field(default_factory=list)
     token_bitmask: np.ndarray | None = None
+    late_masked_seq_ids: list[SeqId] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -126,6 +138,16 @@ class StepPlan:
         return not (
             self.removed_seq_ids or self.swap_out or self.swap_in or self.new_requests or self.running
         )
+
+
+@dataclass(slots=True)
+class LateMasks:
+    """The masks behind plan ``step_id`` (pagedserve.v1.StepMasks): one int32 row per seq id, a
+    subset of the plan's late_masked_seq_ids (the requests still constrained and live)."""
+
+    step_id: int
+    seq_ids: list[SeqId]
+    token_bitmask: np.ndarray
 
 
 @dataclass(slots=True)
@@ -559,6 +581,9 @@ class Scheduler:
         position it is verified at: after its known tokens, then after each proposal."""
         requests = self._requests
         constrained = [r for seq_id in plan.sampling_seq_ids if (r := requests[seq_id]).grammar is not None]
+        if any(r.num_pending_outputs > 1 for r in constrained):  # a token in flight: masks follow
+            plan.late_masked_seq_ids = [r.seq_id for r in constrained if r.num_pending_outputs > 1]
+            constrained = [r for r in constrained if r.num_pending_outputs == 1]
         if not constrained:
             return
         start = time.perf_counter()
@@ -572,10 +597,39 @@ class Scheduler:
                 grammars, [drafts.get(r.seq_id, []) for r in constrained], grammars[0].vocab_size
             )
         else:
-            if self._batch_matcher is None and len(constrained) >= 16:
-                self._batch_matcher = batch_matcher()
             plan.masked_seq_ids = [r.seq_id for r in constrained]
-            plan.token_bitmask = fill_bitmasks(grammars, grammars[0].vocab_size, self._batch_matcher)
+            plan.token_bitmask = self._fill(grammars)
+        self._record_mask_time(start)
+
+    def fill_late_masks(self, plan: StepPlan) -> LateMasks | None:
+        """Masks behind the plan: called once the output of the step before `plan` is processed
+        (its tokens fed to the matchers), the masks of `plan`'s late rows (None: it has none).
+        Requests that finished or were aborted meanwhile, or whose grammar ended, are left out:
+        the executor samples their rows without a mask, and their tokens are discarded."""
+        if not plan.late_masked_seq_ids:
+            return None
+        start = time.perf_counter()
+        live = [
+            r
+            for seq_id in plan.late_masked_seq_ids
+            if (r := self._requests.get(seq_id)) is not None
+            and r.grammar is not None
+            and not (r.grammar.failed or r.grammar.is_terminated)
+        ]
+        grammars = [r.grammar for r in live]
+        if not grammars:
+            return LateMasks(plan.step_id, [], np.zeros((0, 0), dtype=np.int32))
+        masks = LateMasks(plan.step_id, [r.seq_id for r in live], self._fill(grammars))
+        self._record_mask_time(start)
+        return masks
+
+    def _fill(self, grammars: list) -> np.ndarray:
+        """One mask row per grammar (xgrammar's batch matcher from 16 rows: its threads)."""
+        if self._batch_matcher is None and len(grammars) >= 16:
+            self._batch_matcher = batch_matcher()
+        return fill_bitmasks(grammars, grammars[0].vocab_size, self._batch_matcher)
+
+    def _record_mask_time(self, start: float) -> None:
         self.mask_seconds.append(time.perf_counter() - start)
         if len(self.mask_seconds) > 4096:
             del self.mask_seconds[:2048]
@@ -683,12 +737,13 @@ class Scheduler:
 
     def _num_tokens_wanted(self, request: Request) -> int:
         """Tokens the request lacks; 0 once its last allowed token is sampled (the final token's
-        KV is never needed), and 0 for a constrained request while a token of it is in flight."""
+        KV is never needed), and 0 while a token of it is in flight for a request whose next step
+        needs it in the plan: its proposals and slots, or its mask without late masks."""
         if request.num_sampled_tokens >= request.max_tokens:
             return 0
         if request.num_pending_outputs and (
-            request.grammar is not None
-            or request.num_draft_tokens
+            request.num_draft_tokens
+            or (request.grammar is not None and not self.config.late_masks)
             or (self._spec_on and self._waits(request))
         ):
             return 0  # its next mask, or its proposals and slots, need the output in flight
@@ -698,8 +753,11 @@ class Scheduler:
         """Speculative decoding: whether a request with an output pending waits for it, to get
         proposals in the plan after (a draft model always proposes); with n-gram proposals only a
         request whose known tokens end in an n-gram seen before: one that is copying. The others
-        stay in every plan without proposals, as without speculation."""
-        return self._ngram is None or self._ngram.matches(request)
+        stay in every plan without proposals, as without speculation; so does a constrained request
+        with a draft model, which never proposes for it (`_propose`)."""
+        if self._ngram is None:
+            return request.grammar is None
+        return self._ngram.matches(request)
 
     def _remove_running(self, request: Request) -> None:
         if self._running and self._running[-1] is request:

@@ -4,7 +4,10 @@ An `ExecutorReplica` owns everything that belongs to one executor: the transport
 the `Scheduler` core (block pool, prefix cache, swap pool: block ids mean nothing on another
 executor) and the Step stream, with one plan in flight ahead of the executor (the plan of step N+1
 is sent before the output of step N is read), so the executor never waits on this process. A stop
-found late costs one discarded token, never streamed.
+found late costs one discarded token, never streamed. Structured outputs: when plan N+1 names
+constrained requests whose masks follow it (`StepPlan.late_masked_seq_ids`), their masks go out
+right after output N is processed, before anything else is planned (`_send_late_masks`): the
+executor waits for them to sample N+1.
 
 The request table, the router and the clients' streams belong to the `Engine` (scheduler/engine.py),
 which the replica reaches through the small `ReplicaHost` interface: the replica says when it
@@ -35,7 +38,7 @@ from asyncio_throttle import Throttler
 from pagedserve.protos import executor_pb2
 from pagedserve.scheduler.block_pool import BlockHash
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.core import Scheduler, SchedulerStats, StepPlan
+from pagedserve.scheduler.core import LateMasks, Scheduler, SchedulerStats, StepPlan
 from pagedserve.scheduler.request import Request, SeqId
 from pagedserve.scheduler.router import ExecutorLoad
 from pagedserve.scheduler.service_config import ServiceConfig
@@ -166,6 +169,17 @@ class ReplicaHost(Protocol):
         ...
 
     def plan_to_proto(self, plan: StepPlan) -> executor_pb2.StepPlan: ...
+
+
+def masks_to_proto(masks: LateMasks) -> executor_pb2.StepPlan:
+    """The Step stream's message for late masks: a StepPlan carrying only its StepMasks."""
+    return executor_pb2.StepPlan(
+        masks=executor_pb2.StepMasks(
+            step_id=masks.step_id,
+            seq_ids=masks.seq_ids,
+            token_bitmask=masks.token_bitmask.astype("<i4", copy=False).tobytes(),
+        )
+    )
 
 
 def _within(own: int, executor_limit: int) -> int:
@@ -413,6 +427,7 @@ class ExecutorReplica:
                 sliding_windows=info.sliding_windows,
                 num_cpu_offload_blocks=info.num_cpu_offload_blocks if config.enable_prefix_caching else 0,
                 speculative=config.speculative_config,
+                late_masks=reply.accepts_late_masks,
             )
         )
         self._heartbeats = True
@@ -452,6 +467,8 @@ class ExecutorReplica:
                         raise RuntimeError("the executor closed the step stream")
                     self._last_contact = time.monotonic()
                     self._on_output(in_flight.popleft(), output)
+                    if in_flight:
+                        await self._send_late_masks(call, core, in_flight[0])
                 elif not in_flight:
                     if call.ended():
                         raise RuntimeError("the executor ended the step stream while idle")
@@ -459,6 +476,13 @@ class ExecutorReplica:
                     await self._wait_for_work()
         finally:
             call.cancel()
+
+    @staticmethod
+    async def _send_late_masks(call, core: Scheduler, plan: StepPlan) -> None:
+        """The masks behind `plan`, now that the output before it is processed (none: nothing)."""
+        masks = core.fill_late_masks(plan)
+        if masks is not None:
+            await call.write(masks_to_proto(masks))
 
     def _heartbeat_period(self) -> float | None:
         assert self.info is not None

@@ -51,6 +51,13 @@ class StepStream:
         self._plans.put(plan)
         return next(self._outputs)
 
+    def send(self, plan: executor_pb2.StepPlan) -> None:
+        """Sends a plan without reading (the next plan goes out while its output is pending)."""
+        self._plans.put(plan)
+
+    def read(self) -> executor_pb2.StepOutput:
+        return next(self._outputs)
+
     def close(self) -> None:
         self._plans.put(None)
 
@@ -168,6 +175,67 @@ def test_bad_plan_is_invalid_argument_and_server_keeps_serving(stub, plan, messa
     out = stream.step(executor_pb2.StepPlan(step_id=2, new_requests=[ok]))
     assert list(out.seq_ids) == [3]
     assert out.step_seconds > 0
+    stream.close()
+
+
+def _prefill(step_id: int) -> executor_pb2.StepPlan:
+    new = [
+        executor_pb2.NewRequest(
+            seq_id=s,
+            token_ids=[5, 17, 99, s],
+            num_new_tokens=4,
+            block_tables=[executor_pb2.BlockTable(block_ids=[s])],
+        )
+        for s in (1, 2)
+    ]
+    return executor_pb2.StepPlan(step_id=step_id, new_requests=new)
+
+
+def _decode(step_id: int, seq_ids=(1, 2), late=()) -> executor_pb2.StepPlan:
+    running = [executor_pb2.RunningRequest(seq_id=s, num_new_tokens=1) for s in seq_ids]
+    return executor_pb2.StepPlan(step_id=step_id, running=running, late_masked_seq_ids=late)
+
+
+def _only(token: int, vocab: int = 512) -> bytes:
+    """A packed mask row allowing one token."""
+    words = [0] * ((vocab + 31) // 32)
+    words[token // 32] = 1 << (token % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+def test_late_masks_are_awaited_after_the_previous_output_and_nothing_may_come_first(stub):
+    """Masks behind the plan over the wire: output 1 goes out while plan 2 awaits its masks; the
+    StepMasks samples plan 2 within them; a plan sent in their place ends the stream, and the same
+    lease's next stream runs (the orphaned step was sampled without its masks)."""
+    epoch = _attach(stub).lease_epoch
+    stream = StepStream(stub, epoch)
+    stream.send(_prefill(1))
+    stream.send(_decode(2, late=[1]))
+    assert stream.read().step_id == 1  # before the masks are sent
+    masks = executor_pb2.StepMasks(step_id=2, seq_ids=[1], token_bitmask=_only(300))
+    out = stream.step(executor_pb2.StepPlan(masks=masks))
+    assert out.step_id == 2 and dict(zip(out.seq_ids, out.token_ids, strict=True))[1] == 300
+    stream.send(_decode(3, late=[1, 2]))
+    with pytest.raises(grpc.RpcError) as err:
+        stream.step(_decode(4))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "awaits its late masks" in err.value.details()
+    stream = StepStream(stub, epoch)
+    assert list(stream.step(_decode(5)).seq_ids) == [1, 2]
+    stream.close()
+
+
+def test_a_stream_closed_while_a_step_awaits_its_masks_ends_without_hanging(stub):
+    epoch = _attach(stub).lease_epoch
+    stream = StepStream(stub, epoch)
+    stream.send(_prefill(1))
+    stream.send(_decode(2, late=[2]))
+    assert stream.read().step_id == 1
+    stream.close()  # the scheduler went away: its masks will never come
+    with pytest.raises(StopIteration):
+        stream.read()
+    stream = StepStream(stub, epoch)
+    assert list(stream.step(_decode(3)).seq_ids) == [1, 2]
     stream.close()
 
 

@@ -21,7 +21,9 @@ from pagedserve.entrypoints.openai.tool_calls import (
     merge_calls,
     plan_tools,
 )
-from pagedserve.executor.plan_check import PlanError, PlanLimits, validate_plan
+from pagedserve.executor.config import ExecutorConfig
+from pagedserve.executor.plan_check import PlanError, PlanLimits, validate_masks, validate_plan
+from pagedserve.executor.runner import ModelRunner
 from pagedserve.executor.sampler import SamplingParams, TokenMasks, apply_token_masks, sample
 from pagedserve.protos import executor_pb2, generation_pb2
 from pagedserve.scheduler.config import SchedulerConfig
@@ -275,6 +277,58 @@ def test_a_constrained_request_never_samples_with_a_token_in_flight():
     assert third.sampling_seq_ids == [1, 2] and third.masked_seq_ids == [2]
 
 
+def _late_core() -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            block_size=4, num_gpu_blocks=16, max_model_len=32, max_num_batched_tokens=64, late_masks=True
+        )
+    )
+
+
+def test_with_late_masks_a_constrained_request_samples_in_every_plan():
+    """Masks behind the plan: plan 2 is made while output 1 is in flight and schedules the
+    constrained request anyway, naming it late; its mask is made once output 1 fed the matcher."""
+    core = _late_core()
+    grammar = FakeGrammar()
+    free = Request(SeqId(1), [1, 2, 3], 6, SamplingOptions())
+    constrained = Request(SeqId(2), [4, 5], 6, SamplingOptions(), grammar=grammar)
+    core.add_request(free)
+    core.add_request(constrained)
+    first = core.schedule()  # nothing in flight: the mask comes with the plan
+    assert first.masked_seq_ids == [2] and first.late_masked_seq_ids == []
+    assert core.fill_late_masks(first) is None
+    second = core.schedule()  # output 1 pending: both decode, the constrained one's mask follows
+    assert second.sampling_seq_ids == [1, 2] and second.late_masked_seq_ids == [2]
+    assert not second.masked_seq_ids and second.token_bitmask is None
+    core.process_output(first.step_id, [1, 2], [9, 7])
+    masks = core.fill_late_masks(second)
+    assert masks.step_id == second.step_id and masks.seq_ids == [2]
+    assert masks.token_bitmask.shape == (1, 2) and masks.token_bitmask[0, 0] == 1 << 7
+    third = core.schedule()
+    assert third.sampling_seq_ids == [1, 2] and third.late_masked_seq_ids == [2]
+
+
+def test_a_late_masked_request_that_finished_is_left_out_and_its_token_discarded():
+    """Its grammar ends with output N while plan N+1 holds it: no mask for it (the executor samples
+    that row unmasked), its blocks are freed when it finishes, and plan N+1's token is dropped, as
+    for a stop string found one plan late."""
+    core = _late_core()
+    grammar = FakeGrammar()
+    request = Request(SeqId(2), [4, 5], 6, SamplingOptions(), grammar=grammar)
+    core.add_request(request)
+    first, second = core.schedule(), core.schedule()
+    assert second.late_masked_seq_ids == [2]
+    core.process_output(first.step_id, [2], [7])
+    grammar.is_terminated = True  # the token ended the grammar: the engine finishes the request
+    core.abort_request(SeqId(2))
+    assert core.kv_cache_manager.block_pool.num_blocks_in_use == 0
+    masks = core.fill_late_masks(second)
+    assert masks.seq_ids == [] and masks.token_bitmask.size == 0
+    assert core.process_output(second.step_id, [2], [11]) == []  # discarded
+    assert request.output_token_ids == [7] and grammar.accepted == [7]
+    assert core.schedule().removed_seq_ids == [2]
+
+
 def test_a_plan_without_constrained_requests_carries_no_mask():
     core = Scheduler(
         SchedulerConfig(block_size=4, num_gpu_blocks=16, max_model_len=32, max_num_batched_tokens=64)
@@ -333,6 +387,88 @@ def test_plan_check_takes_masks_only_for_sampling_rows_of_the_right_size():
         validate_plan(_plan(masked_seq_ids=[1], token_bitmask=bytes(4)), {}, _limits())
     with pytest.raises(PlanError, match="twice"):
         validate_plan(_plan(masked_seq_ids=[1, 1], token_bitmask=bytes(16)), {}, _limits())
+
+
+def test_plan_check_takes_late_masks_for_sampling_rows_and_their_masks_for_them_only():
+    validate_plan(_plan(late_masked_seq_ids=[1]), {}, _limits())
+    with pytest.raises(PlanError, match="late_masked_seq_ids: seq_id=2 does not sample"):
+        validate_plan(_plan(late_masked_seq_ids=[2]), {}, _limits())
+    with pytest.raises(PlanError, match="also has a mask"):
+        validate_plan(
+            _plan(late_masked_seq_ids=[1], masked_seq_ids=[1], token_bitmask=bytes(8)), {}, _limits()
+        )
+    late = executor_pb2.StepMasks(step_id=4, seq_ids=[1], token_bitmask=bytes(8))
+    validate_masks(late, 4, [1, 3], 64)
+    validate_masks(executor_pb2.StepMasks(step_id=4), 4, [1, 3], 64)  # all finished meanwhile
+    with pytest.raises(PlanError, match="masks for step 4, but step 5 awaits"):
+        validate_masks(late, 5, [1], 64)
+    with pytest.raises(PlanError, match="seq_id=1 is not in its late_masked_seq_ids"):
+        validate_masks(late, 4, [3], 64)
+    with pytest.raises(PlanError, match="8 bytes, 1 masks of vocab_size 96 take 12"):
+        validate_masks(late, 4, [1], 96)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    config = ExecutorConfig(
+        model=str(tiny_model_dir),
+        device="cpu",
+        num_gpu_blocks_override=16,
+        max_model_len=256,
+        swap_space=0.002,
+    )
+    return ModelRunner.create(config)
+
+
+def _decode(seq_ids: list[int], step_id: int, **fields) -> executor_pb2.StepPlan:
+    running = [executor_pb2.RunningRequest(seq_id=s, num_new_tokens=1) for s in seq_ids]
+    return executor_pb2.StepPlan(step_id=step_id, running=running, **fields)
+
+
+def _prefill(step_id: int) -> executor_pb2.StepPlan:
+    new = [
+        executor_pb2.NewRequest(
+            seq_id=s, token_ids=[5 + s, 17, 99, 3], num_new_tokens=4,
+            block_tables=[executor_pb2.BlockTable(block_ids=[s])],
+        )
+        for s in (1, 2)
+    ]  # fmt: skip
+    return executor_pb2.StepPlan(step_id=step_id, new_requests=new)
+
+
+def test_runner_samples_a_late_masked_step_once_its_masks_arrive(runner):
+    """Plan 2 is launched (its forward queued) before step 1 is finished and names seq 1 late:
+    step 1 finishes as usual, plan 3 is refused until plan 2 has its masks, and then seq 1 samples
+    within its mask while seq 2 samples as in a run without masks."""
+    runner.reset()
+    reference = [runner.execute(_prefill(1)), runner.execute(_decode([1, 2], 2))]
+    greedy = dict(zip(reference[1].seq_ids, reference[1].token_ids, strict=True))
+    allowed = (greedy[1] + 1) % 512  # not what seq 1 would sample: only the mask makes it
+    runner.reset()
+    first = runner.launch(_prefill(1))
+    second = runner.launch(_decode([1, 2], 2, late_masked_seq_ids=[1]))
+    assert second.awaits_masks and not second.ready()
+    assert list(runner.finish(first).token_ids) == list(reference[0].token_ids)
+    with pytest.raises(PlanError, match="plan 3 arrived while step 2 awaits its late masks"):
+        runner.launch(_decode([1, 2], 3))
+    with pytest.raises(PlanError, match="not in its late_masked_seq_ids"):
+        runner.apply_masks(second, executor_pb2.StepMasks(step_id=2, seq_ids=[2], token_bitmask=bytes(64)))
+    mask = _mask(512, [[allowed]]).numpy().tobytes()
+    runner.apply_masks(second, executor_pb2.StepMasks(step_id=2, seq_ids=[1], token_bitmask=mask))
+    out = runner.finish(second)
+    assert dict(zip(out.seq_ids, out.token_ids, strict=True)) == {1: allowed, 2: greedy[2]}
+    runner.execute(_decode([1, 2], 3))  # the next step reads the masked token: it runs
+
+
+def test_runner_reset_samples_a_step_whose_masks_never_came(runner):
+    """A stream that ends while a step awaits its masks: a reset (the next lease) samples it
+    without them and forgets it, so the runner takes plans again."""
+    runner.reset()
+    runner.finish(runner.launch(_prefill(1)))
+    orphan = runner.launch(_decode([1, 2], 2, late_masked_seq_ids=[1, 2]))
+    runner.reset()
+    assert not orphan.awaits_masks
+    assert len(runner.execute(_prefill(1)).seq_ids) == 2
 
 
 # ---- tool calls -----------------------------------------------------------------------------------

@@ -63,8 +63,14 @@ class _InProcessSteps:
     async def write(self, plan: executor_pb2.StepPlan) -> None:
         if self._cancelled or self._epoch != self._transport.epoch:
             raise RuntimeError(f"step stream of lease {self._epoch} is closed or superseded")
+        runner = self._transport.runner
         try:
-            self._pending.append(self._transport.runner.launch(plan))
+            if plan.HasField("masks"):  # the late masks of the last plan launched (it samples now)
+                if not self._pending:
+                    raise ValueError(f"masks for step {plan.masks.step_id}, but no step awaits masks")
+                runner.apply_masks(self._pending[-1], plan.masks)
+            else:
+                self._pending.append(runner.launch(plan))
         except Exception as e:  # a bad plan or a failed step ends the stream, as in the service
             raise RuntimeError(f"step {plan.step_id} failed: {type(e).__name__}: {e}") from e
 
@@ -74,6 +80,8 @@ class _InProcessSteps:
         if self._cancelled or not self._pending:
             return None
         pending = self._pending[0]
+        if pending.awaits_masks:  # the engine sends them before it reads: it never will now
+            raise RuntimeError(f"step {pending.step_id}'s output was read before its masks were sent")
         # Yield to the clients' tasks at least once per step, as a gRPC read does, and for as long
         # as the device works. A timed sleep would round up to epoll's 1 ms on every step, and a
         # thread hop per step costs more than polling the event.
@@ -85,6 +93,8 @@ class _InProcessSteps:
 
     def cancel(self) -> None:
         self._cancelled = True
+        for pending in self._pending:  # a step awaiting masks is sampled without them
+            self._transport.runner.drop_awaiting(pending)
         self._pending.clear()  # the runner forgets their requests on the next attach
 
     def ended(self) -> bool:
