@@ -192,8 +192,8 @@ def test_rank0_signal_leaves_no_worker(sig, tiny_model_dir, tmp_path):
 def test_executor_protocol_matches_the_single_device_runner(tiny_model_dir, tmp_path):
     """The TP=2 executor's Step stream against a single-device ModelRunner fed the same plans:
     chunked prefill, prompt logprobs and logprobs (rank 0 alone computes them), a swap round trip,
-    a bad plan refused by every rank with nothing applied (the next stream carries on), and a new
-    lease (every rank forgets its requests)."""
+    a bad plan refused by every rank with nothing applied (the next stream carries on), late masks
+    (`_late_masks`), and a new lease (every rank forgets its requests)."""
     import grpc
 
     from pagedserve.executor.runner import PlanError
@@ -250,13 +250,44 @@ def test_executor_protocol_matches_the_single_device_runner(tiny_model_dir, tmp_
                 stream = StepStream(stub, info.lease_epoch)
                 for _ in range(4):
                     step(sched.plan(), stream)
-                stream.close()
                 assert len(sched.seqs[1].generated) >= 6
+                _late_masks(stream, reference, lease)
+                if lease == 1:
+                    stream.close()  # its last step awaits masks: the stream's end samples it
+                # lease 0: Detach with a step awaiting masks (rank 0 samples it before the RESET)
                 stub.Detach(executor_pb2.DetachRequest(lease_epoch=info.lease_epoch))
         assert proc.poll() is None, log_path.read_text()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _late_masks(stream, reference, lease: int) -> None:
+    """Masks behind the plan on a TP=2 executor (rank 0 alone sees the StepMasks; the worker waits
+    in the token broadcast): a decode of seqs 1 and 2, then one whose seq 1 mask follows, equal to
+    the single-device runner's; then a third that awaits masks that never come."""
+    from pagedserve.protos import executor_pb2
+
+    def decode(step_id: int, late=()) -> executor_pb2.StepPlan:
+        running = [executor_pb2.RunningRequest(seq_id=s, num_new_tokens=1) for s in (1, 2)]
+        return executor_pb2.StepPlan(step_id=step_id, running=running, late_masked_seq_ids=late)
+
+    first, second = decode(100 + 10 * lease), decode(101 + 10 * lease, late=[1])
+    allowed = 77 + lease
+    words = [0] * (512 // 32)
+    words[allowed // 32] = 1 << (allowed % 32)
+    masks = executor_pb2.StepMasks(
+        step_id=second.step_id, seq_ids=[1], token_bitmask=b"".join(w.to_bytes(4, "little") for w in words)
+    )
+    stream.send(first)
+    stream.send(second)
+    pending = [reference.launch(first), reference.launch(second)]
+    assert list(stream.read().token_ids) == list(reference.finish(pending[0]).token_ids)
+    reference.apply_masks(pending[1], masks)
+    got, want = stream.step(executor_pb2.StepPlan(masks=masks)), reference.finish(pending[1])
+    assert list(got.token_ids) == list(want.token_ids) and got.token_ids[0] == allowed
+    stream.send(decode(102 + 10 * lease, late=[1, 2]))
+    reference.launch(decode(102 + 10 * lease, late=[1, 2]))  # the next reset drops it
 
 
 def test_fp8_tp2_prompt_logprobs_close_to_fp8_tp1(tiny_model_dir, tmp_path, monkeypatch):
