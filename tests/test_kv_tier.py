@@ -244,31 +244,49 @@ def runner(tiny_model_dir):
     )
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["in-step swaps", "copy stream"])
-def test_a_block_loaded_from_the_tier_is_the_block_that_was_evicted(runner, beside: bool):
-    """Through the executor's own plan path: a prompt's KV, offloaded to a host block and loaded
-    into another GPU block, is bit for bit what was computed, whether the moves run in the step
-    (swap_out / swap_in) or beside it (offload / load: the CPU tier's copy stream)."""
+def round_trip(runner: ModelRunner, beside: bool) -> None:
+    """A prompt's KV offloaded to host blocks and loaded into other GPU blocks, while another
+    request computes in the same steps (on CUDA the copy stream runs beside its forward), is bit
+    for bit what was computed; the neighbour's next step reads it in place."""
     assert (
         runner.num_cpu_offload_blocks > 0 and runner.kv_cache.num_cpu_blocks == runner.num_cpu_offload_blocks
     )
     runner.reset()
     prompt = list(range(5, 37))  # two full blocks of 16
-    table = executor_pb2.BlockTable(block_ids=[3, 4, 5])
-    runner.execute(executor_pb2.StepPlan(new_requests=[
-        executor_pb2.NewRequest(seq_id=1, token_ids=prompt, num_new_tokens=len(prompt), block_tables=[table])
-    ]))  # fmt: skip
+
+    def new(seq_id: int, blocks: list[int]) -> executor_pb2.NewRequest:
+        table = executor_pb2.BlockTable(block_ids=blocks)
+        return executor_pb2.NewRequest(
+            seq_id=seq_id, token_ids=prompt, num_new_tokens=32, block_tables=[table]
+        )
+
+    runner.execute(executor_pb2.StepPlan(new_requests=[new(1, [3, 4, 5])]))
     pool = runner.kv_cache.device_pool
     computed = pool[:, :, [3, 4]].clone()
     out = [executor_pb2.BlockMove(src=3, dst=0), executor_pb2.BlockMove(src=4, dst=1)]
     back = [executor_pb2.BlockMove(src=0, dst=9), executor_pb2.BlockMove(src=1, dst=11)]
     before = runner.stats.swap_out_blocks, runner.stats.swap_in_blocks
-    runner.execute(executor_pb2.StepPlan(removed_seq_ids=[1], **{"offload" if beside else "swap_out": out}))
-    pool[:, :, [3, 4]] = torch.nan  # the GPU blocks are reused
-    runner.execute(executor_pb2.StepPlan(**{"load" if beside else "swap_in": back}))
+    neighbour = new(2, [6, 7, 8])
+    runner.execute(
+        executor_pb2.StepPlan(
+            removed_seq_ids=[1], new_requests=[neighbour], **{"offload" if beside else "swap_out": out}
+        )
+    )
+    pool[:, :, [3, 4]] = float("nan")  # the GPU blocks are reused
+    decode = executor_pb2.RunningRequest(seq_id=2, num_new_tokens=1)
+    runner.execute(executor_pb2.StepPlan(running=[decode], **{"load" if beside else "swap_in": back}))
+    runner.execute(executor_pb2.StepPlan(running=[decode]))  # (the step after: it waits for the copies)
     loaded = pool[:, :, [9, 11]]
     assert torch.equal(loaded.view(torch.uint8), computed.view(torch.uint8))
+    assert torch.equal(pool[:, :, [6, 7]].view(torch.uint8), computed.view(torch.uint8)), "same prompt"
     assert (runner.stats.swap_out_blocks, runner.stats.swap_in_blocks) == (before[0] + 2, before[1] + 2)
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["in-step swaps", "copy stream"])
+def test_a_block_loaded_from_the_tier_is_the_block_that_was_evicted(runner, beside: bool):
+    """Through the executor's own plan path, whether the moves run in the step (swap_out /
+    swap_in) or beside it (offload / load: the CPU tier's copy stream); CUDA: test_executor_cuda."""
+    round_trip(runner, beside)
 
 
 def test_an_executor_refuses_a_host_pool_the_machine_cannot_hold(tiny_model_dir):
