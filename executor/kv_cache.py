@@ -8,6 +8,15 @@ block-major, [num_blocks, layers_per_block, 2, block_size, num_kv_heads, head_di
 each CPU block is one contiguous span: a swap is one gather or scatter on the device plus one
 asynchronous copy per run of consecutive CPU blocks, and never makes the host wait for the GPU.
 
+The CPU tier's copies (`StepPlan.offload` / `load`) run on a copy stream of their own
+(`copy_beside`), so that a load or an offload costs the steps bandwidth, not time: the copy stream
+first waits for everything queued on the compute stream so far (the steps that last wrote or read
+those blocks), and the compute stream waits for the copies (`wait_for_copies`) before the next
+step's forward, the first that may touch their blocks (the scheduler guarantees that the step they
+are planned in does not). The copies stay in plan order on one stream, so a host block that a later
+plan reuses is written only after the earlier copies that read it. On the CPU everything is
+synchronous and `copy_beside` is plain swap_out then swap_in.
+
 An FP8 pool (`--kv-cache-dtype fp8`) has one-byte elements, so `bytes_per_block` halves and the
 same memory holds about twice the blocks (the swap pool too). Both pools are then allocated as
 uint8 and the kernels get float8_e4m3fn views: the gathers, scatters and copies of swapping move
@@ -252,6 +261,9 @@ class KVCache:
                 f"cannot pin a host pool of {host_bytes / 2**30:.1f} GiB (--swap-space + "
                 f"--kv-offloading-size): {exc}"
             ) from None
+        # The CPU tier's copy stream (CUDA only), and the event behind the last copies queued on it.
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copies_done: torch.cuda.Event | None = None
 
     def layer_caches(
         self, layer_slot: Sequence[int] | None = None
@@ -287,6 +299,31 @@ class KVCache:
             )
         dst = to_device(dst_device_blocks, torch.int64, self.device)
         self.device_pool.index_copy_(2, dst, blocks.movedim(0, 2))
+
+    def copy_beside(self, offload: list[tuple[int, int]], load: list[tuple[int, int]]) -> None:
+        """The CPU tier's copies of one plan: (device -> host) offloads, then (host -> device) loads,
+        on the copy stream behind all the work queued on the compute stream so far (its steps may
+        still write or read those blocks); synchronous on the CPU."""
+        if not offload and not load:
+            return
+        if self._copy_stream is None:
+            self._copy(offload, load)
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):  # (temporaries live and die on this stream)
+            self._copy(offload, load)
+        self._copies_done = self._copy_stream.record_event()
+
+    def _copy(self, offload: list[tuple[int, int]], load: list[tuple[int, int]]) -> None:
+        self.swap_out([src for src, _ in offload], [dst for _, dst in offload])
+        self.swap_in([src for src, _ in load], [dst for _, dst in load])
+
+    def wait_for_copies(self) -> None:
+        """Makes the compute stream wait for the copies queued by `copy_beside` (before a step that
+        may read a loaded block, write an offloaded one, or reuse a host block they read)."""
+        if self._copies_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copies_done)
+            self._copies_done = None
 
 
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:

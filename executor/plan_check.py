@@ -71,6 +71,8 @@ def validate_plan(
     """
     _check_moves("swap_out", plan.swap_out, limits.num_device_blocks, limits.num_cpu_blocks)
     _check_moves("swap_in", plan.swap_in, limits.num_cpu_blocks, limits.num_device_blocks)
+    _check_moves("offload", plan.offload, limits.num_device_blocks, limits.num_cpu_blocks)
+    _check_moves("load", plan.load, limits.num_cpu_blocks, limits.num_device_blocks)
     # Removing a sequence we do not hold is allowed (idempotent), e.g. an abort racing its finish.
     kept = set(held).difference(plan.removed_seq_ids)
     seen: set[int] = set()

@@ -493,7 +493,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: executor_pb2.StepPlan) -> PendingStep:
         """Applies `plan` (swap_out, removed, swap_in, new, running) and queues one forward pass over
-        the scheduled tokens plus sampling for every request whose tokens are then all computed.
+        the scheduled tokens plus sampling for every request whose tokens are then all computed; the
+        CPU tier's offloads and loads go on the copy stream beside it (executor.kv_cache).
         Returns without waiting for the device.
 
         Raises:
@@ -505,20 +506,23 @@ class ModelRunner:
             pending.trace = self.tracer.begin(plan.step_id)
         new_params = validate_plan(plan, self._requests, self._limits)
         kv = self.kv_cache
+        kv.wait_for_copies()  # the previous plan's tier copies: this step may touch their blocks
         kv.swap_out([m.src for m in plan.swap_out], [m.dst for m in plan.swap_out])
         for seq_id in plan.removed_seq_ids:
             state = self._requests.pop(seq_id, None)
             if state is not None:
                 self.slots.release(state.slot)
         kv.swap_in([m.src for m in plan.swap_in], [m.dst for m in plan.swap_in])
+        if plan.offload or plan.load:  # beside this step's forward, which touches none of them
+            kv.copy_beside([(m.src, m.dst) for m in plan.offload], [(m.src, m.dst) for m in plan.load])
         scheduled = [s for s in self._admit(plan, new_params) if s.num_new > 0]
         if scheduled:
             self._launch_forward(scheduled, pending, plan)
         stats = self.stats
         stats.steps += 1
         stats.tokens_computed += sum(s.num_new for s in scheduled)
-        stats.swap_out_blocks += len(plan.swap_out)
-        stats.swap_in_blocks += len(plan.swap_in)
+        stats.swap_out_blocks += len(plan.swap_out) + len(plan.offload)
+        stats.swap_in_blocks += len(plan.swap_in) + len(plan.load)
         if pending.trace is not None:
             self.tracer.launched(pending.trace)
         return pending

@@ -159,6 +159,20 @@ class BlockPool:
         """The free queue from head (next handed out) to tail; for tests and debugging."""
         return list(self._free)
 
+    def cached_free_blocks_ahead(self, num_blocks: int) -> Iterator[Block]:
+        """The cached blocks among the next `num_blocks` that `allocate` would hand out, in that
+        order. Uncached free blocks enter the queue at its head and cached ones at its tail, so the
+        queue is its uncached blocks, then its cached ones: with at least `num_blocks` uncached, none
+        (and no walk)."""
+        num_uncached = len(self._free) - self._num_cached_free
+        if num_uncached >= num_blocks:
+            return
+        for index, block in enumerate(self._free):
+            if index >= num_blocks:
+                return
+            if block.block_hash is not None:
+                yield block
+
     def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Block | None:
         return self._cached[group].get(block_hash)
 

@@ -53,9 +53,21 @@ Order within a step:
 1. running requests, by (priority, arrival): decodes and ongoing prefill chunks; a request that
    needs a block when none is free pre-empts the lowest-priority, latest-arrived running request
    (possibly itself);
-2. if nothing was pre-empted: swapped-out and waiting requests start, in one (priority, arrival)
+2. requests whose prefix an earlier plan loaded from the CPU tier (LOADING) start, with a chunk
+   within the blocks they were admitted with;
+3. if nothing was pre-empted: swapped-out and waiting requests start, in one (priority, arrival)
    order, with prefill chunks that fill the remaining budget; a head that does not fit may pre-empt
    running requests of strictly lower priority, if together they hold the blocks it lacks.
+
+CPU tier loads (scheduler.kv_tier) overlap other requests' steps. A waiting request whose prefix hit
+includes blocks the tier holds is admitted as now (its blocks allocated, the loads named in the
+plan's ``load``), but it becomes LOADING instead of RUNNING: the plan schedules none of its tokens,
+so the executor runs the copies on its copy stream beside this step's forward, and the request's
+first chunk is scheduled from the next plan on, whose forward waits for the copies. A request whose
+GPU hit includes a block this very plan loads (another request's) waits in the same way. A LOADING
+request leaves the waiting queue and uses none of the plan's budget, so the requests queued behind
+it are admitted in the same plan: a tier hit never delays the others, and several loads share one
+step. Order stays FCFS within a priority, priorities strict.
 """
 
 from __future__ import annotations
@@ -121,6 +133,10 @@ class StepPlan:
     removed_seq_ids: list[SeqId] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    # The CPU tier's copies beside the forward (copy stream): no block of theirs is touched by this
+    # step's tokens; the next step's forward waits for them.
+    offload: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, tier block)
+    load: list[tuple[int, int]] = field(default_factory=list)  # (tier block, gpu block)
     new_requests: list[NewRequestPlan] = field(default_factory=list)
     running: list[RunningPlan] = field(default_factory=list)
     sampling_seq_ids: list[SeqId] = field(default_factory=list)
@@ -136,7 +152,13 @@ class StepPlan:
     def is_empty(self) -> bool:
         """Nothing for the executor to do (no tokens, no block moves, nothing to forget)."""
         return not (
-            self.removed_seq_ids or self.swap_out or self.swap_in or self.new_requests or self.running
+            self.removed_seq_ids
+            or self.swap_out
+            or self.swap_in
+            or self.offload
+            or self.load
+            or self.new_requests
+            or self.running
         )
 
 
@@ -218,6 +240,7 @@ class Scheduler:
         self._waiting: list[Request] = []
         self._running: list[Request] = []
         self._swapped: list[Request] = []
+        self._loading: list[Request] = []  # admitted on a CPU tier hit, starting in the next plan
         self._removed: list[SeqId] = []  # finished while the executor held them: forget next step
         # What the router knows of requests not yet admitted (see add_request): their prompt blocks'
         # hash chains, counted, and the tokens each is expected to compute.
@@ -245,6 +268,10 @@ class Scheduler:
         self._spec_steps = 0
         self._spec_accepted_per_pos = [0] * (self._spec.num_speculative_tokens if self._spec else 0)
         self.mask_seconds: list[float] = []  # per plan with masks: the time filling them took
+        # CPU tier: how many of the blocks the pool hands out next are offloaded ahead of their
+        # eviction, each plan: as many as one plan's tokens can take (each request's chunk may
+        # start a block of its own); a bigger allocation (a long load) copies the rest in its step.
+        self._offload_lookahead = -(-config.max_num_batched_tokens // config.block_size) + config.max_num_seqs
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -295,6 +322,9 @@ class Scheduler:
         elif request.status is RequestStatus.SWAPPED:
             self._swapped.remove(request)
             self.kv_cache_manager.free_swapped(request)
+        elif request.status is RequestStatus.LOADING:  # the executor does not hold it yet
+            self._loading.remove(request)
+            self.kv_cache_manager.free(request)
         else:
             self._waiting.remove(request)
             self._forget_queued_prefix(seq_id)
@@ -324,9 +354,11 @@ class Scheduler:
             spec.disable_by_batch_size is None or len(self._running) <= spec.disable_by_batch_size
         )
         self._schedule_running(step)
+        self._start_loaded(step)
         # A step that had to pre-empt has no room to admit anyone (and must not re-admit a victim).
         if not step.preempted:
             self._start_queued(step)
+        self.kv_cache_manager.offload_ahead(self._offload_lookahead)
         self.kv_cache_manager.end_step()
         return self._finish_step(step)
 
@@ -405,7 +437,7 @@ class Scheduler:
         not starved by a stream of small ones. It may pre-empt running requests of strictly lower
         priority, but only if together they hold enough blocks to make room for it.
         """
-        while step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while step.budget > 0 and len(self._running) + len(self._loading) < self.config.max_num_seqs:
             request = self._queued_head()
             if request is None or request.num_pending_outputs or request.seq_id in step.preempted:
                 break  # a victim awaiting its last output, or pre-empted in this very step
@@ -452,8 +484,27 @@ class Scheduler:
             request.num_cached_prompt_tokens = num_cached_tokens
             request.num_cpu_cached_prompt_tokens = hit.num_cpu_blocks * self.config.block_size
         request.num_computed_tokens = num_cached_tokens
-        self._start_running(request, num_new, step)
+        if self.kv_cache_manager.waits_for_loads(hit):
+            request.status = RequestStatus.LOADING
+            bisect.insort(self._loading, request, key=_sort_key)
+        else:
+            self._start_running(request, num_new, step)
         return 0
+
+    def _start_loaded(self, step: _Step) -> None:
+        """Starts the LOADING requests (admitted by an earlier plan, which loaded their prefix), in
+        (priority, arrival) order, while budget lasts. Each chunk stays within the blocks the
+        request was admitted with (at least one token's room), so starting needs no allocation and
+        can neither fail nor pre-empt; blocks past a smaller chunk are given back (as if the chunk
+        had been planned so from the start)."""
+        kv, size = self.kv_cache_manager, self.config.block_size
+        while self._loading and step.budget > 0:
+            request = self._loading.pop(0)
+            room = len(kv.blocks(request.seq_id)) * size - request.num_computed_tokens
+            wanted = request.num_tokens - request.num_computed_tokens
+            num_new = min(wanted, step.budget, room)
+            kv.trim(request, request.num_computed_tokens + num_new)
+            self._start_running(request, num_new, step)
 
     def _preempt_lower_priority(
         self, request: Request, num_blocks_short: int, keep: PrefixHit, step: _Step
@@ -561,8 +612,9 @@ class Scheduler:
         """Fills in the sampling list, records the step as in flight, and updates the statistics."""
         plan = step.plan
         offloads, loads = self.kv_cache_manager.take_tier_moves()
-        plan.swap_out += offloads  # the CPU tier's copies ride on the swap moves (scheduler.kv_tier)
-        plan.swap_in += loads
+        plan.swap_out += offloads  # blocks this plan reuses: copied before its forward writes them
+        plan.load = loads  # beside the forward: their requests are LOADING (see the module doc)
+        plan.offload = self.kv_cache_manager.take_offloads_ahead()  # beside it: free blocks
         plan.sampling_seq_ids = [p.seq_id for p in plan.new_requests if p.seq_id in step.sampling]
         plan.sampling_seq_ids += [p.seq_id for p in plan.running if p.seq_id in step.sampling]
         if plan.sampling_seq_ids:
@@ -805,7 +857,8 @@ class Scheduler:
 
     @property
     def num_running_requests(self) -> int:
-        return len(self._running)
+        """Running requests, and those about to run once their prefix is loaded (LOADING)."""
+        return len(self._running) + len(self._loading)
 
     @property
     def num_queued_requests(self) -> int:
@@ -866,3 +919,7 @@ class Scheduler:
     @property
     def swapped(self) -> tuple[Request, ...]:
         return tuple(self._swapped)
+
+    @property
+    def loading(self) -> tuple[Request, ...]:
+        return tuple(self._loading)

@@ -121,6 +121,8 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
         removed_seq_ids=plan.removed_seq_ids,
         swap_out=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.swap_out],
         swap_in=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.swap_in],
+        offload=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.offload],
+        load=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.load],
         new_requests=[new_request(r) for r in plan.new_requests],
     )
     if plan.masked_seq_ids:  # structured outputs: one packed row per constrained sampling request
@@ -143,10 +145,13 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
     return message
 
 
+_ADMITTED = (RequestStatus.LOADING, RequestStatus.RUNNING, RequestStatus.SWAPPED)
+
+
 def resumed_request(old: Request) -> Request:
     """A fresh core's copy of `old` (whose executor was lost): the same prompt, the outputs accepted
     so far as known tokens to recompute, and the prefix-cache figure of its first admission."""
-    admitted = old.num_preemptions > 0 or old.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED)
+    admitted = old.num_preemptions > 0 or old.status in _ADMITTED
     return Request(
         seq_id=old.seq_id,
         prompt_token_ids=old.prompt_token_ids,

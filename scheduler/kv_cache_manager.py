@@ -29,13 +29,19 @@ group, which is what the next query reads: the hit is the longest L every group 
 vLLM's hybrid KV-cache manager does). Out-of-window blocks a sliding group released stay in the
 prefix cache's LRU, so a later request with the same prefix can still find them.
 
-CPU tier (`--kv-offloading-size`, scheduler.kv_tier): when the GPU pool evicts a cached block the
-tier does not hold, the block's KV is copied to a host block first (a `swap_out` move of the plan
-that reuses the GPU block, which the executor runs before anything writes it); a prefix the GPU
-pool misses but the tier holds is loaded back (`swap_in` moves into fresh GPU blocks, registered in
-the GPU prefix cache at once, since the executor loads them before the step reads them) instead of
-computed again. Hits are found in one pass over the chain, the GPU pool first, then the tier, with
-the same rules per group (`CpuBlock` marks a tier hit in a `PrefixHit`).
+CPU tier (`--kv-offloading-size`, scheduler.kv_tier): cached free blocks are copied to the tier
+ahead of their eviction (`offload_ahead`: those among the next blocks the pool hands out, as `offload`
+moves the executor runs on a copy stream beside the step's forward; the next step, the first that
+may reuse them, waits for the copies), so an eviction usually finds its block in the tier already
+and costs nothing. When the pool evicts a cached block the tier does not hold yet, its KV is copied
+to a host block first (a `swap_out` move of the plan that reuses the GPU block, which the executor
+runs before anything writes it, inside the step); a prefix the GPU
+pool misses but the tier holds is loaded back (`load` moves into fresh GPU blocks, registered in
+the GPU prefix cache at once) instead of computed again. The executor runs loads on a copy stream
+beside the step's forward, so no request of the plan that loads a block may read it: the scheduler
+starts a request whose hit has such a block in the next plan (`waits_for_loads`). Hits are found in
+one pass over the chain, the GPU pool first, then the tier, with the same rules per group
+(`CpuBlock` marks a tier hit in a `PrefixHit`).
 """
 
 from __future__ import annotations
@@ -159,7 +165,9 @@ class KVCacheManager:
         self.block_pool.record_evictions = self.tier is not None
         self._offloads: list[tuple[int, int]] = []  # (gpu block, host block)
         self._loads: list[tuple[int, int]] = []  # (host block, gpu block)
+        self._loading_block_ids: set[int] = set()  # the GPU blocks of `_loads`
         self._host_blocks_busy: set[int] = set()
+        self._offloads_ahead: list[tuple[int, int]] = []  # (gpu block, host block), beside the forward
         self.num_offloaded_blocks = 0  # counters: GPU -> host and host -> GPU over the manager's life
         self.num_loaded_blocks = 0
 
@@ -405,6 +413,7 @@ class KVCacheManager:
                 self.tier.touch((group, block_hash))
                 self.block_pool.cache_block(block, block_hash, group)
                 self._loads.append((entry.slot, block.block_id))
+                self._loading_block_ids.add(block.block_id)
                 self.num_loaded_blocks += 1
                 entry = block
             blocks.append(entry)
@@ -453,11 +462,44 @@ class KVCacheManager:
                 self._cpu_free.append(slot)
         return [self._cpu_free.pop() for _ in range(count)]
 
+    def offload_ahead(self, num_blocks: int) -> None:
+        """Plans the copy to the CPU tier of the cached blocks among the next `num_blocks` the pool
+        will hand out that the tier does not hold yet (see the module doc); called once a plan's
+        allocations are done, so that the plan itself reuses none of them. A free block's KV is
+        final: the copy reads what the steps already launched wrote."""
+        if self.tier is None or not num_blocks:
+            return
+        tier = self.tier
+        for block in self.block_pool.cached_free_blocks_ahead(num_blocks):
+            key = (block.group, block.block_hash)
+            if key in tier:
+                continue
+            slot = self._host_block_for_tier()
+            if slot is None:
+                return  # every host block is busy this step
+            tier.insert(key, slot)  # type: ignore[arg-type]  # (cached: it has a hash)
+            self._offloads_ahead.append((block.block_id, slot))
+            self._host_blocks_busy.add(slot)
+            self.num_offloaded_blocks += 1
+
+    def take_offloads_ahead(self) -> list[tuple[int, int]]:
+        """The `offload_ahead` copies of the plan being built: (GPU block, host block)."""
+        moves, self._offloads_ahead = self._offloads_ahead, []
+        return moves
+
     def take_tier_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The CPU tier's moves of the plan being built: (GPU -> host offloads, host -> GPU loads)."""
+        """The CPU tier's moves of the plan being built: (offloads of blocks the plan reuses, GPU ->
+        host; loads, host -> GPU)."""
         moves = self._offloads, self._loads
         self._offloads, self._loads = [], []
+        self._loading_block_ids.clear()
         return moves
+
+    def waits_for_loads(self, hit: PrefixHit) -> bool:
+        """Whether a request admitted on `hit` in the plan being built must wait for the plan's
+        loads (the executor runs them beside the plan's forward): it loads blocks from the CPU tier,
+        or shares a GPU block another request of the plan loads."""
+        return hit.num_cpu_blocks > 0 or any(b.block_id in self._loading_block_ids for b in hit.blocks)
 
     def _release_out_of_window(self, request: Request, tables: list[_Table]) -> None:
         """Releases each sliding group's blocks before the first one a query at the request's next

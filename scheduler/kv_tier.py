@@ -5,9 +5,11 @@ The tier is an index: which host block holds which cached block. The host blocks
 the executor's CPU pool, whose block ids the KV-cache manager hands out from one free list to both
 users, swapped-out requests and this tier, so the two can never over-commit host memory; a swap-out
 that finds no free host block takes the tier's least recently used ones (a pre-empted request's KV
-matters more than a cached prefix). Moves between the pools travel as the plan's `swap_out`
-(GPU -> host, on eviction) and `swap_in` (host -> GPU, on a hit) block moves, which the executor
-already performs in order, on its stream, before the step's forward pass reads anything.
+matters more than a cached prefix). Moves between the pools travel as the plan's `offload`
+(GPU -> host, ahead of eviction) and `load` (host -> GPU, on a hit) block moves, which the executor
+runs on a copy stream beside the step's forward (the scheduler plans them so that this step
+touches none of their blocks: scheduler.core), or as `swap_out` for a block evicted and reused in
+the same step (copied inside it, before its forward).
 """
 
 from __future__ import annotations

@@ -14,9 +14,12 @@ SeqId = NewType("SeqId", int)
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is. Only RUNNING requests hold GPU blocks; SWAPPED ones hold CPU blocks."""
+    """Where a request is. RUNNING and LOADING requests hold GPU blocks; SWAPPED ones hold CPU
+    blocks. A LOADING request is admitted on a prefix the CPU tier holds: the plan that admitted it
+    loads those blocks, and its tokens are scheduled from the next plan on (scheduler.core)."""
 
     WAITING = enum.auto()
+    LOADING = enum.auto()
     RUNNING = enum.auto()
     SWAPPED = enum.auto()
     FINISHED = enum.auto()

@@ -91,6 +91,19 @@ def test_uncached_blocks_are_reused_before_cached_ones_and_cached_ones_lru() -> 
     assert pool.num_cached_blocks == 2
 
 
+def test_cached_free_blocks_ahead_are_the_cached_ones_allocate_would_evict_next() -> None:
+    """What the CPU tier offloads ahead of eviction: the cached blocks among the next n handed out."""
+    pool = BlockPool(6)
+    blocks = pool.allocate(6)
+    for i in range(3):
+        pool.cache_block(blocks[i], hash_block_tokens(None, [i]))
+    pool.free([blocks[1], blocks[0], blocks[2], blocks[3], blocks[4]])  # queue: 4, 3, 1, 0, 2
+    assert ids(pool.cached_free_blocks_ahead(2)) == []  # two uncached blocks come first
+    assert ids(pool.cached_free_blocks_ahead(4)) == [1, 0]
+    assert ids(pool.cached_free_blocks_ahead(10)) == [1, 0, 2]
+    assert ids(pool.cached_free_blocks_ahead(4)) == ids(b for b in pool.allocate(4) if b.block_id < 3)
+
+
 def test_touch_revives_a_cached_free_block_and_ref_counts_sharing() -> None:
     pool = BlockPool(3)
     (b0,) = pool.allocate(1)

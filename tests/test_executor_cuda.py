@@ -159,3 +159,48 @@ def test_swap_steps_never_wait_and_keep_greedy_exact(model_dir):
     expected = _hf_greedy(model_dir, "cuda")
     for seq_id in PROMPTS:
         assert sched.seqs[seq_id].generated[:MAX_NEW] == expected[seq_id], seq_id
+
+
+def test_tier_copies_on_the_copy_stream_are_bit_identical(model_dir):
+    """The CPU tier's offload / load moves on the copy stream, beside another request's forward:
+    the loaded blocks are the computed ones, bit for bit (tests.test_kv_tier.round_trip)."""
+    from tests.test_kv_tier import round_trip
+
+    config = ExecutorConfig(
+        model=str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=16, swap_space=0.0,
+        kv_offloading_size=0.001, max_model_len=128, enforce_eager=True,
+    )  # fmt: skip
+    round_trip(ModelRunner.create(config), beside=True)
+
+
+def test_tier_loads_and_offloads_beside_the_steps_keep_greedy_exact(model_dir):
+    """Multi-turn prompts whose histories exceed the GPU pool: with the tier (loads a plan before
+    the prefill, offloads ahead of eviction, both on the copy stream) the greedy tokens equal the
+    run without it, and the tier serves a part of the prompts."""
+    from pagedserve import LLM, SamplingParams
+
+    histories = {i: _prompt(48, seed=10 + i) for i in range(6)}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def turns(tier_gib: float) -> tuple[list[list[int]], int]:
+        llm = LLM(
+            str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=24,
+            max_model_len=256, max_num_seqs=4, kv_offloading_size=tier_gib,
+        )  # fmt: skip
+        tokens, cached, history = [], 0, dict(histories)
+        try:
+            for turn in range(3):
+                prompts = [{"prompt_token_ids": history[i]} for i in sorted(history)]
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                for i, out in zip(sorted(history), outputs, strict=True):
+                    tokens.append(out.outputs[0].token_ids)
+                    cached += out.num_cached_tokens or 0
+                    history[i] = history[i] + out.outputs[0].token_ids + _prompt(16, seed=100 * turn + i)
+        finally:
+            llm.shutdown()
+        return tokens, cached
+
+    without, cached_without = turns(0.0)
+    with_tier, cached_with = turns(0.01)
+    assert with_tier == without
+    assert cached_with > cached_without

@@ -12,10 +12,10 @@ from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.runner import ModelRunner
 from pagedserve.protos import executor_pb2
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.core import Scheduler
+from pagedserve.scheduler.core import Scheduler, StepPlan
 from pagedserve.scheduler.kv_cache_manager import CpuBlock, KVCacheManager
 from pagedserve.scheduler.kv_tier import CpuTier
-from pagedserve.scheduler.request import Request, SamplingOptions, SeqId
+from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 
 BS = 4
 
@@ -114,32 +114,120 @@ def test_a_tier_of_size_zero_or_without_prefix_caching_is_no_tier():
         SchedulerConfig(num_gpu_blocks=8, max_model_len=16, num_cpu_blocks=1, num_cpu_offload_blocks=2)
 
 
-def test_the_scheduler_plans_tier_moves_as_swap_moves_and_counts_cpu_hits():
-    config = SchedulerConfig(
-        block_size=BS, num_gpu_blocks=6, num_cpu_blocks=8, num_cpu_offload_blocks=8, max_model_len=24
+def _scheduler(num_gpu_blocks: int = 6, num_cpu_blocks: int = 8, **kwargs) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            block_size=BS,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            num_cpu_offload_blocks=num_cpu_blocks,
+            max_model_len=24,
+            **kwargs,
+        )  # fmt: skip
     )
-    s = Scheduler(config)
 
-    def run_to_end(seq_id: int, prompt: list[int]):
-        request = _request(seq_id, prompt)
-        request.max_tokens = 1
-        s.add_request(request)
-        plan = s.schedule()
-        s.process_output(plan.step_id, plan.sampling_seq_ids, [7] * len(plan.sampling_seq_ids))
-        s.schedule()  # flushes the removal
-        return request, plan
 
-    first, _ = run_to_end(1, list(range(100, 117)))
-    _, evicting = run_to_end(2, list(range(200, 221)))
-    assert evicting.swap_out and all(cpu < 8 for _, cpu in evicting.swap_out)
-    again, loading = run_to_end(3, list(range(100, 117)))
-    assert loading.swap_in and again.num_cached_prompt_tokens == 16
-    assert again.num_cpu_cached_prompt_tokens > 0
+def _run_to_end(s: Scheduler, seq_id: int, prompt: list[int]) -> tuple[Request, list[StepPlan]]:
+    """Runs one request (max_tokens 1) to its end and one plan more (the removal); its plans."""
+    request = _request(seq_id, prompt)
+    request.max_tokens = 1
+    s.add_request(request)
+    plans = []
+    while s.get_request(request.seq_id) is not None:
+        plans.append(s.schedule())
+        s.process_output(plans[-1].step_id, plans[-1].sampling_seq_ids, [7] * len(plans[-1].sampling_seq_ids))
+    plans.append(s.schedule())
+    return request, plans
+
+
+def test_the_scheduler_offloads_evictions_and_loads_hits_a_plan_before_the_prefill():
+    """Cached free blocks are offloaded ahead of their eviction (`offload`, beside a step's
+    forward), so the plan that reuses them copies nothing in its step. A tier hit is loaded by the
+    plan that admits it (`load`, beside that step's forward), and its tokens are scheduled from the
+    next plan on, on top of the loaded blocks."""
+    s = _scheduler()
+    _, first = _run_to_end(s, 1, list(range(100, 117)))
+    assert sorted(gpu for gpu, _ in first[-1].offload) == [0, 1, 2, 3], "its 4 full blocks, once free"
+    assert all(not plan.swap_out for plan in first)
+    _, evicting = _run_to_end(s, 2, list(range(200, 221)))
+    assert not evicting[0].swap_out and not evicting[0].offload, "its blocks were in the tier already"
+    again = _request(3, list(range(100, 117)))
+    again.max_tokens = 1
+    s.add_request(again)
+    loading = s.schedule()
+    assert again.status is RequestStatus.LOADING and s.loading == (again,)
+    assert loading.load and not loading.new_requests and loading.num_scheduled_tokens == 0
+    assert not loading.is_empty, "a plan of loads alone is sent"
+    kv = s.kv_cache_manager
+    gpu_ids = kv.block_ids(again.seq_id)
+    hit = again.num_cached_prompt_tokens  # (the tier's LRU let the oldest block go: 8 host blocks)
+    assert hit >= 12 and again.num_computed_tokens == hit and s.num_running_requests == 1
+    assert {gpu for _, gpu in loading.load} <= set(gpu_ids[: hit // BS]) and len(gpu_ids) == 5
+    assert len(loading.load) * BS == again.num_cpu_cached_prompt_tokens > 0
+    prefill = s.schedule()
+    assert [r.seq_id for r in prefill.new_requests] == [again.seq_id] and not prefill.load
+    (new,) = prefill.new_requests
+    assert new.num_computed_tokens == hit and new.num_new_tokens == 17 - hit
+    assert new.block_tables == [(0, gpu_ids)] and prefill.sampling_seq_ids == [again.seq_id]
+    assert again.status is RequestStatus.RUNNING
     stats = s.stats
-    assert stats.kv_offloaded_blocks >= len(evicting.swap_out)
-    assert stats.kv_loaded_blocks == len(loading.swap_in)
+    assert stats.kv_loaded_blocks == len(loading.load)
     assert stats.cpu_prefix_cache_hit_tokens == again.num_cpu_cached_prompt_tokens
     assert stats.cpu_tier_capacity_blocks == 8 and 0 < stats.cpu_tier_blocks <= 8
+
+
+def _evict_to_tier(s: Scheduler, prompt: list[int]) -> None:
+    """Computes `prompt`, then fills the GPU pool with another request, so that `prompt`'s blocks
+    are only in the CPU tier."""
+    _run_to_end(s, 90, prompt)
+    probe = _request(0, prompt)
+    for filler in range(91, 99):
+        if s.kv_cache_manager.get_computed_blocks(probe).num_cpu_blocks == len(prompt) // BS:
+            return
+        _run_to_end(s, filler, list(range(100 * filler, 100 * filler + 21)))
+    raise AssertionError("the prompt's blocks never left the GPU pool")
+
+
+def test_requests_behind_a_tier_hit_start_in_the_same_plan_and_a_twin_waits_for_the_load():
+    """Admission is FCFS, and a load delays nobody behind it: the plan that loads A's prefix also
+    starts B (a miss) at once; C, whose GPU hit is the blocks A's load writes, waits like A."""
+    s = _scheduler(num_gpu_blocks=12, num_cpu_blocks=64, max_num_batched_tokens=32)
+    prefix = list(range(100, 117))
+    _evict_to_tier(s, prefix)
+    a, b, c = _request(1, prefix), _request(2, list(range(300, 306))), _request(3, prefix + [5])
+    for request in (a, b, c):
+        s.add_request(request)
+    first = s.schedule()
+    assert [r.seq_id for r in first.new_requests] == [b.seq_id]
+    assert len(first.load) == 4 and s.loading == (a, c)
+    assert c.num_computed_tokens == 16 and c.num_cpu_cached_prompt_tokens == 0, "a GPU hit"
+    s.process_output(first.step_id, first.sampling_seq_ids, [7] * len(first.sampling_seq_ids))
+    second = s.schedule()
+    assert [r.seq_id for r in second.new_requests] == [a.seq_id, c.seq_id] and not second.load
+    assert [r.seq_id for r in second.running] == [b.seq_id]
+    assert s.loading == ()
+
+
+def test_a_request_cancelled_while_loading_frees_its_blocks_and_the_load_stays_cached():
+    s = _scheduler(num_cpu_blocks=64)
+    prefix = list(range(100, 117))
+    _evict_to_tier(s, prefix)
+    kv = s.kv_cache_manager
+    request = _request(1, prefix)
+    s.add_request(request)
+    loading = s.schedule()
+    assert request.status is RequestStatus.LOADING and kv.block_pool.num_blocks_in_use == 5
+    s.abort_request(request.seq_id)
+    assert request.status is RequestStatus.FINISHED and s.loading == () and not s.has_unfinished_requests()
+    assert kv.block_pool.num_blocks_in_use == 0 and kv.num_blocks(request.seq_id) == 0
+    after = s.schedule()
+    assert after.removed_seq_ids == [], "the executor never held it"
+    assert s.stats.num_running == 0
+    # The loaded blocks stay in the GPU prefix cache (the executor's next step waits for the load).
+    twin = _request(2, prefix)
+    assert kv.get_computed_blocks(twin).num_tokens == 16
+    assert kv.get_computed_blocks(twin).num_cpu_blocks == 0
+    assert {gpu for _, gpu in loading.load} == {b.block_id for b in kv.get_computed_blocks(twin).blocks}
 
 
 @pytest.fixture(scope="module")
@@ -156,34 +244,49 @@ def runner(tiny_model_dir):
     )
 
 
-def test_a_block_loaded_from_the_tier_is_the_block_that_was_evicted(runner):
-    """Through the executor's own plan path: a prompt's KV, offloaded (swap_out) to a host block
-    and loaded (swap_in) into another GPU block, is bit for bit what was computed."""
+def round_trip(runner: ModelRunner, beside: bool) -> None:
+    """A prompt's KV offloaded to host blocks and loaded into other GPU blocks, while another
+    request computes in the same steps (on CUDA the copy stream runs beside its forward), is bit
+    for bit what was computed; the neighbour's next step reads it in place."""
     assert (
         runner.num_cpu_offload_blocks > 0 and runner.kv_cache.num_cpu_blocks == runner.num_cpu_offload_blocks
     )
     runner.reset()
     prompt = list(range(5, 37))  # two full blocks of 16
-    table = executor_pb2.BlockTable(block_ids=[3, 4, 5])
-    runner.execute(executor_pb2.StepPlan(new_requests=[
-        executor_pb2.NewRequest(seq_id=1, token_ids=prompt, num_new_tokens=len(prompt), block_tables=[table])
-    ]))  # fmt: skip
+
+    def new(seq_id: int, blocks: list[int]) -> executor_pb2.NewRequest:
+        table = executor_pb2.BlockTable(block_ids=blocks)
+        return executor_pb2.NewRequest(
+            seq_id=seq_id, token_ids=prompt, num_new_tokens=32, block_tables=[table]
+        )
+
+    runner.execute(executor_pb2.StepPlan(new_requests=[new(1, [3, 4, 5])]))
     pool = runner.kv_cache.device_pool
     computed = pool[:, :, [3, 4]].clone()
+    out = [executor_pb2.BlockMove(src=3, dst=0), executor_pb2.BlockMove(src=4, dst=1)]
+    back = [executor_pb2.BlockMove(src=0, dst=9), executor_pb2.BlockMove(src=1, dst=11)]
+    before = runner.stats.swap_out_blocks, runner.stats.swap_in_blocks
+    neighbour = new(2, [6, 7, 8])
     runner.execute(
         executor_pb2.StepPlan(
-            removed_seq_ids=[1],
-            swap_out=[executor_pb2.BlockMove(src=3, dst=0), executor_pb2.BlockMove(src=4, dst=1)],
+            removed_seq_ids=[1], new_requests=[neighbour], **{"offload" if beside else "swap_out": out}
         )
     )
-    pool[:, :, [3, 4]] = torch.nan  # the GPU blocks are reused
-    runner.execute(
-        executor_pb2.StepPlan(
-            swap_in=[executor_pb2.BlockMove(src=0, dst=9), executor_pb2.BlockMove(src=1, dst=11)]
-        )
-    )
+    pool[:, :, [3, 4]] = float("nan")  # the GPU blocks are reused
+    decode = executor_pb2.RunningRequest(seq_id=2, num_new_tokens=1)
+    runner.execute(executor_pb2.StepPlan(running=[decode], **{"load" if beside else "swap_in": back}))
+    runner.execute(executor_pb2.StepPlan(running=[decode]))  # (the step after: it waits for the copies)
     loaded = pool[:, :, [9, 11]]
     assert torch.equal(loaded.view(torch.uint8), computed.view(torch.uint8))
+    assert torch.equal(pool[:, :, [6, 7]].view(torch.uint8), computed.view(torch.uint8)), "same prompt"
+    assert (runner.stats.swap_out_blocks, runner.stats.swap_in_blocks) == (before[0] + 2, before[1] + 2)
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["in-step swaps", "copy stream"])
+def test_a_block_loaded_from_the_tier_is_the_block_that_was_evicted(runner, beside: bool):
+    """Through the executor's own plan path, whether the moves run in the step (swap_out /
+    swap_in) or beside it (offload / load: the CPU tier's copy stream); CUDA: test_executor_cuda."""
+    round_trip(runner, beside)
 
 
 def test_an_executor_refuses_a_host_pool_the_machine_cannot_hold(tiny_model_dir):

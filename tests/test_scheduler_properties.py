@@ -3,8 +3,10 @@ preemptions against a fake executor that stores each token id in its KV slot, fo
 full-attention KV-cache group and of several groups with sliding windows (whose blocks the scheduler
 releases once no query can see them).
 
-The fake executor applies plans exactly as the protocol says (swap_out, removed, swap_in, then the
-forward pass: every scheduled token's KV written before any is read, then sampling) and checks that
+The fake executor applies plans exactly as the protocol says (swap_out, removed, swap_in, the CPU
+tier's offload and load, then the forward pass: every scheduled token's KV written before any is
+read, then sampling; the tier's copies run beside the forward on a copy stream, so the forward
+must neither write an offloaded block nor read or write a loaded one) and checks that
 every token it is asked to compute has a slot, that a write into a block another live sequence holds
 puts there the very token that sequence has at that position (a request admitted in the step that
 computes a shared prefix reads it, as in the real executor), and that every position a query of
@@ -115,6 +117,14 @@ class FakeExecutor:
             assert 0 <= dst < num_gpu, (src, dst)
             assert held[dst] == 0, f"swap_in overwrites block {dst} held by a live sequence"
             self.gpu[dst] = list(self.cpu[src])
+        for src, dst in plan.offload:  # the copy stream, behind the swaps above
+            assert 0 <= src < num_gpu and 0 <= dst < num_cpu, (src, dst)
+            self.cpu[dst] = list(self.gpu[src])
+        for src, dst in plan.load:
+            assert 0 <= src < num_cpu and 0 <= dst < num_gpu, (src, dst)
+            assert held[dst] == 0, f"a load overwrites block {dst} held by a live sequence"
+            self.gpu[dst] = list(self.cpu[src])
+        beside = {src for src, _ in plan.offload} | {dst for _, dst in plan.load}  # not this forward's
 
         scheduled: list[tuple[int, _Seq, int]] = []
         drafts: dict[int, list[int]] = {}  # speculative decoding: each verified request's proposals
@@ -167,6 +177,7 @@ class FakeExecutor:
                 for p in range(seq.computed, end):
                     block = table[p // self.block_size]
                     assert block is not None, f"seq {seq_id} group {group}: no block for new position {p}"
+                    assert block not in beside, f"seq {seq_id} writes block {block} a copy of this step moves"
                     for other, other_group in holders[block]:  # a shared block gets only its own tokens
                         assert other_group == group, f"block {block} shared by two groups"
                         q = other.tables[group].index(block) * self.block_size + p % self.block_size
@@ -174,8 +185,11 @@ class FakeExecutor:
                             f"seq {seq_id} writes into block {block} a token another sequence does not have"
                         )
                     self.gpu[block][p % self.block_size] = tokens[p]
+        loaded = {dst for _, dst in plan.load}
         for seq_id, seq, num_new in scheduled:  # attention of this step's queries
             tokens = seq.tokens + drafts.get(seq_id, [])
+            read = {b for t in seq.tables for b in t if b is not None}
+            assert not read & loaded, f"seq {seq_id} reads a block this step loads beside its forward"
             self.check_visible(seq_id, seq, seq.computed, seq.computed + num_new, tokens)
         for seq_id, seq, num_new in scheduled:
             self.prompt_tokens_computed += max(0, min(self.prompt_lens[seq_id] - seq.computed, num_new))
@@ -329,7 +343,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def check_plan(self, plan: StepPlan) -> None:
         config = self.config
         assert plan.num_scheduled_tokens <= config.max_num_batched_tokens
-        assert len(self.scheduler.running) <= config.max_num_seqs
+        assert len(self.scheduler.running) + len(self.scheduler.loading) <= config.max_num_seqs
         scheduled = [p.seq_id for p in (*plan.new_requests, *plan.running)]
         assert len(set(scheduled)) == len(scheduled)
         assert not set(plan.removed_seq_ids) & set(scheduled), (
@@ -360,6 +374,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         free = pool.free_queue()
         free_ids = {b.block_id for b in free}
         holders: Counter[int] = Counter()
+        for request in s.loading:  # admitted on a tier hit: its blocks (loaded, and its first chunk's)
+            assert request.status is RequestStatus.LOADING
+            assert request.num_pending_outputs == 0 and request.seq_id not in self.executor.seqs
+            for group in range(kv.num_groups):
+                holders.update(b.block_id for b in kv.blocks(request.seq_id, group) if b is not None)
         for request in s.running:
             for group, window in enumerate(self.config.sliding_windows):
                 table = kv.blocks(request.seq_id, group)
@@ -421,7 +440,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert block_hash in self.known_hashes
             assert self.executor.cpu[slot] == self.known_hashes[block_hash]
         live = [r for r in self.requests.values() if r.status is not RequestStatus.FINISHED]
-        assert len(live) == len(s.waiting) + len(s.running) + len(s.swapped)
+        assert len(live) == len(s.waiting) + len(s.loading) + len(s.running) + len(s.swapped)
         assert s.has_unfinished_requests() == bool(live)
         stats = s.stats
         assert stats.gpu_blocks_in_use == pool.num_blocks_in_use <= stats.peak_gpu_blocks_in_use
