@@ -392,17 +392,21 @@ def test_metrics_expose_vllms_spec_decode_counters():
 BLOCK = 16
 
 
-def _verify_through(runner, hf_model, drafts_for, num_steps: int, d: int = 3) -> tuple[dict, int]:
+def _verify_through(
+    runner, hf_model, drafts_for, num_steps: int, d: int | dict[int, int] = 3, sampling=None
+) -> tuple[dict, int]:
     """Drives a runner by hand: two prompts, then steps that each verify `d` proposals per request
-    (`drafts_for(seq_id, tokens so far)`: their ids, or None for a draft model's), trimming and
-    growing the tables as the protocol says. Returns each request's outputs and how many tokens
-    the verifications accepted."""
+    (or d[seq_id]; `drafts_for(seq_id, tokens so far)`: their ids, or None for a draft model's),
+    trimming and growing the tables as the protocol says. Greedy (unless `sampling`, a
+    pb.Sampling): the outputs must equal Hugging Face's. Returns each request's outputs and how
+    many tokens the verifications accepted."""
     from pagedserve.protos import executor_pb2 as pb
 
     runner.reset()
     prompts = {1: list(range(30, 47)), 2: [5, 6, 7, 5, 6]}
     blocks = {1: list(range(1, 9)), 2: list(range(9, 17))}
-    greedy = pb.Sampling(temperature=0)
+    drafts = d if isinstance(d, dict) else dict.fromkeys(prompts, d)
+    greedy = sampling or pb.Sampling(temperature=0)
     plan = pb.StepPlan(step_id=0)
     for seq_id, prompt in prompts.items():
         first = blocks[seq_id][: -(-len(prompt) // BLOCK)]
@@ -419,9 +423,9 @@ def _verify_through(runner, hf_model, drafts_for, num_steps: int, d: int = 3) ->
     for step in range(1, num_steps):
         plan = pb.StepPlan(step_id=step)
         for seq_id in prompts:
-            computed = len(tokens[seq_id]) - 1
-            need = -(-(computed + 1 + d) // BLOCK)
-            running = plan.running.add(seq_id=seq_id, num_new_tokens=1 + d, num_draft_tokens=d)
+            computed, n = len(tokens[seq_id]) - 1, drafts[seq_id]
+            need = -(-(computed + 1 + n) // BLOCK)
+            running = plan.running.add(seq_id=seq_id, num_new_tokens=1 + n, num_draft_tokens=n)
             if need > ends[seq_id]:
                 running.new_blocks.add(
                     first_index=ends[seq_id], block_ids=blocks[seq_id][ends[seq_id] : need]
@@ -438,13 +442,16 @@ def _verify_through(runner, hf_model, drafts_for, num_steps: int, d: int = 3) ->
             ends[seq_id] = -(-(len(tokens[seq_id]) - 1) // BLOCK)  # trimmed to the last computed token
     outputs = {s: tokens[s][len(prompts[s]) :] for s in prompts}
     for seq_id, prompt in prompts.items():
-        assert outputs[seq_id] == hf_greedy(hf_model, prompt, len(outputs[seq_id])), seq_id
+        if sampling is None:
+            assert outputs[seq_id] == hf_greedy(hf_model, prompt, len(outputs[seq_id])), seq_id
     return outputs, accepted
 
 
-def _through_graph_layouts(runner, monkeypatch) -> list | None:
+def _through_graph_layouts(runner, monkeypatch, proposal_graphs: bool = False) -> list | None:
     """The runner's steps computed as their CUDA graphs would compute them (padded static inputs,
-    no capture: the CPU can run it); with a draft model, its passes too (returns their calls)."""
+    no capture: the CPU can run it); with a draft model, its passes too (returns the names of the
+    draft graphs' calls: `run`, `run_next`, `propose`), with `proposal_graphs` its greedy proposal
+    graphs of 3 passes for up to 4 sequences."""
     from pagedserve.executor.cuda_graphs import StepGraphs
 
     graphs = StepGraphs(runner.model, runner._layer_caches, runner.slots, [1, 2, 4], [32, 64])
@@ -452,10 +459,14 @@ def _through_graph_layouts(runner, monkeypatch) -> list | None:
     monkeypatch.setattr(runner, "graphs", graphs)
     if runner.draft is not None:  # the draft's graphs: its passes over the step and its proposals
         draft_graphs = StepGraphs(runner.draft, runner._draft_caches, runner.slots, [1, 2, 4], [32, 64])
+        if proposal_graphs:
+            draft_graphs.prepare_proposals(3, 4)
         calls = []
-        monkeypatch.setattr(
-            draft_graphs, "run", lambda *a: calls.append(1) or draft_graphs.run_uncaptured(*a)
-        )
+        for name in ("run", "run_next", "propose"):
+            uncaptured = getattr(draft_graphs, f"{name}_uncaptured")
+            monkeypatch.setattr(
+                draft_graphs, name, lambda *a, _f=uncaptured, _n=name: calls.append(_n) or _f(*a)
+            )
         monkeypatch.setattr(runner, "draft_graphs", draft_graphs)
         return calls
     return None
@@ -507,18 +518,76 @@ def test_verification_steps_equal_hf_eagerly_and_in_graph_layouts(
     assert (ngram_runner.stats.graph_steps - before > 0) == graphs
 
 
-@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
 def test_draft_model_steps_equal_hf_eagerly_and_in_graph_layouts(draft_runner, hf_model, monkeypatch, graphs):
     """The executor's draft proposes (some right, some wrong): greedy outputs equal Hugging Face's,
-    its proposals reach the target's input rows in eager steps and in the graphs' layout."""
-    calls = _through_graph_layouts(draft_runner, monkeypatch) if graphs else None
+    its proposals reach the target's input rows in eager steps and in the graphs' layout: pass 0
+    staged from the host, the later passes derived on the device (a decode graph per pass, or the
+    three passes in one proposal graph)."""
+    calls = None
+    if graphs is not None:
+        calls = _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=graphs == "proposal")
     before = draft_runner.stats.graph_steps
     _, accepted = _verify_through(draft_runner, hf_model, lambda seq_id, tokens: None, num_steps=6)
     assert accepted > 0
-    assert (draft_runner.stats.graph_steps - before > 0) == graphs
-    if graphs:  # per step: the pass over its tokens and one per proposal (3)
-        assert len(calls) == 6 * 1 + 5 * 3
+    assert (draft_runner.stats.graph_steps - before > 0) == (graphs is not None)
+    if graphs == "per pass":  # per step: the pass over its tokens; per verification 1 + 2 passes
+        assert sorted(calls) == sorted(["run"] * (6 + 5) + ["run_next"] * 5 * 2)
+    if graphs == "proposal":  # per verification one proposal graph
+        assert sorted(calls) == sorted(["run"] * 6 + ["propose"] * 5)
     assert draft_runner.kv_cache.layout.layers_per_block == 4  # the target's 2 layers, the draft's 2
+
+
+@pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
+def test_draft_proposals_of_uneven_counts_equal_hf(draft_runner, hf_model, monkeypatch, graphs):
+    """Requests with 3 and 1 proposals in one step: the one with fewer sits out the later passes
+    (no KV written past its slots, its extra proposals ignored); greedy outputs equal HF's."""
+    if graphs is not None:
+        _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=graphs == "proposal")
+    _, accepted = _verify_through(draft_runner, hf_model, lambda *_: None, num_steps=6, d={1: 3, 2: 1})
+    assert accepted > 0
+
+
+def test_seeded_draft_sampling_is_the_same_eagerly_and_through_the_graphs(draft_runner, monkeypatch):
+    """Sampled proposals (top-k, seeded): the per-(seed, position) noise drawn for all passes at
+    once gives the same tokens in eager passes and through the decode graphs' device-side inputs."""
+    from pagedserve.protos import executor_pb2 as pb
+
+    sampling = pb.Sampling(temperature=0.8, top_k=40, has_seed=True, seed=11)
+    eager, _ = _verify_through(draft_runner, None, lambda *_: None, num_steps=5, sampling=sampling)
+    with monkeypatch.context() as m:
+        calls = _through_graph_layouts(draft_runner, m)
+        graphed, _ = _verify_through(draft_runner, None, lambda *_: None, num_steps=5, sampling=sampling)
+    assert "run_next" in calls and "propose" not in calls
+    assert graphed == eager
+
+
+def test_next_pass_inputs_equal_the_host_batch_of_that_pass():
+    """The device-derived inputs of proposal pass j are what `build_host_batch` builds for it; a
+    request past its last proposal (limit) and a padding row (limit -1) write no KV."""
+    from pagedserve.executor.step_inputs import RequestSlots, build_host_batch, next_pass_inputs
+
+    slots = RequestSlots(4, 8, torch.device("cpu"))
+    slots.set_blocks(0, 0, [5, 9, 2])
+    slots.set_blocks(2, 0, [7, 3, 11, 4])
+    slots.flush()
+    rows, base = np.array([0, 2, 4]), np.array([14, 30, 0])
+    limits = np.array([14 + 2, 30 + 0, -1])  # 3 and 1 proposals, a padding row
+    for j in range(1, 3):
+        got = next_pass_inputs(
+            torch.tensor(rows), torch.tensor(base), torch.tensor(limits), j, slots.table, BLOCK
+        )
+        active = base + j <= limits
+        want = build_host_batch(
+            rows=rows[active], starts=base[active] + j, q_lens=np.ones(active.sum(), dtype=np.int64),
+            samples=np.ones(active.sum(), dtype=bool), host_chunks=[np.zeros(1)] * active.sum(),
+            table=slots.table_host, block_size=BLOCK,
+        )  # fmt: skip
+        assert got.positions[active].tolist() == want.positions.tolist()
+        assert got.seq_lens[active].tolist() == want.seq_lens.tolist()
+        assert got.slot_mapping[0, active].tolist() == want.slot_mapping[0].tolist()
+        assert got.slot_mapping[0, ~active].tolist() == [-1] * (~active).sum()
+        assert got.positions[~active].tolist() == base[~active].tolist()
 
 
 def test_a_draft_of_another_kv_shape_is_refused(ngram_runner, tmp_path):
