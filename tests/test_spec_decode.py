@@ -650,3 +650,84 @@ def test_plan_counts_a_draft_models_weights_and_kv_layers(capsys):
     layers = sum(g["num_layers"] for g in alone["kv_groups"])
     assert with_draft["kv_bytes_per_block"] * layers == alone["kv_bytes_per_block"] * (layers + 2)
     assert with_draft["weight_bytes"] > alone["weight_bytes"]
+
+
+# ---- on CUDA: the captured proposal graphs against eager passes -----------------------------------
+
+
+def _cuda_draft_runner(model_dir, draft_dir, eager: bool):
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner
+
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    config = ExecutorConfig(
+        model=str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=64,
+        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, swap_space=0.002,
+        speculative_config=spec, enforce_eager=eager,
+    )  # fmt: skip
+    return ModelRunner.create(config)
+
+
+@pytest.fixture(scope="module")
+def cuda_draft_runners(tiny_model_dir, tmp_path_factory):
+    """(eager, graphs) draft-model runners on CUDA; the graphs one captured its proposal graphs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.services import perturbed_copy
+
+    draft = perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("d") / "draft", scale=0.15)
+    return _cuda_draft_runner(tiny_model_dir, draft, True), _cuda_draft_runner(tiny_model_dir, draft, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("d", [3, {1: 3, 2: 1}], ids=["three each", "uneven"])
+def test_cuda_proposal_graphs_equal_eager_and_hf(cuda_draft_runners, hf_model, monkeypatch, d):
+    """Greedy: the captured proposal graph (one replay per verification step) gives the outputs of
+    eager passes, which equal Hugging Face's; seeded sampling (decode graph replays per pass from
+    device-side inputs) gives the eager passes' tokens."""
+    from pagedserve.protos import executor_pb2 as pb
+
+    eager, graphs = cuda_draft_runners
+    assert graphs.draft_graphs is not None and graphs.draft_graphs.can_propose(2, 3)
+    calls = []
+    for name in ("propose", "run_next"):
+        real = getattr(graphs.draft_graphs, name)
+        counted = lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a)  # noqa: E731
+        monkeypatch.setattr(graphs.draft_graphs, name, counted)
+    none = lambda *_: None  # noqa: E731
+    want, _ = _verify_through(eager, hf_model, none, num_steps=8, d=d)
+    got, accepted = _verify_through(graphs, hf_model, none, num_steps=8, d=d)
+    assert got == want and accepted > 0
+    assert calls == ["propose"] * 7
+    sampling = pb.Sampling(temperature=0.8, top_k=40, has_seed=True, seed=11)
+    want, _ = _verify_through(eager, None, none, num_steps=6, d=d, sampling=sampling)
+    got, _ = _verify_through(graphs, None, none, num_steps=6, d=d, sampling=sampling)
+    assert got == want
+    assert calls.count("run_next") == 5 * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cuda_draft_verification_launch_never_waits_for_the_device(cuda_draft_runners, temperature):
+    """Launching a draft-model verification step (proposal passes, target forward, acceptance)
+    makes no synchronising call: torch raises on any."""
+    from pagedserve.protos import executor_pb2 as pb
+
+    _, runner = cuda_draft_runners
+    runner.reset()
+    sampling = pb.Sampling(temperature=temperature, has_seed=True, seed=3)
+    plan = pb.StepPlan(step_id=0)
+    plan.new_requests.add(
+        seq_id=1, token_ids=list(range(30, 47)), num_computed_tokens=0, num_new_tokens=17,
+        block_tables=[pb.BlockTable(first_index=0, block_ids=[1, 2])], sampling=sampling,
+    )  # fmt: skip
+    runner.execute(plan)
+    plan = pb.StepPlan(step_id=1)
+    plan.running.add(seq_id=1, num_new_tokens=4, num_draft_tokens=3)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = runner.launch(plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = runner.finish(pending)
+    assert 1 <= out.num_tokens[0] <= 4
