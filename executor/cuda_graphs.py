@@ -28,6 +28,12 @@ input), filled by one non-blocking copy per step. Padding cannot disturb anythin
   sampled;
 * logits rows past the sampled ones are never read.
 
+Speculative decoding's draft model runs k one-token passes per verification step, each from the
+previous one's proposal. Only pass 0 is staged from the host (`run`); a later pass rewrites its
+decode graph's per-token fields from device tensors (`run_next`, `step_inputs.next_pass_inputs`)
+and replays it again. For greedy requests the k passes, with their argmax, are also captured as one
+*proposal* graph per small decode size (`capture_proposals`, `propose`): one replay per step.
+
 The Triton kernels choose grids and splits from tensor *shapes* only, and a graph's block tables
 always have the full `max_blocks_per_seq` columns, so every launch parameter is fixed at capture.
 All graphs share one memory pool and are captured largest first, so the smaller ones reuse the
@@ -43,10 +49,15 @@ import structlog
 import torch
 
 from pagedserve.executor.model import AttentionMetadata, CausalLM
-from pagedserve.executor.step_inputs import HostBatch, RequestSlots
+from pagedserve.executor.step_inputs import DecodePassInputs, HostBatch, RequestSlots, next_pass_inputs
 from pagedserve.executor.transfer import aligned_length, pack_int64
 
 log = structlog.get_logger(__name__)
+
+# Proposal graphs are captured for decode sizes up to this many sequences: speculation pays at small
+# batches (W7 on the H200: 0.81x of no speculation at 16 requests before them), where the host cost
+# of k separate passes weighs most; larger batches replay one decode graph per pass.
+PROPOSAL_GRAPH_MAX_SEQS = 32
 
 _TOKEN_FIELDS = ("host_ids", "feed_slots", "positions", "slot_mapping")
 _SEQ_FIELDS = ("seq_lens", "rows", "cu_seqlens", "logits_indices", "sample_rows")
@@ -123,6 +134,13 @@ class StepGraphs:
         self._decode_cu_seqlens = torch.arange(self.max_decode + 1, dtype=torch.int32, device=device)
         self._decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Draft proposals (`capture_proposals`): each row's last proposal position (-1: padding),
+        # the proposals, and one graph per decode size of the k passes.
+        self._limits = torch.full((self.max_decode,), -1, dtype=torch.int64, device=device)
+        self._proposals = torch.zeros((self.max_decode, 0), dtype=torch.int64, device=device)
+        self._proposal_sizes: list[int] = []
+        self._proposal_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = None
         self.device_bytes = 0  # device memory the graphs, their pool and static buffers took
         self.capture_seconds = 0.0
 
@@ -213,7 +231,7 @@ class StepGraphs:
         """Captures every graph (largest first) and logs the time and device memory it took."""
         device = self._static.device
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._pool = torch.cuda.graph_pool_handle()
         todo = [(n, True, self._mixed_graphs) for n in reversed(self.mixed_sizes)]
         todo += [(n, False, self._decode_graphs) for n in reversed(self.decode_sizes)]
         for num_tokens, mixed, graphs in todo:
@@ -237,6 +255,122 @@ class StepGraphs:
             seconds=round(self.capture_seconds, 2),
             device_gib=round(self.device_bytes / 2**30, 3),
         )
+
+    @torch.inference_mode()
+    def capture_proposals(self, num_passes: int, max_size: int) -> None:
+        """Captures, for each decode size up to `max_size`, a draft model's `num_passes` greedy
+        proposal passes as one graph (after `capture`, in its memory pool)."""
+        device = self._static.device
+        start = time.perf_counter()
+        self.prepare_proposals(num_passes, max_size)
+        for size in reversed(self._proposal_sizes):
+            self._fill(None, size, False)
+            self._propose(size, num_passes)  # warm-up
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._propose(size, num_passes)
+            self._proposal_graphs[size] = graph
+        torch.cuda.synchronize(device)
+        log.info(
+            "executor.proposal_graphs",
+            sizes=sorted(self._proposal_graphs),
+            passes=num_passes,
+            seconds=round(time.perf_counter() - start, 2),
+        )
+
+    def prepare_proposals(self, num_passes: int, max_size: int) -> None:
+        """Sets proposal graphs' sizes and buffer up (`capture_proposals` captures them; tests run
+        `propose_uncaptured` after this alone)."""
+        self._proposal_sizes = [s for s in self.decode_sizes if s <= max_size]
+        device = self._static.device
+        self._proposals = torch.zeros((self.max_decode, num_passes), dtype=torch.int64, device=device)
+
+    def _propose(self, size: int, num_passes: int) -> None:
+        """The captured proposal work: pass 0 from the static inputs, then each later pass from
+        the previous one's argmax, its inputs derived on the device."""
+        rows = self._field("rows", size)
+        base = self._field("positions", size).clone()
+        limits = self._limits[:size]
+        block_size = self.kv_caches[0][0].shape[1]
+        for j in range(num_passes):
+            if j:
+                inputs = next_pass_inputs(rows, base, limits, j, self.slots.table, block_size)
+                self._set_pass_inputs(size, self._proposals[:size, j - 1], inputs)
+            self._forward(size, False)
+            self._proposals[:size, j] = self._logits[:size].argmax(dim=-1)
+
+    def can_propose(self, num_rows: int, num_passes: int) -> bool:
+        """Whether a proposal graph runs `num_passes` passes of `num_rows` sequences."""
+        return num_passes == self._proposals.shape[1] and self._decode_size(num_rows) in self._proposal_sizes
+
+    def propose(
+        self,
+        batch: HostBatch,
+        token_ids: tuple[torch.Tensor, torch.Tensor] | None,
+        limits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Replays the proposal graph for pass 0's `batch` (a decode batch; `token_ids` as in
+        `run`) and [S] `limits` (see `next_pass_inputs`): returns the greedy proposals [S, k]."""
+        size = self._start_proposals(batch, token_ids, limits)
+        self._proposal_graphs[size].replay()
+        return self._proposals[: batch.num_seqs]
+
+    @torch.inference_mode()
+    def propose_uncaptured(
+        self,
+        batch: HostBatch,
+        token_ids: tuple[torch.Tensor, torch.Tensor] | None,
+        limits: torch.Tensor,
+    ) -> torch.Tensor:
+        """Computes what `propose` replays, padding included, without a graph (tests on the CPU)."""
+        size = self._start_proposals(batch, token_ids, limits)
+        self._propose(size, self._proposals.shape[1])
+        return self._proposals[: batch.num_seqs]
+
+    def _start_proposals(
+        self, batch: HostBatch, token_ids: tuple[torch.Tensor, torch.Tensor] | None, limits: torch.Tensor
+    ) -> int:
+        size = self._decode_size(batch.num_seqs)
+        self._fill(batch, size, False)
+        self._set_token_ids(token_ids)
+        self._limits[: batch.num_seqs].copy_(limits)
+        self._limits[batch.num_seqs : size].fill_(-1)
+        return size
+
+    def run_next(self, ids: torch.Tensor, inputs: DecodePassInputs) -> torch.Tensor:
+        """Replays the decode graph of the previous `run` (a decode batch of S sequences) with its
+        rows' input ids, positions, slots and lengths taken from device tensors [S] (a draft
+        model's next proposal pass): nothing is staged from the host. Returns the logits [S, vocab]."""
+        size = self._set_pass_inputs(None, ids, inputs)
+        self._decode_graphs[size].replay()
+        return self._logits[: len(ids)]
+
+    @torch.inference_mode()
+    def run_next_uncaptured(self, ids: torch.Tensor, inputs: DecodePassInputs) -> torch.Tensor:
+        """Computes what `run_next` replays, without a graph (tests on the CPU)."""
+        size = self._set_pass_inputs(None, ids, inputs)
+        self._forward(size, False)
+        return self._logits[: len(ids)]
+
+    def _set_pass_inputs(self, size: int | None, ids: torch.Tensor, inputs: DecodePassInputs) -> int:
+        """Writes the first len(ids) rows' per-token inputs of the decode graph of `size` (None:
+        the smallest that holds them) into the static fields, on the device; returns the size."""
+        num = len(ids)
+        size = self._decode_size(num) if size is None else size
+        self._field("host_ids", num).copy_(ids)
+        self._field("feed_slots", num).fill_(-1)
+        self._field("positions", num).copy_(inputs.positions)
+        self._field("slot_mapping", num).copy_(inputs.slot_mapping)
+        self._field("seq_lens", num).copy_(inputs.seq_lens)
+        return size
+
+    def _decode_size(self, num_rows: int) -> int | None:
+        """The decode graph size that holds num_rows sequences (None: more than the largest)."""
+        return next((s for s in self.decode_sizes if s >= num_rows), None)
+
+    def can_run_decode(self, num_rows: int) -> bool:
+        return self._decode_size(num_rows) is not None
 
     def _plan(self, batch: HostBatch) -> tuple[int, bool] | None:
         """(padded token count, mixed) of the graph that runs `batch`, or None to run it eagerly."""

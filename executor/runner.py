@@ -33,7 +33,12 @@ import structlog
 import torch
 
 from pagedserve.executor.config import ExecutorConfig
-from pagedserve.executor.cuda_graphs import StepGraphs, decode_graph_sizes, mixed_graph_sizes
+from pagedserve.executor.cuda_graphs import (
+    PROPOSAL_GRAPH_MAX_SEQS,
+    StepGraphs,
+    decode_graph_sizes,
+    mixed_graph_sizes,
+)
 from pagedserve.executor.kv_cache import KVCache, KVCacheLayout, MemoryProfile, check_fits, size_pools
 from pagedserve.executor.loader import (
     ModelSpec,
@@ -42,7 +47,7 @@ from pagedserve.executor.loader import (
     load_model_spec,
     load_weights,
 )
-from pagedserve.executor.model import CausalLM
+from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.plan_check import PlanError, PlanLimits, mask_words, validate_masks, validate_plan
 from pagedserve.executor.profiling import measure_copy_bandwidth, memory_in_use, profile_cuda
 from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
@@ -56,6 +61,7 @@ from pagedserve.executor.sampler import (
 from pagedserve.executor.spec_decode import (
     VerifyLayout,
     draft_sampling_params,
+    probs_processing,
     processed_probs,
     verify_draft_model,
     verify_point_mass,
@@ -65,6 +71,7 @@ from pagedserve.executor.step_inputs import (
     RequestSlots,
     build_host_batch,
     build_step_inputs,
+    next_pass_inputs,
     stage_batch,
 )
 from pagedserve.executor.step_trace import StepRecord, StepTracer
@@ -215,6 +222,20 @@ class _DraftProposals:
     row_probs: torch.Tensor
     input_ids: torch.Tensor
     token_rows: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _DraftPasses:
+    """A step's draft proposal passes, for the device-side derivation of passes 1 .. width - 1
+    (`step_inputs.next_pass_inputs`): per verified request its slot, its last token's position
+    (pass 0's) and its last proposal's input position (limit), on the device; the passes; the
+    block table columns the last pass needs."""
+
+    rows: torch.Tensor
+    starts: torch.Tensor
+    limits: torch.Tensor
+    width: int
+    table_width: int
 
 
 @dataclass(slots=True)
@@ -447,6 +468,8 @@ class ModelRunner:
             assert config.speculative_config is not None and config.speculative_config.model is not None
             runner.draft_model_dir = config.speculative_config.model
             runner.num_speculative_tokens = config.speculative_config.num_speculative_tokens
+            if runner.draft_graphs is not None:
+                runner.draft_graphs.capture_proposals(runner.num_speculative_tokens, PROPOSAL_GRAPH_MAX_SEQS)
         runner.graph_reserve_bytes = graph_reserve
         runner.memory_profile = memory
         runner.copy_bytes_per_s = copy_bytes_per_s
@@ -875,7 +898,12 @@ class ModelRunner:
         from each one's last token (its KV is the draft's for every earlier token), each sampling
         the next proposal from the draft's processed distribution q (the request's temperature,
         top-k and top-p; greedy: its argmax) with its own per-(seed, position) noise. Called before
-        the target's forward, which then computes the proposals with the rest of the step."""
+        the target's forward, which then computes the proposals with the rest of the step.
+
+        Only pass 0 is built on the host; every later pass's inputs are derived on the device
+        (`step_inputs.next_pass_inputs`), so the passes queue back to back without host work
+        between them: one replay of a proposal graph for greedy requests, else one decode graph
+        replay per pass (or eager passes without graphs)."""
         assert self.draft is not None
         states = [s.state for s in verified]
         num = len(verified)
@@ -883,53 +911,104 @@ class ModelRunner:
         width = int(num_drafts.max())
         starts = np.array([st.num_computed for st in states], dtype=np.int64)  # the last token's position
         slots = np.array([st.slot for st in states], dtype=np.int64)
-        params = [st.sampling for st in states]
-        noise_params = draft_sampling_params(params)
-        vocab = self.spec.vocab_size
-        greedy = all(p.greedy for p in params)  # proposals are the draft's argmax; q is not needed
-        proposals = torch.zeros((num, width + 1), dtype=torch.int64, device=self.device)
-        probs = torch.zeros((num, 1 if greedy else width + 1, vocab), dtype=torch.float32, device=self.device)
-        empty = np.zeros(0, dtype=np.int64)
-        for j in range(width):
-            active = np.flatnonzero(num_drafts > j)
-            if j == 0:  # the last token: on the host if it was sent, else fed from last_token
-                chunks = [
-                    st.known_ids[st.num_computed : st.num_computed + 1]
-                    if st.num_computed < len(st.known_ids)
-                    else empty
-                    for st in states
-                ]
-            else:  # the previous proposal: a host placeholder, its id written on the device
-                chunks = [np.zeros(1, dtype=np.int64)] * len(active)
-            batch = build_host_batch(
-                rows=slots[active], starts=starts[active] + j, q_lens=np.ones(len(active), dtype=np.int64),
-                samples=np.ones(len(active), dtype=bool), host_chunks=chunks, table=self.slots.table_host,
-                block_size=self.block_size,
-            )  # fmt: skip
-            rows, batch_rows = int64_to_device([active, np.arange(len(active))], self.device)
-            token_ids = None if j == 0 else (batch_rows, proposals[rows, j - 1])
-            logits = self._draft_pass(batch, token_ids, logits=True)
-            if greedy:
-                proposals[rows, j] = logits.argmax(dim=-1)
-                continue
-            sub = [params[i] for i in active]
-            q = processed_probs(logits, sub)
-            positions = (starts[active] + j + 1).tolist()
-            noise = exponential_noise(q, [noise_params[i] for i in active], positions)
-            proposals[rows, j] = (q / noise).argmax(dim=-1)
-            probs[rows, j] = q
+        # The last token: on the host if it was sent, else fed from last_token.
+        chunks = [st.known_ids[st.num_computed : st.num_computed + 1] for st in states]
+        batch = build_host_batch(
+            rows=slots, starts=starts, q_lens=np.ones(num, dtype=np.int64), samples=np.ones(num, dtype=bool),
+            host_chunks=chunks, table=self.slots.table_host, block_size=self.block_size,
+        )  # fmt: skip
         # Per verification row (j = 0 .. d_i of request i): the proposal it checks and its q (the
         # last row's entries are ignored), and the batch rows of the proposals (input tokens).
         seq_index = np.repeat(np.arange(num), num_drafts + 1)
         j_index = np.concatenate([np.arange(d + 1) for d in num_drafts.tolist()])
-        seq_d, j_d = int64_to_device([seq_index, j_index], self.device)
         # Proposal j is the input token of verification row j + 1 (`spec_rows`: their batch rows).
         checked = np.flatnonzero(j_index < np.repeat(num_drafts, num_drafts + 1))
         token_rows = spec_rows[j_index >= 1]
-        checked_d, token_rows_d = int64_to_device([checked, token_rows], self.device)
+        rows_d, starts_d, limits_d, seq_d, j_d, checked_d, token_rows_d = int64_to_device(
+            [slots, starts, starts + num_drafts - 1, seq_index, j_index, checked, token_rows], self.device
+        )
+        passes = _DraftPasses(
+            rows_d, starts_d, limits_d, width, -(-int((starts + num_drafts).max()) // self.block_size)
+        )
+        params = [st.sampling for st in states]
+        vocab, device = self.spec.vocab_size, self.device
+        proposals = torch.zeros((num, width + 1), dtype=torch.int64, device=device)
+        if all(p.greedy for p in params):  # proposals are the draft's argmax; q is not needed
+            proposals[:, :width] = self._greedy_proposals(batch, passes)
+            row_probs = torch.zeros((1, 1), device=device).expand(len(seq_index), vocab)  # (unused)
+        else:
+            probs = torch.zeros((num, width + 1, vocab), dtype=torch.float32, device=device)
+            proposals[:, :width] = self._sampled_proposals(batch, passes, params, starts, probs)
+            row_probs = probs[seq_d, j_d]
         row_ids = proposals[seq_d, j_d]
-        row_probs = probs[seq_d, j_d if not greedy else torch.zeros_like(j_d)]  # (greedy: unused)
         return _DraftProposals(row_ids, row_probs, row_ids[checked_d], token_rows_d)
+
+    def _greedy_proposals(self, batch: HostBatch, passes: _DraftPasses) -> torch.Tensor:
+        """[S, width] greedy proposals: one replay of the proposal graph when one fits."""
+        graphs = self.draft_graphs
+        if graphs is not None and graphs.can_propose(batch.num_seqs, passes.width):
+            return graphs.propose(batch, None, passes.limits)
+        return self._proposal_passes(batch, passes, lambda logits, j: logits.argmax(dim=-1))
+
+    def _sampled_proposals(
+        self,
+        batch: HostBatch,
+        passes: _DraftPasses,
+        params: list[SamplingParams],
+        starts: np.ndarray,
+        probs: torch.Tensor,
+    ) -> torch.Tensor:
+        """[S, width] proposals sampled from the draft's processed distributions q, written into
+        `probs` [S, width + 1, vocab]. Each pass's noise is that of its (seed, position), drawn for
+        all passes at once before the first (noise does not depend on the logits)."""
+        num, width, vocab = batch.num_seqs, passes.width, self.spec.vocab_size
+        processing = probs_processing(params, vocab, self.device)
+        positions = [int(p) + j + 1 for j in range(width) for p in starts]
+        shape = torch.empty((width * num, vocab), dtype=torch.float32, device=self.device)
+        noise = exponential_noise(shape, draft_sampling_params(params) * width, positions)
+        noise = noise.view(width, num, vocab)
+
+        def choose(logits: torch.Tensor, j: int) -> torch.Tensor:
+            q = processed_probs(logits, params, processing)
+            probs[:, j] = q
+            return (q / noise[j]).argmax(dim=-1)
+
+        return self._proposal_passes(batch, passes, choose)
+
+    def _proposal_passes(
+        self,
+        batch: HostBatch,
+        passes: _DraftPasses,
+        choose: Callable[[torch.Tensor, int], torch.Tensor],
+    ) -> torch.Tensor:
+        """Runs the width passes (pass 0 from `batch`, staged; the others' inputs derived on the
+        device from pass 0's) and returns [S, width] proposals, `choose(logits, j)` of each pass."""
+        assert self.draft is not None
+        graphs = self.draft_graphs
+        graph = graphs is not None and graphs.can_run_decode(batch.num_seqs)  # pass 0 ran its decode graph
+        out = torch.empty((batch.num_seqs, passes.width), dtype=torch.int64, device=self.device)
+        logits = self._draft_pass(batch, None, logits=True)
+        cu_seqlens = None
+        for j in range(passes.width):
+            if j:
+                inputs = next_pass_inputs(
+                    passes.rows, passes.starts, passes.limits, j, self.slots.table, self.block_size
+                )
+                if graph:
+                    logits = graphs.run_next(out[:, j - 1], inputs)
+                else:
+                    if cu_seqlens is None:
+                        cu_seqlens = torch.arange(batch.num_seqs + 1, dtype=torch.int32, device=self.device)
+                    meta = AttentionMetadata(
+                        positions=inputs.positions,
+                        slot_mapping=inputs.slot_mapping,
+                        block_tables=self.slots.block_tables(passes.rows, passes.table_width),
+                        seq_lens=inputs.seq_lens.to(torch.int32),
+                        cu_seqlens_q=cu_seqlens,
+                    )
+                    logits = self.draft(out[:, j - 1], meta, self._draft_caches, None)
+            out[:, j] = choose(logits, j)
+        return out
 
     def _verify(
         self,

@@ -139,20 +139,43 @@ def verify_point_mass(
     return _gather_emitted(result.token_ids, accept, layout, result.logprobs)
 
 
-def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The distribution each row samples from, as the sampler makes it: temperature, then top-k
-    and top-p; a greedy row is a point mass on its argmax."""
-    device, vocab = logits.device, logits.shape[1]
+@dataclass(frozen=True)
+class ProbsProcessing:
+    """`processed_probs`' per-row parameters on the device, made once for rows processed again and
+    again (a draft model's proposal passes: one copy per step instead of one per pass)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor | None  # None: no row has top-k or top-p
+    top_p: torch.Tensor | None
+    greedy_rows: torch.Tensor | None  # None: no greedy row
+
+
+def probs_processing(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> ProbsProcessing:
     temperature = to_device([p.temperature if not p.greedy else 1.0 for p in params], torch.float32, device)
-    scaled = logits.float() / temperature[:, None]
+    top_k = top_p = greedy_rows = None
     if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
         top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
         top_p = to_device([p.top_p for p in params], torch.float32, device)
-        scaled = mask_top_k_top_p(scaled, top_k, top_p)
-    probs = scaled.softmax(dim=-1)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        rows = to_device(greedy, torch.int64, device)
+        greedy_rows = to_device(greedy, torch.int64, device)
+    return ProbsProcessing(temperature, top_k, top_p, greedy_rows)
+
+
+def processed_probs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], processing: ProbsProcessing | None = None
+) -> torch.Tensor:
+    """The distribution each row samples from, as the sampler makes it: temperature, then top-k
+    and top-p; a greedy row is a point mass on its argmax. `processing`: the params' tensors
+    (`probs_processing`), when made already."""
+    if processing is None:
+        processing = probs_processing(params, logits.shape[1], logits.device)
+    scaled = logits.float() / processing.temperature[:, None]
+    if processing.top_k is not None:
+        scaled = mask_top_k_top_p(scaled, processing.top_k, processing.top_p)
+    probs = scaled.softmax(dim=-1)
+    rows = processing.greedy_rows
+    if rows is not None:
         point = torch.zeros_like(probs[rows]).scatter_(1, logits[rows].argmax(dim=-1, keepdim=True), 1.0)
         probs[rows] = point
     return probs

@@ -268,3 +268,39 @@ def build_step_inputs(
         block_size=block_size,
     )
     return stage_batch(batch, slots)
+
+
+@dataclass(frozen=True)
+class DecodePassInputs:
+    """What changes between a draft model's proposal passes, on the device: [S] positions,
+    [1, S] slot mapping (one KV-cache group), [S] int64 context lengths."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def next_pass_inputs(
+    rows: torch.Tensor,
+    base: torch.Tensor,
+    limits: torch.Tensor,
+    j: int,
+    table: torch.Tensor,
+    block_size: int,
+) -> DecodePassInputs:
+    """Proposal pass j's inputs (one token per sequence), computed on the device from pass 0's, so
+    the k passes of a step queue back to back with no host batch between them (a CUDA graph can
+    hold them all). A sequence computes position base + j while that is at most its limit (its
+    last proposal's input); past it (fewer proposals than the widest, or a graph's padding row,
+    limit -1) it stays at base with slot -1: no KV is written and its result is ignored.
+
+    Args:
+        rows: [S] slots (block table rows). base: [S] pass 0's positions. limits: [S] int64.
+        table: the device block tables [G, rows, width] (`RequestSlots.table`; group 0 is used).
+    """
+    wanted = base + j
+    active = wanted <= limits
+    positions = torch.where(active, wanted, base)
+    blocks = table[0, rows, positions // block_size].long()
+    slots = torch.where(active, blocks * block_size + positions % block_size, -1)
+    return DecodePassInputs(positions, slots[None], positions + 1)

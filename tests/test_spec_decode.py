@@ -392,17 +392,21 @@ def test_metrics_expose_vllms_spec_decode_counters():
 BLOCK = 16
 
 
-def _verify_through(runner, hf_model, drafts_for, num_steps: int, d: int = 3) -> tuple[dict, int]:
+def _verify_through(
+    runner, hf_model, drafts_for, num_steps: int, d: int | dict[int, int] = 3, sampling=None
+) -> tuple[dict, int]:
     """Drives a runner by hand: two prompts, then steps that each verify `d` proposals per request
-    (`drafts_for(seq_id, tokens so far)`: their ids, or None for a draft model's), trimming and
-    growing the tables as the protocol says. Returns each request's outputs and how many tokens
-    the verifications accepted."""
+    (or d[seq_id]; `drafts_for(seq_id, tokens so far)`: their ids, or None for a draft model's),
+    trimming and growing the tables as the protocol says. Greedy (unless `sampling`, a
+    pb.Sampling): the outputs must equal Hugging Face's. Returns each request's outputs and how
+    many tokens the verifications accepted."""
     from pagedserve.protos import executor_pb2 as pb
 
     runner.reset()
     prompts = {1: list(range(30, 47)), 2: [5, 6, 7, 5, 6]}
     blocks = {1: list(range(1, 9)), 2: list(range(9, 17))}
-    greedy = pb.Sampling(temperature=0)
+    drafts = d if isinstance(d, dict) else dict.fromkeys(prompts, d)
+    greedy = sampling or pb.Sampling(temperature=0)
     plan = pb.StepPlan(step_id=0)
     for seq_id, prompt in prompts.items():
         first = blocks[seq_id][: -(-len(prompt) // BLOCK)]
@@ -419,9 +423,9 @@ def _verify_through(runner, hf_model, drafts_for, num_steps: int, d: int = 3) ->
     for step in range(1, num_steps):
         plan = pb.StepPlan(step_id=step)
         for seq_id in prompts:
-            computed = len(tokens[seq_id]) - 1
-            need = -(-(computed + 1 + d) // BLOCK)
-            running = plan.running.add(seq_id=seq_id, num_new_tokens=1 + d, num_draft_tokens=d)
+            computed, n = len(tokens[seq_id]) - 1, drafts[seq_id]
+            need = -(-(computed + 1 + n) // BLOCK)
+            running = plan.running.add(seq_id=seq_id, num_new_tokens=1 + n, num_draft_tokens=n)
             if need > ends[seq_id]:
                 running.new_blocks.add(
                     first_index=ends[seq_id], block_ids=blocks[seq_id][ends[seq_id] : need]
@@ -438,13 +442,16 @@ def _verify_through(runner, hf_model, drafts_for, num_steps: int, d: int = 3) ->
             ends[seq_id] = -(-(len(tokens[seq_id]) - 1) // BLOCK)  # trimmed to the last computed token
     outputs = {s: tokens[s][len(prompts[s]) :] for s in prompts}
     for seq_id, prompt in prompts.items():
-        assert outputs[seq_id] == hf_greedy(hf_model, prompt, len(outputs[seq_id])), seq_id
+        if sampling is None:
+            assert outputs[seq_id] == hf_greedy(hf_model, prompt, len(outputs[seq_id])), seq_id
     return outputs, accepted
 
 
-def _through_graph_layouts(runner, monkeypatch) -> list | None:
+def _through_graph_layouts(runner, monkeypatch, proposal_graphs: bool = False) -> list | None:
     """The runner's steps computed as their CUDA graphs would compute them (padded static inputs,
-    no capture: the CPU can run it); with a draft model, its passes too (returns their calls)."""
+    no capture: the CPU can run it); with a draft model, its passes too (returns the names of the
+    draft graphs' calls: `run`, `run_next`, `propose`), with `proposal_graphs` its greedy proposal
+    graphs of 3 passes for up to 4 sequences."""
     from pagedserve.executor.cuda_graphs import StepGraphs
 
     graphs = StepGraphs(runner.model, runner._layer_caches, runner.slots, [1, 2, 4], [32, 64])
@@ -452,10 +459,14 @@ def _through_graph_layouts(runner, monkeypatch) -> list | None:
     monkeypatch.setattr(runner, "graphs", graphs)
     if runner.draft is not None:  # the draft's graphs: its passes over the step and its proposals
         draft_graphs = StepGraphs(runner.draft, runner._draft_caches, runner.slots, [1, 2, 4], [32, 64])
+        if proposal_graphs:
+            draft_graphs.prepare_proposals(3, 4)
         calls = []
-        monkeypatch.setattr(
-            draft_graphs, "run", lambda *a: calls.append(1) or draft_graphs.run_uncaptured(*a)
-        )
+        for name in ("run", "run_next", "propose"):
+            uncaptured = getattr(draft_graphs, f"{name}_uncaptured")
+            monkeypatch.setattr(
+                draft_graphs, name, lambda *a, _f=uncaptured, _n=name: calls.append(_n) or _f(*a)
+            )
         monkeypatch.setattr(runner, "draft_graphs", draft_graphs)
         return calls
     return None
@@ -507,18 +518,76 @@ def test_verification_steps_equal_hf_eagerly_and_in_graph_layouts(
     assert (ngram_runner.stats.graph_steps - before > 0) == graphs
 
 
-@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
 def test_draft_model_steps_equal_hf_eagerly_and_in_graph_layouts(draft_runner, hf_model, monkeypatch, graphs):
     """The executor's draft proposes (some right, some wrong): greedy outputs equal Hugging Face's,
-    its proposals reach the target's input rows in eager steps and in the graphs' layout."""
-    calls = _through_graph_layouts(draft_runner, monkeypatch) if graphs else None
+    its proposals reach the target's input rows in eager steps and in the graphs' layout: pass 0
+    staged from the host, the later passes derived on the device (a decode graph per pass, or the
+    three passes in one proposal graph)."""
+    calls = None
+    if graphs is not None:
+        calls = _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=graphs == "proposal")
     before = draft_runner.stats.graph_steps
     _, accepted = _verify_through(draft_runner, hf_model, lambda seq_id, tokens: None, num_steps=6)
     assert accepted > 0
-    assert (draft_runner.stats.graph_steps - before > 0) == graphs
-    if graphs:  # per step: the pass over its tokens and one per proposal (3)
-        assert len(calls) == 6 * 1 + 5 * 3
+    assert (draft_runner.stats.graph_steps - before > 0) == (graphs is not None)
+    if graphs == "per pass":  # per step: the pass over its tokens; per verification 1 + 2 passes
+        assert sorted(calls) == sorted(["run"] * (6 + 5) + ["run_next"] * 5 * 2)
+    if graphs == "proposal":  # per verification one proposal graph
+        assert sorted(calls) == sorted(["run"] * 6 + ["propose"] * 5)
     assert draft_runner.kv_cache.layout.layers_per_block == 4  # the target's 2 layers, the draft's 2
+
+
+@pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
+def test_draft_proposals_of_uneven_counts_equal_hf(draft_runner, hf_model, monkeypatch, graphs):
+    """Requests with 3 and 1 proposals in one step: the one with fewer sits out the later passes
+    (no KV written past its slots, its extra proposals ignored); greedy outputs equal HF's."""
+    if graphs is not None:
+        _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=graphs == "proposal")
+    _, accepted = _verify_through(draft_runner, hf_model, lambda *_: None, num_steps=6, d={1: 3, 2: 1})
+    assert accepted > 0
+
+
+def test_seeded_draft_sampling_is_the_same_eagerly_and_through_the_graphs(draft_runner, monkeypatch):
+    """Sampled proposals (top-k, seeded): the per-(seed, position) noise drawn for all passes at
+    once gives the same tokens in eager passes and through the decode graphs' device-side inputs."""
+    from pagedserve.protos import executor_pb2 as pb
+
+    sampling = pb.Sampling(temperature=0.8, top_k=40, has_seed=True, seed=11)
+    eager, _ = _verify_through(draft_runner, None, lambda *_: None, num_steps=5, sampling=sampling)
+    with monkeypatch.context() as m:
+        calls = _through_graph_layouts(draft_runner, m)
+        graphed, _ = _verify_through(draft_runner, None, lambda *_: None, num_steps=5, sampling=sampling)
+    assert "run_next" in calls and "propose" not in calls
+    assert graphed == eager
+
+
+def test_next_pass_inputs_equal_the_host_batch_of_that_pass():
+    """The device-derived inputs of proposal pass j are what `build_host_batch` builds for it; a
+    request past its last proposal (limit) and a padding row (limit -1) write no KV."""
+    from pagedserve.executor.step_inputs import RequestSlots, build_host_batch, next_pass_inputs
+
+    slots = RequestSlots(4, 8, torch.device("cpu"))
+    slots.set_blocks(0, 0, [5, 9, 2])
+    slots.set_blocks(2, 0, [7, 3, 11, 4])
+    slots.flush()
+    rows, base = np.array([0, 2, 4]), np.array([14, 30, 0])
+    limits = np.array([14 + 2, 30 + 0, -1])  # 3 and 1 proposals, a padding row
+    for j in range(1, 3):
+        got = next_pass_inputs(
+            torch.tensor(rows), torch.tensor(base), torch.tensor(limits), j, slots.table, BLOCK
+        )
+        active = base + j <= limits
+        want = build_host_batch(
+            rows=rows[active], starts=base[active] + j, q_lens=np.ones(active.sum(), dtype=np.int64),
+            samples=np.ones(active.sum(), dtype=bool), host_chunks=[np.zeros(1)] * active.sum(),
+            table=slots.table_host, block_size=BLOCK,
+        )  # fmt: skip
+        assert got.positions[active].tolist() == want.positions.tolist()
+        assert got.seq_lens[active].tolist() == want.seq_lens.tolist()
+        assert got.slot_mapping[0, active].tolist() == want.slot_mapping[0].tolist()
+        assert got.slot_mapping[0, ~active].tolist() == [-1] * (~active).sum()
+        assert got.positions[~active].tolist() == base[~active].tolist()
 
 
 def test_a_draft_of_another_kv_shape_is_refused(ngram_runner, tmp_path):
@@ -581,3 +650,84 @@ def test_plan_counts_a_draft_models_weights_and_kv_layers(capsys):
     layers = sum(g["num_layers"] for g in alone["kv_groups"])
     assert with_draft["kv_bytes_per_block"] * layers == alone["kv_bytes_per_block"] * (layers + 2)
     assert with_draft["weight_bytes"] > alone["weight_bytes"]
+
+
+# ---- on CUDA: the captured proposal graphs against eager passes -----------------------------------
+
+
+def _cuda_draft_runner(model_dir, draft_dir, eager: bool):
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner
+
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    config = ExecutorConfig(
+        model=str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=64,
+        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, swap_space=0.002,
+        speculative_config=spec, enforce_eager=eager,
+    )  # fmt: skip
+    return ModelRunner.create(config)
+
+
+@pytest.fixture(scope="module")
+def cuda_draft_runners(tiny_model_dir, tmp_path_factory):
+    """(eager, graphs) draft-model runners on CUDA; the graphs one captured its proposal graphs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.services import perturbed_copy
+
+    draft = perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("d") / "draft", scale=0.15)
+    return _cuda_draft_runner(tiny_model_dir, draft, True), _cuda_draft_runner(tiny_model_dir, draft, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("d", [3, {1: 3, 2: 1}], ids=["three each", "uneven"])
+def test_cuda_proposal_graphs_equal_eager_and_hf(cuda_draft_runners, hf_model, monkeypatch, d):
+    """Greedy: the captured proposal graph (one replay per verification step) gives the outputs of
+    eager passes, which equal Hugging Face's; seeded sampling (decode graph replays per pass from
+    device-side inputs) gives the eager passes' tokens."""
+    from pagedserve.protos import executor_pb2 as pb
+
+    eager, graphs = cuda_draft_runners
+    assert graphs.draft_graphs is not None and graphs.draft_graphs.can_propose(2, 3)
+    calls = []
+    for name in ("propose", "run_next"):
+        real = getattr(graphs.draft_graphs, name)
+        counted = lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a)  # noqa: E731
+        monkeypatch.setattr(graphs.draft_graphs, name, counted)
+    none = lambda *_: None  # noqa: E731
+    want, _ = _verify_through(eager, hf_model, none, num_steps=8, d=d)
+    got, accepted = _verify_through(graphs, hf_model, none, num_steps=8, d=d)
+    assert got == want and accepted > 0
+    assert calls == ["propose"] * 7
+    sampling = pb.Sampling(temperature=0.8, top_k=40, has_seed=True, seed=11)
+    want, _ = _verify_through(eager, None, none, num_steps=6, d=d, sampling=sampling)
+    got, _ = _verify_through(graphs, None, none, num_steps=6, d=d, sampling=sampling)
+    assert got == want
+    assert calls.count("run_next") == 5 * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_cuda_draft_verification_launch_never_waits_for_the_device(cuda_draft_runners, temperature):
+    """Launching a draft-model verification step (proposal passes, target forward, acceptance)
+    makes no synchronising call: torch raises on any."""
+    from pagedserve.protos import executor_pb2 as pb
+
+    _, runner = cuda_draft_runners
+    runner.reset()
+    sampling = pb.Sampling(temperature=temperature, has_seed=True, seed=3)
+    plan = pb.StepPlan(step_id=0)
+    plan.new_requests.add(
+        seq_id=1, token_ids=list(range(30, 47)), num_computed_tokens=0, num_new_tokens=17,
+        block_tables=[pb.BlockTable(first_index=0, block_ids=[1, 2])], sampling=sampling,
+    )  # fmt: skip
+    runner.execute(plan)
+    plan = pb.StepPlan(step_id=1)
+    plan.running.add(seq_id=1, num_new_tokens=4, num_draft_tokens=3)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = runner.launch(plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = runner.finish(pending)
+    assert 1 <= out.num_tokens[0] <= 4
