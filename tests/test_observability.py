@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import structlog
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,6 +17,13 @@ from pagedserve.scheduler.engine import ExecutorStatusView
 from pagedserve.scheduler.metrics import SchedulerMetrics, token_buckets
 from pagedserve.scheduler.monitor import PreemptionWarning, StatsLog
 from pagedserve.scheduler.request import Request, SeqId
+
+
+@pytest.fixture(autouse=True)
+def _default_logging():
+    """structlog's defaults (every level), whatever an earlier test of this process configured
+    (an in-process `LLM` logs at warning)."""
+    structlog.reset_defaults()
 
 
 def test_preemption_warning_fires_past_the_threshold_at_most_once_a_period():

@@ -40,6 +40,8 @@ def configure_logging(service: str, level: str | None = None, json: bool | None 
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
-        cache_logger_on_first_use=True,
+        # Not cached: a logger keeps the configuration of its first use when cached, and one
+        # process may configure again (tests: an in-process `LLM` at warning, then capture_logs).
+        cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(service=service)
