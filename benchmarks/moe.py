@@ -37,7 +37,7 @@ import functools
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -252,17 +252,13 @@ def run_case(layer: Layer, tokens: int, mode: str, sweep_deadline: float | None,
     ours_graph = bench(as_graph(ours_fn), quick)
     dense_fn = dense_anchor(tokens, device)
     dense, dense_graph = bench(dense_fn, quick), bench(as_graph(dense_fn), quick)
-    defaults = default_configs(tokens * TOP_K, mode)
-    full_tails = None  # the same call with half_tails off, where the defaults have it on
-    if any(c.half_tails for c in defaults.values()):
-        plain = {f"{k}_config": replace(c, half_tails=False) for k, c in defaults.items()}
-        full_tails = bench(as_graph(functools.partial(tm.fused_moe, **args, **options, **plain)), quick)
     loop = None
     if not quick:
         loop = bench(functools.partial(expert_loop, x, layer.w13, layer.w2, weights, ids), quick=True)
     stages = breakdown(ours_fn)
     touched = int(torch.unique(ids).numel())
     weight_bytes = touched * layer.expert_bytes(mode)
+    rows = tokens * TOP_K
     row = {
         "tokens": tokens,
         "mode": mode,
@@ -275,14 +271,13 @@ def run_case(layer: Layer, tokens: int, mode: str, sweep_deadline: float | None,
         "dense_graph_us": dense_graph,
         "dense_tflops": flops(tokens) / dense_graph / 1e6,
         "vs_dense": dense_graph / ours_graph,
-        "full_tails_graph_us": full_tails,
         "loop_us": loop,
         "vs_loop": None if loop is None else loop / ours_graph,
         "stages": stages,
         "experts_touched": touched,
         "weight_tbps": weight_bytes / ours_graph / 1e6,
         "goal_vs_dense": DENSE_GOAL.get(tokens),
-        **{f"{which}_config": asdict(config) for which, config in defaults.items()},
+        **{f"{which}_config": asdict(config) for which, config in default_configs(rows, mode).items()},
     }
     loop_part = "" if loop is None else f" | loop {loop:9.1f} us x{row['vs_loop']:.1f}"
     log(
@@ -292,10 +287,8 @@ def run_case(layer: Layer, tokens: int, mode: str, sweep_deadline: float | None,
         f"err {err:.1e} {'ok' if ok else 'FAIL'}"
     )
     log(breakdown_line(stages, ours_graph))
-    if full_tails is not None:
-        log(f"   without half tails: graph {full_tails:8.1f} us (half tails {ours_graph:8.1f} us)")
     if sweep_deadline is not None:
-        row["sweep"] = sweep(args, options, defaults, ours_graph, sweep_deadline)
+        row["sweep"] = sweep(args, options, default_configs(rows, mode), ours_graph, sweep_deadline)
     return row
 
 
@@ -309,12 +302,10 @@ def default_configs(rows: int, mode: str) -> dict[str, tm.MoeConfig]:
 
 
 def sweep(args: dict, options: dict, defaults: dict, default_us: float, deadline: float) -> dict:
-    """Each GEMM's candidates with the other's default config (graph replays of the whole call);
-    128-row candidates with half tails, as `choose_config`'s."""
+    """Each GEMM's candidates with the other's default config (graph replays of the whole call)."""
     found: dict = {"gate_up": [], "down": []}
     for which, candidates in (("gate_up", GATE_UP_SWEEP), ("down", DOWN_SWEEP)):
         for config in candidates:
-            config = replace(config, half_tails=config.block_m == 128)
             if time.time() > deadline:
                 found[which].append({"config": asdict(config), "skipped": "sweep budget spent"})
                 continue

@@ -17,8 +17,7 @@ every (token, expert) assignment is one row of two grouped GEMMs:
    expert's intermediate. It gathers the rows' tokens of x, multiplies them by the gate and the up
    rows of w13 at once (two accumulators) and writes silu(gate) * up, rounded to x's dtype (the
    reference's rounding point), at the assignment's row: the activation never makes a round trip
-   through memory in [*, 2 * inter] form. A block whose second half is padding computes its first
-   half only (`MoeConfig.half_tails`, the 128-row prefill tiles).
+   through memory in [*, 2 * inter] form.
 3. `_down_kernel`: the same over w2, each row times its routing weight, written at the
    assignment's row; then a sum over each token's top_k rows (`_sum_top_k_kernel`, accumulating
    in float32 in a fixed order) makes the output, as vLLM's `moe_sum` and SGLang's
@@ -80,9 +79,7 @@ class MoeConfig:
     reduction per step, row blocks per column block in the launch order, warps, pipeline depth;
     tma_weights: weight tiles through a TMA descriptor instead of pointer loads (Hopper's copy
     engine; CUDA only, where the weights' strides allow it, else ignored): the prefill defaults'
-    choice where the H200 sweep found it faster, a `benchmarks.moe --sweep` option elsewhere.
-    half_tails: a block whose second half is padding computes only its first half (see
-    `_program_rows`); block_m >= 32, so that half a block still fills the tensor cores' 16 rows."""
+    choice where the H200 sweep found it faster, a `benchmarks.moe --sweep` option elsewhere."""
 
     block_m: int
     block_n: int
@@ -91,10 +88,6 @@ class MoeConfig:
     num_warps: int
     num_stages: int
     tma_weights: bool = False
-    half_tails: bool = False
-
-    def __post_init__(self) -> None:
-        assert not self.half_tails or self.block_m >= 32, "half_tails needs block_m >= 32"
 
 
 @functools.lru_cache(maxsize=256)
@@ -115,7 +108,6 @@ def choose_config(
     columns per half with a 128-deep reduction, their down GEMM 128 x 128 x 128 through TMA (the
     largest tile without register spills: ptxas, sm_90); widened FP8 weights 64 gate_up columns per
     half, 4 stages. gate_up and down keep one block_m, so both run on one sorting of the assignments.
-    The 128-row tiles compute half of a block whose second half is padding (`_half_a_tail`).
     """
     per_expert = rows / max(1, num_experts)
     half = 2 if gate_up else 1  # gate_up holds two accumulators of block_n columns
@@ -135,8 +127,6 @@ def choose_config(
         cfg = MoeConfig(128, 128, 64, 8, 8, 3, tma_weights=True)
     else:
         cfg = MoeConfig(128, 256, 64, 8, 8, 3, tma_weights=True)
-    if cfg.block_m == 128:
-        cfg = dataclasses.replace(cfg, half_tails=True)
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     return dataclasses.replace(cfg, block_n=block_n, block_k=block_k)
@@ -297,18 +287,6 @@ def _program_tile(
     return pid_m, pid_n, live
 
 
-@triton.jit
-def _half_a_tail(sorted_ids_ptr, pid_m, assignments, BLOCK_M: tl.constexpr, HALF_TAILS: tl.constexpr):
-    """Whether row block pid_m's second half is all padding (HALF_TAILS only): padding ends an
-    expert's segment, so the half's first row tells. Such a block then computes BLOCK_M // 2 rows:
-    with 128-row tiles and Qwen3-30B-A3B's routing (top-8 of 128 experts) at 8,192 tokens, 67
-    blocks of 578 in `benchmarks.moe`, so 1.06x the assignments' rows computed instead of 1.13x."""
-    if HALF_TAILS:
-        return tl.load(sorted_ids_ptr + pid_m * BLOCK_M + BLOCK_M // 2) >= assignments
-    else:
-        return False
-
-
 @triton.jit(do_not_specialize=["max_rows", "assignments"])
 def _gate_up_kernel(
     a_ptr,
@@ -344,7 +322,6 @@ def _gate_up_kernel(
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    HALF_TAILS: tl.constexpr,
 ):
     """silu(x w_gate^T) * (x w_up^T) for BLOCK_M sorted assignment rows (one expert) x BLOCK_N
     intermediate columns, written in the output dtype at the assignments' rows.
@@ -354,86 +331,59 @@ def _gate_up_kernel(
     rows n, up rows inter + n. W_FP8: e4m3 weights with w_scale [experts, 2 * inter] per row,
     widened to x's dtype unless A_FP8 (then both operands are e4m3). W_TMA: w13's tiles come
     through w_desc (a [1, BLOCK_N, BLOCK_K] descriptor of w13; rows past the end read zeros).
-    HALF_TAILS: see `_half_a_tail`.
     """
     pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, inter, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
-        if _half_a_tail(sorted_ids_ptr, pid_m, assignments, BLOCK_M, HALF_TAILS):
-            _gate_up_rows(
-                a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ids_ptr, block_experts_ptr,
-                pid_m, pid_n, assignments, inter, hidden, stride_am, stride_ak, stride_we, stride_wn,
-                stride_wk, stride_om, stride_on, stride_se, stride_sn, TOP_K, BLOCK_M // 2, BLOCK_M, BLOCK_N,
-                BLOCK_K, EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
-            )  # fmt: skip
-        else:
-            _gate_up_rows(
-                a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ids_ptr, block_experts_ptr,
-                pid_m, pid_n, assignments, inter, hidden, stride_am, stride_ak, stride_we, stride_wn,
-                stride_wk, stride_om, stride_on, stride_se, stride_sn, TOP_K, BLOCK_M, BLOCK_M, BLOCK_N,
-                BLOCK_K, EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
-            )  # fmt: skip
-
-
-@triton.jit
-def _gate_up_rows(
-    a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ids_ptr, block_experts_ptr,
-    pid_m, pid_n, assignments, inter, hidden, stride_am, stride_ak, stride_we, stride_wn, stride_wk,
-    stride_om, stride_on, stride_se, stride_sn, TOP_K: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    W_TMA: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """`_gate_up_kernel`'s block pid_m x pid_n, its first ROWS rows (ROWS <= BLOCK_M)."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, ROWS)
-    ids = tl.load(sorted_ids_ptr + offs_m)
-    valid = ids < assignments
-    tokens = tl.where(valid, ids // TOP_K, 0).to(tl.int64)
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < inter
-    w_n = (offs_n % inter).to(tl.int64)  # the tail's columns wrap: weight loads need no mask
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + tokens[:, None] * stride_am + offs_k[None, :] * stride_ak
-    g_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    u_ptrs = g_ptrs + inter * stride_wn
-    acc_g = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    n0 = pid_n * BLOCK_N
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < hidden - k0)[None, :], other=0.0)
-        if W_TMA:
-            g = w_desc.load([expert.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K).T
-            u = w_desc.load([expert.to(tl.int32), inter + n0, k0]).reshape(BLOCK_N, BLOCK_K).T
-        elif EVEN_K:
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            k_mask = offs_k < hidden - k0
-            g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
-        if DOT_FP32:
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        elif W_FP8 and not A_FP8:  # widened to x's dtype: exact
-            g, u = g.to(out_ptr.dtype.element_ty), u.to(out_ptr.dtype.element_ty)
-        acc_g = tl.dot(a, g, acc=acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(a, u, acc=acc_u, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K * stride_ak
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
-    if W_FP8:
-        s_ptrs = w_scale_ptr + expert * stride_se + w_n * stride_sn
-        acc_g *= tl.load(s_ptrs)[None, :]
-        acc_u *= tl.load(s_ptrs + inter * stride_sn)[None, :]
-    if A_FP8:
-        row_scale = tl.load(a_scale_ptr + tokens, mask=valid, other=0.0)[:, None]
-        acc_g *= row_scale
-        acc_u *= row_scale
-    hidden_act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    o_ptrs = out_ptr + ids.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, hidden_act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(sorted_ids_ptr + offs_m)
+        valid = ids < assignments
+        tokens = tl.where(valid, ids // TOP_K, 0).to(tl.int64)
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < inter
+        w_n = (offs_n % inter).to(tl.int64)  # the tail's columns wrap: weight loads need no mask
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + tokens[:, None] * stride_am + offs_k[None, :] * stride_ak
+        g_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        u_ptrs = g_ptrs + inter * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        n0 = pid_n * BLOCK_N
+        for k0 in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < hidden - k0)[None, :], other=0.0)
+            if W_TMA:
+                g = w_desc.load([expert.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+                u = w_desc.load([expert.to(tl.int32), inter + n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                k_mask = offs_k < hidden - k0
+                g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
+                u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
+            if DOT_FP32:
+                a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+            elif W_FP8 and not A_FP8:  # widened to x's dtype: exact
+                g, u = g.to(out_ptr.dtype.element_ty), u.to(out_ptr.dtype.element_ty)
+            acc_g = tl.dot(a, g, acc=acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, u, acc=acc_u, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_ak
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+        if W_FP8:
+            s_ptrs = w_scale_ptr + expert * stride_se + w_n * stride_sn
+            acc_g *= tl.load(s_ptrs)[None, :]
+            acc_u *= tl.load(s_ptrs + inter * stride_sn)[None, :]
+        if A_FP8:
+            row_scale = tl.load(a_scale_ptr + tokens, mask=valid, other=0.0)[:, None]
+            acc_g *= row_scale
+            acc_u *= row_scale
+        hidden_act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        o_ptrs = out_ptr + ids.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, hidden_act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["max_rows", "assignments"])
@@ -471,81 +421,53 @@ def _down_kernel(
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    HALF_TAILS: tl.constexpr,
 ):
     """(h w_down^T) * routing weight for BLOCK_M sorted assignment rows x BLOCK_N hidden columns,
     written at the assignments' rows of out [tokens * top_k, hidden].
 
     a: the intermediate h [tokens * top_k, inter] (row = assignment; A_FP8: its per-row FP8
     quantization with a_scale [tokens * top_k]); w: w2 [experts, hidden, inter]; W_FP8 as in
-    `_gate_up_kernel`; topk_weights: [tokens * top_k] float32; W_TMA: w2's tiles through w_desc;
-    HALF_TAILS: see `_half_a_tail`.
+    `_gate_up_kernel`; topk_weights: [tokens * top_k] float32; W_TMA: w2's tiles through w_desc.
     """
     pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, hidden, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
-        if _half_a_tail(sorted_ids_ptr, pid_m, assignments, BLOCK_M, HALF_TAILS):
-            _down_rows(
-                a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
-                block_experts_ptr, pid_m, pid_n, assignments, hidden, inter, stride_am, stride_ak,
-                stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn, BLOCK_M // 2,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
-            )  # fmt: skip
-        else:
-            _down_rows(
-                a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
-                block_experts_ptr, pid_m, pid_n, assignments, hidden, inter, stride_am, stride_ak,
-                stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn, BLOCK_M,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
-            )  # fmt: skip
-
-
-@triton.jit
-def _down_rows(
-    a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
-    block_experts_ptr, pid_m, pid_n, assignments, hidden, inter, stride_am, stride_ak, stride_we,
-    stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn, ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    W_TMA: tl.constexpr, W_FP8: tl.constexpr, A_FP8: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """`_down_kernel`'s block pid_m x pid_n, its first ROWS rows (ROWS <= BLOCK_M)."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, ROWS)
-    ids = tl.load(sorted_ids_ptr + offs_m)
-    valid = ids < assignments
-    rows = tl.where(valid, ids, 0).to(tl.int64)
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hidden
-    w_n = (offs_n % hidden).to(tl.int64)  # as in `_gate_up_rows`
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
-        if W_TMA:
-            w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-        elif EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(offs_k < inter - k0)[:, None], other=0.0)
-        if DOT_FP32:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        elif W_FP8 and not A_FP8:
-            w = w.to(out_ptr.dtype.element_ty)
-        acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
-    if W_FP8:
-        acc *= tl.load(w_scale_ptr + expert * stride_se + w_n * stride_sn)[None, :]
-    if A_FP8:
-        acc *= tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
-    acc *= tl.load(topk_weights_ptr + rows, mask=valid, other=0.0)[:, None]
-    o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        ids = tl.load(sorted_ids_ptr + offs_m)
+        valid = ids < assignments
+        rows = tl.where(valid, ids, 0).to(tl.int64)
+        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hidden
+        w_n = (offs_n % hidden).to(tl.int64)  # as in `_gate_up_kernel`
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        w_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
+            if W_TMA:
+                w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=(offs_k < inter - k0)[:, None], other=0.0)
+            if DOT_FP32:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            elif W_FP8 and not A_FP8:
+                w = w.to(out_ptr.dtype.element_ty)
+            acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
+        if W_FP8:
+            acc *= tl.load(w_scale_ptr + expert * stride_se + w_n * stride_sn)[None, :]
+        if A_FP8:
+            acc *= tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
+        acc *= tl.load(topk_weights_ptr + rows, mask=valid, other=0.0)[:, None]
+        o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -673,7 +595,7 @@ def fused_moe(
         *hidden_act.stride(), *(w13_scale.stride() if w_fp8 else (0, 0)),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=_uses_tma(w13, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
-        DOT_FP32=dot_fp32, DOT_PREC=precision, HALF_TAILS=cfg.half_tails,
+        DOT_FP32=dot_fp32, DOT_PREC=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -693,7 +615,7 @@ def fused_moe(
         *down.stride(), *(w2_scale.stride() if w_fp8 else (0, 0)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=inter % cfg.block_k == 0, W_TMA=_uses_tma(w2, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
-        DOT_FP32=dot_fp32, DOT_PREC=precision, HALF_TAILS=cfg.half_tails,
+        DOT_FP32=dot_fp32, DOT_PREC=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if top_k > 1:

@@ -8,8 +8,6 @@ both FP8 modes and a CUDA graph. Every check draws fresh random inputs.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -177,7 +175,6 @@ def test_tile_choice_follows_rows_per_expert() -> None:
     decode = tm.choose_config(64 * 8, 128, 768, 2048, True)
     prefill = tm.choose_config(8192 * 8, 128, 768, 2048, True)
     assert decode.block_m == 16 and prefill.block_m == 128
-    assert prefill.half_tails and not decode.half_tails
     for gate_up in (True, False):  # one sorting serves both GEMMs
         for fp8_weights, fp8_activations in ((False, False), (True, False), (True, True)):
             tiles = [tm.choose_config(rows, 128, 768, 2048, gate_up, fp8_weights, fp8_activations)
@@ -220,27 +217,6 @@ def test_fused_moe_tile_configs(block_m: int, block_n: int, block_k: int, group_
     down = tm.MoeConfig(48 - block_m, block_k, block_n, 1, 4, 2)
     got = tm.fused_moe(**args, gate_up_config=gate_up, down_config=down)
     assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
-
-
-@needs_triton
-@pytest.mark.parametrize("mode", ["bf16", "fp8-activations"])
-def test_fused_moe_half_tails(mode: str) -> None:
-    """half_tails: blocks whose second half is padding compute their first half only; with
-    32-row blocks, tails of both kinds (up to 16 assignments and more) and full blocks."""
-    args = make_moe(45, 6, 2, 64, 48, torch.bfloat16, fp8_weights=mode != "bf16", seed=3)
-    tails = {int(c) % 32 for c in torch.bincount(args["topk_ids"].flatten().cpu()) if c}
-    assert any(0 < t <= 16 for t in tails) and any(t > 16 for t in tails)
-    assert any(int(c) > 32 for c in torch.bincount(args["topk_ids"].flatten().cpu()))
-    gate_up = tm.MoeConfig(32, 32, 32, 2, 4, 2, half_tails=True)
-    down = tm.MoeConfig(32, 32, 32, 1, 4, 2, half_tails=True)
-    got = tm.fused_moe(**args, fp8_activations=mode == "fp8-activations", gate_up_config=gate_up,
-                       down_config=down)  # fmt: skip
-    if mode == "fp8-activations":
-        plain = dict(gate_up_config=dataclasses.replace(gate_up, half_tails=False),
-                     down_config=dataclasses.replace(down, half_tails=False))  # fmt: skip
-        assert torch.equal(got, tm.fused_moe(**args, fp8_activations=True, **plain))
-    else:
-        assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
 
 
 @needs_triton
