@@ -42,6 +42,7 @@ from pagedserve.executor.moe import SparseMoE
 from pagedserve.executor.quantization import (
     QUANTIZATIONS,
     Fp8Linear,
+    dense_matmul,
     fp8_matmul,
     kv_scale_from_amax,
     rms_norm_for_fp8,
@@ -120,7 +121,7 @@ class Linear(nn.Module):
         self.bias = _param(rows, device=device, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense_matmul(x, self.weight, self.bias)
 
 
 AllReduce = Callable[[torch.Tensor], object]  # sums a tensor over the tensor-parallel group, in place
@@ -135,7 +136,7 @@ class RowParallelLinear(Linear):
     all_reduce: AllReduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = dense_matmul(x, self.weight)
         self.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
 
@@ -475,7 +476,7 @@ class CausalLM(nn.Module):
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm(x, residual)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        logits = F.linear(x, head)
+        logits = dense_matmul(x, head)
         if self.final_soft_cap is not None:  # in the model dtype, as transformers
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         if out is None:

@@ -16,6 +16,8 @@ the model dtype (`rms_norm_for_fp8`, `silu_and_mul_for_fp8`) and the projection 
 kernel (`kernels.fp8.weight_only_linear`: the same e4m3 weights and scales, widened in registers),
 saving the activation quantization and `_scaled_mm`'s large-M tiles. The choice depends on the
 step's token count only, a shape, so each CUDA graph (one per padded batch size) captures one path.
+The same GEMV kernel can take the 16-bit projections and the LM head at small M (`dense_matmul`,
+behind `BF16_GEMV_MAX_M`, off until measured to beat cuBLAS).
 
 KV cache. The pool stores e4m3; each layer's `Attention` owns k_scale / v_scale (float32 [1] on the
 device, read by the kernels through a pointer so CUDA graphs captured before calibration see the
@@ -36,12 +38,15 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.executor.spec import UnsupportedModelError
-from pagedserve.kernels import fp8, layers
+from pagedserve.kernels import _use_triton, fp8, layers
 
 QUANTIZATIONS = (None, "fp8")
+# kernels.triton_fp8_gemv.GEMV_MAX_M, without importing Triton here (CPU installs may lack it)
+_GEMV_MAX_M = 4
 KV_CACHE_DTYPES = ("auto", "fp8")
 FP8_KV_DTYPE = torch.float8_e4m3fn
 REFERENCE_ENV = "PAGEDSERVE_FP8_REFERENCE"
@@ -67,20 +72,37 @@ WEIGHT_ONLY_MAX_M = 4
 WEIGHT_ONLY_MAX_M_ENV = "PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M"
 
 
-def _read_weight_only_max_m() -> int:
-    raw = os.environ.get(WEIGHT_ONLY_MAX_M_ENV)
+# Steps of at most this many tokens run their 16-bit (bf16/fp16) projections and LM head on the
+# GEMV kernel (`kernels.triton_fp8_gemv.linear_16bit`, at most its GEMV_MAX_M rows) instead of
+# cuBLAS; 0: off until measured (`python -m benchmarks.small_m` prints where it beats cuBLAS on
+# every shape, as "BF16_GEMV_MAX_M").
+BF16_GEMV_MAX_M = 0
+BF16_GEMV_MAX_M_ENV = "PAGEDSERVE_BF16_GEMV_MAX_M"
+
+
+def _read_max_m(env: str, default: int) -> int:
+    raw = os.environ.get(env)
     if raw is None or raw == "":
-        return WEIGHT_ONLY_MAX_M
+        return default
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{WEIGHT_ONLY_MAX_M_ENV} must be an integer, got {raw!r}") from None
+        raise ValueError(f"{env} must be an integer, got {raw!r}") from None
     if value < 0:
-        raise ValueError(f"{WEIGHT_ONLY_MAX_M_ENV} must be >= 0, got {value}")
+        raise ValueError(f"{env} must be >= 0, got {value}")
     return value
 
 
+def _read_weight_only_max_m() -> int:
+    return _read_max_m(WEIGHT_ONLY_MAX_M_ENV, WEIGHT_ONLY_MAX_M)
+
+
+def _read_bf16_gemv_max_m() -> int:
+    return _read_max_m(BF16_GEMV_MAX_M_ENV, BF16_GEMV_MAX_M)
+
+
 _weight_only_max_m = _read_weight_only_max_m()
+_bf16_gemv_max_m = _read_bf16_gemv_max_m()
 
 
 def weight_only_max_m() -> int:
@@ -100,6 +122,39 @@ def set_weight_only_max_m(value: int) -> None:
 def uses_weight_only(num_tokens: int) -> bool:
     """Whether a step of `num_tokens` rows runs its FP8 projections weight-only."""
     return num_tokens <= _weight_only_max_m
+
+
+def bf16_gemv_max_m() -> int:
+    """The largest step (tokens) whose 16-bit projections run on the GEMV kernel (0: never)."""
+    return _bf16_gemv_max_m
+
+
+def set_bf16_gemv_max_m(value: int) -> None:
+    """As `set_weight_only_max_m`, for the 16-bit GEMV threshold."""
+    global _bf16_gemv_max_m
+    if value < 0:
+        raise ValueError(f"bf16 GEMV max M must be >= 0, got {value}")
+    _bf16_gemv_max_m = value
+
+
+def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` of a model-dtype projection (and the LM head): on the GEMV
+    kernel for steps of at most `bf16_gemv_max_m()` tokens (capped at the kernel's GEMV_MAX_M)
+    with 16-bit weights and activations of one dtype on CUDA (or forced, as `kernels.layers`),
+    cuBLAS otherwise. By the token count only, so a captured graph keeps one path."""
+    m = x.shape[0] if x.dim() == 2 else -1
+    if (
+        0 < m <= min(_bf16_gemv_max_m, _GEMV_MAX_M)
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype == weight.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and _use_triton(x)
+    ):
+        from pagedserve.kernels import triton_fp8_gemv
+
+        return triton_fp8_gemv.linear_16bit(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm_for_fp8(

@@ -25,6 +25,25 @@ The configuration is a fixed table keyed by M (`config_for`), and the grid depen
 the device's SM count only: nothing is autotuned, so a launch inside a CUDA graph capture is the
 same launch as the warm-up's (which compiled it). Offsets are 64-bit. The table's entries are
 first guesses for the H200; `benchmarks/small_m.py --sweep` measures the alternatives.
+
+GEMV for M <= `GEMV_MAX_M` (`gemv`, `_gemv_kernel`; issue 33). At one to four rows the tiled kernel
+above reached only 0.35-0.73 of the H200's copy bandwidth: a 16-row tensor-core tile does 16x the
+work, and too few weight bytes were in flight per SM. The GEMV kernel gives each program
+`BLOCK_N` output columns and a slice of K (`SPLIT_K` slices, partial sums reduced by
+`_split_k_reduce_kernel` in a fixed order: deterministic); each thread loads 16 contiguous bytes
+of a weight row at a time (the layout Triton picks for contiguous rows: FP8 16 elements, bf16 8),
+widens them to float32 and multiplies-and-adds them with each of the M activation rows on the
+CUDA cores (M is a compile-time constant, each row its own accumulator; no tl.dot, no padding
+of M). The K loop is `tl.range(..., num_stages)`: with more than one stage Triton prefetches the
+weight tiles of the next steps into shared memory with cp.async (loads that feed no tl.dot are
+pipelined only when the loop asks), which keeps `(num_stages - 1) * BLOCK_N * BLOCK_K` bytes in
+flight per program on top of the occupancy. `acc_2d` keeps a [BLOCK_N, BLOCK_K] float32
+accumulator per row and reduces it across threads once, after the loop (registers instead of a
+warp shuffle per step); without it each step is reduced to [BLOCK_N] (fewer registers). The same
+body serves 16-bit weights (no scale): `linear_16bit`, which `executor.quantization` dispatches
+to at M <= its bf16 threshold (off by default) instead of cuBLAS. Configurations: `GEMV_TABLE`
+(measured shapes, pasted from `benchmarks/small_m.py --sweep`) and `GEMV_DEFAULTS` (by weight
+width and M) for any other shape.
 """
 
 from __future__ import annotations
@@ -39,7 +58,17 @@ import triton.language as tl
 
 from pagedserve.kernels.fp8 import FP8_DTYPE
 
-__all__ = ["GemvConfig", "config_for", "weight_only_linear"]
+__all__ = [
+    "FP8_GEMV_MAX_M",
+    "GEMV_MAX_M",
+    "GemvConfig",
+    "SplitKGemvConfig",
+    "config_for",
+    "gemv",
+    "gemv_config_for",
+    "linear_16bit",
+    "weight_only_linear",
+]
 
 # Read once: @triton.jit chose the interpreter or the compiler at import time as well.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -205,6 +234,7 @@ def _split_k_reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_SCALE: tl.constexpr = True,
 ):
     """out[m, n] = sum over splits of partial[s, m, n], times scale[n] (+ bias[n]), in a fixed order."""
     m = tl.program_id(1).to(tl.int64)
@@ -213,7 +243,9 @@ def _split_k_reduce_kernel(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(partial_ptr + (s * M + m) * N + rn, mask=mask, other=0.0)
-    y = acc * tl.load(scale_ptr + rn, mask=mask, other=0.0)
+    y = acc
+    if HAS_SCALE:
+        y = acc * tl.load(scale_ptr + rn, mask=mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rn, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -225,9 +257,14 @@ def weight_only_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-    config: GemvConfig | None = None,
+    config: GemvConfig | SplitKGemvConfig | None = None,
 ) -> torch.Tensor:
-    """See `kernels.fp8.weight_only_linear`; `config` overrides the table's (benchmarks, tests)."""
+    """See `kernels.fp8.weight_only_linear`: the GEMV kernel (`gemv`) for M <= FP8_GEMV_MAX_M,
+    the tiled kernel above; `config` overrides the tables' (benchmarks, tests), its type choosing the
+    kernel."""
+    if isinstance(config, SplitKGemvConfig) or (config is None and x.shape[0] <= FP8_GEMV_MAX_M):
+        assert weight.dtype == FP8_DTYPE, "weight: e4m3 (16-bit weights: linear_16bit)"
+        return gemv(x, weight, weight_scale, bias, out_dtype, config)
     assert x.dim() == 2 and weight.dim() == 2, "x [M, K], weight [N, K]"
     m, k = x.shape
     n = weight.shape[0]
@@ -244,6 +281,7 @@ def weight_only_linear(
         out.zero_()
         return out if bias is None else out.add_(bias)
     config = config or config_for(m)
+    assert isinstance(config, GemvConfig)
     split_k = _split_k(config, m, n, k, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)  # rounding up each split may leave fewer of them
@@ -263,3 +301,341 @@ def weight_only_linear(
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
+
+
+# --------------------------------------------------------------------------------------------- #
+# GEMV for M <= GEMV_MAX_M: CUDA-core multiply-and-add, 16-byte weight loads, split-K
+# --------------------------------------------------------------------------------------------- #
+
+# The most activation rows the GEMV kernel takes (each row is an accumulator of its own).
+GEMV_MAX_M = 4
+# The most rows `weight_only_linear` gives the GEMV kernel, the tiled kernel taking more. Measured
+# on the H200 (benchmarks/results/2026-12-04-h200-gemv), FP8 at M = 1 / 2 / 4 as fractions of the
+# copy bandwidth, GEMV against tiled: qkv 0.68 / 0.55 / 0.35 against 0.40, o 0.59 / 0.49 / 0.33
+# against 0.33, gate_up 0.85 / 0.72 / 0.45 against 0.56-0.60, down 0.84 / 0.69 / 0.46 against
+# 0.48-0.52, LM head 1.03 / 0.82 / 0.48 against 0.64-0.69.
+FP8_GEMV_MAX_M = 2
+# With split_k=None, splits are added while the grid has fewer than this many programs per SM
+# (each one already keeps (num_stages - 1) tiles in flight; a split costs a second launch).
+_GEMV_PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class SplitKGemvConfig:
+    """One launch configuration of the GEMV kernel (`gemv`).
+
+    Attributes:
+        block_n: outputs (weight rows) per program.
+        block_k: reduction elements per loop step; 16-byte loads need block_k * element size >= 16
+            per thread (FP8: 16 elements, bf16: 8), and one warp reduces block_k * size / 16 lanes.
+        split_k: programs along K per block of outputs (1: one launch, no workspace); None: chosen
+            from the grid (`_gemv_split_k`).
+        num_warps: Triton's.
+        num_stages: the K loop's pipeline depth (`tl.range`): 1 loads in registers only, more
+            prefetch that many - 1 tiles into shared memory.
+        acc_2d: accumulate [block_n, block_k] per row and reduce once after the loop, instead of a
+            [block_n] accumulator reduced at every step.
+    """
+
+    block_n: int
+    block_k: int
+    split_k: int | None = None
+    num_warps: int = 4
+    num_stages: int = 4
+    acc_2d: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.split_k is not None and self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+    def describe(self) -> str:
+        """One table cell: n, k, split, warps, stages, accumulator."""
+        split = "auto" if self.split_k is None else self.split_k
+        acc = "2d" if self.acc_2d else "1d"
+        return (
+            f"gemv n{self.block_n} k{self.block_k} split {split} w{self.num_warps} s{self.num_stages} {acc}"
+        )
+
+
+def _kind(weight_dtype: torch.dtype) -> str:
+    """The tables' key for a weight dtype: "fp8" (one byte) or "16bit" (bf16, fp16)."""
+    return "fp8" if weight_dtype.itemsize == 1 else "16bit"
+
+
+def _bucket(m: int) -> int:
+    """The tables' M: 1, 2 or 4 (3 rows take 4's configuration)."""
+    return 1 if m <= 1 else (2 if m == 2 else 4)
+
+
+# (weight kind, M bucket) -> configuration, for any shape the sweep has not measured. Reasoning
+# for the H200 (132 SMs, ~4.8 TB/s HBM: ~18 bytes per SM-cycle, and ~30-40 KB in flight per SM to
+# cover the latency): a step of 8 x 512 FP8 bytes (8 x 256 bf16) is two 16-byte loads per thread
+# of 4 warps, one warp across each 512-byte row piece; 4 stages put 3 such 4 KB tiles in flight
+# per program ahead of the one being multiplied, and the llama-8b shapes give 512 (o, down) to
+# 16,032 (LM head) programs of 8 rows, 4+ per SM, without a split (split auto only adds one below
+# 2 programs per SM: small tensor-parallel shards). Measured (benchmarks/results/2026-12-04-h200-gemv):
+# within 1-3% of the sweep's best at M = 1 on every shape; the 2-D accumulators beat the 1-D ones
+# at 4 rows too, where the multiply-adds (4 per weight byte, plus the widening) make the kernel
+# compute-bound on the CUDA cores: FP8 at 3-4 rows stays on the tiled kernel (FP8_GEMV_MAX_M).
+GEMV_DEFAULTS: dict[tuple[str, int], SplitKGemvConfig] = {
+    ("fp8", 1): SplitKGemvConfig(block_n=8, block_k=512, split_k=None, num_warps=4, num_stages=4),
+    ("fp8", 2): SplitKGemvConfig(block_n=8, block_k=512, split_k=None, num_warps=4, num_stages=4),
+    ("fp8", 4): SplitKGemvConfig(
+        block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4, acc_2d=False
+    ),
+    ("16bit", 1): SplitKGemvConfig(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),
+    ("16bit", 2): SplitKGemvConfig(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),
+    ("16bit", 4): SplitKGemvConfig(
+        block_n=8, block_k=128, split_k=None, num_warps=4, num_stages=4, acc_2d=False
+    ),
+}
+
+# (weight kind, M bucket, N, K) -> configuration measured best on that shape: the lines that
+# `python -m benchmarks.small_m --sweep` prints under "GEMV_TABLE entries" (H200, llama-8b shapes,
+# benchmarks/results/2026-12-04-h200-gemv; the fraction of the copy bandwidth each reached). FP8
+# at 4 rows is left out: the tiled kernel serves it (FP8_GEMV_MAX_M).
+_C = SplitKGemvConfig
+GEMV_TABLE: dict[tuple[str, int, int, int], SplitKGemvConfig] = {
+    ("fp8", 1, 6144, 4096): _C(block_n=16, block_k=512, split_k=None, num_warps=4, num_stages=4),  # qkv 0.68
+    ("fp8", 2, 6144, 4096): _C(block_n=16, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.55
+    ("fp8", 1, 4096, 4096): _C(block_n=8, block_k=512, split_k=None, num_warps=4, num_stages=4),  # o 0.59
+    ("fp8", 2, 4096, 4096): _C(block_n=8, block_k=512, split_k=None, num_warps=4, num_stages=4),  # 0.49
+    ("fp8", 1, 28672, 4096): _C(block_n=16, block_k=512, split_k=None, num_warps=4, num_stages=4),  # 0.85
+    ("fp8", 2, 28672, 4096): _C(block_n=16, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.72
+    ("fp8", 1, 4096, 14336): _C(block_n=8, block_k=1024, split_k=None, num_warps=4, num_stages=3),  # 0.84
+    ("fp8", 2, 4096, 14336): _C(block_n=8, block_k=512, split_k=None, num_warps=4, num_stages=4),  # 0.69
+    ("fp8", 1, 128256, 4096): _C(
+        block_n=8, block_k=512, split_k=None, num_warps=4, num_stages=4, acc_2d=False
+    ),
+    ("fp8", 2, 128256, 4096): _C(block_n=16, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.82
+    ("16bit", 1, 6144, 4096): _C(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.85
+    ("16bit", 2, 6144, 4096): _C(block_n=16, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.80
+    ("16bit", 4, 6144, 4096): _C(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.67
+    ("16bit", 1, 4096, 4096): _C(block_n=4, block_k=512, split_k=None, num_warps=4, num_stages=4),  # o 0.76
+    ("16bit", 2, 4096, 4096): _C(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.72
+    ("16bit", 4, 4096, 4096): _C(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.63
+    ("16bit", 1, 28672, 4096): _C(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.98
+    ("16bit", 2, 28672, 4096): _C(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.95
+    ("16bit", 4, 28672, 4096): _C(block_n=16, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.82
+    ("16bit", 1, 4096, 14336): _C(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.94
+    ("16bit", 2, 4096, 14336): _C(block_n=8, block_k=512, split_k=None, num_warps=4, num_stages=3),  # 0.93
+    ("16bit", 4, 4096, 14336): _C(block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.78
+    ("16bit", 1, 128256, 4096): _C(
+        block_n=8, block_k=256, split_k=None, num_warps=4, num_stages=4, acc_2d=False
+    ),
+    ("16bit", 2, 128256, 4096): _C(block_n=16, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 1.05
+    ("16bit", 4, 128256, 4096): _C(block_n=16, block_k=256, split_k=None, num_warps=4, num_stages=4),  # 0.90
+}
+del _C
+
+
+def gemv_config_for(m: int, n: int, k: int, weight_dtype: torch.dtype) -> SplitKGemvConfig:
+    """The GEMV configuration for M rows of an [N, K] weight: the measured shape's, else the
+    default for the weight's width and M."""
+    key = (_kind(weight_dtype), _bucket(m))
+    return GEMV_TABLE.get((*key, n, k)) or GEMV_DEFAULTS[key]
+
+
+def _gemv_split_k(config: SplitKGemvConfig, n: int, k: int, device: torch.device) -> int:
+    """Programs along K: the configuration's, else enough for `_GEMV_PROGRAMS_PER_SM` programs
+    per SM, each with at least `_MIN_K_STEPS_PER_SPLIT` loop steps (shapes only: graph-safe)."""
+    steps = triton.cdiv(k, config.block_k)
+    if config.split_k is not None:
+        return max(1, min(config.split_k, steps))
+    wanted = triton.cdiv(_GEMV_PROGRAMS_PER_SM * _num_sms(device), triton.cdiv(n, config.block_n))
+    return max(1, min(wanted, steps // _MIN_K_STEPS_PER_SPLIT, _MAX_SPLIT_K))
+
+
+@triton.jit
+def _gemv_row_step(acc, x_row_ptr, rk, k_mask, w, EVEN_K: tl.constexpr, ACC_2D: tl.constexpr):
+    """acc (+)= w [BLOCK_N, BLOCK_K] times one activation row's [BLOCK_K] slice, in float32."""
+    if EVEN_K:
+        x = tl.load(x_row_ptr + rk)
+    else:
+        x = tl.load(x_row_ptr + rk, mask=k_mask, other=0.0)
+    p = w * x.to(tl.float32)[None, :]
+    if ACC_2D:
+        acc += p
+    else:
+        acc += tl.sum(p, axis=1)
+    return acc
+
+
+@triton.jit
+def _gemv_row_out(
+    acc, row, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
+    SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_2D: tl.constexpr,
+):  # fmt: skip
+    """One activation row's outputs: float32 partial sums of this split, or the scaled (+ bias)
+    result in the output's dtype."""
+    if ACC_2D:
+        y = tl.sum(acc, axis=1)
+    else:
+        y = acc
+    if SPLIT:
+        tl.store(partial_ptr + (pid_k.to(tl.int64) * M + row) * N + rn, y, mask=n_mask)
+    else:
+        if HAS_SCALE:
+            y = y * scale
+        if HAS_BIAS:
+            y += bias
+        tl.store(out_ptr + row * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    k_per_split,
+    ROWS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    ACC_2D: tl.constexpr,
+):
+    """Program (n block, k split): y[r, n] = sum over its K range of w[n, k] * x[r, k] for the
+    ROWS (= M, 1..4) activation rows. EVEN_K: every split covers whole BLOCK_K steps inside K (no
+    masks in the loop). Rows of W past N re-read row N - 1 (loads unmasked; stores masked)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn
+    k_begin = pid_k.to(tl.int64) * k_per_split
+    if ACC_2D:
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    for k0 in tl.range(0, k_per_split, BLOCK_K, num_stages=NUM_STAGES):
+        rk = k_begin + k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        if EVEN_K:
+            w = tl.load(w_rows + rk[None, :])
+        else:
+            w = tl.load(w_rows + rk[None, :], mask=k_mask[None, :], other=0.0)
+        if w.dtype == tl.float8e4nv:
+            w = w.to(tl.float16)  # exact (e4m3's range and 3 mantissa bits fit); one cvt per pair
+        w = w.to(tl.float32)
+        acc0 = _gemv_row_step(acc0, x_ptr, rk, k_mask, w, EVEN_K, ACC_2D)
+        if ROWS > 1:
+            acc1 = _gemv_row_step(acc1, x_ptr + stride_xm, rk, k_mask, w, EVEN_K, ACC_2D)
+        if ROWS > 2:
+            acc2 = _gemv_row_step(acc2, x_ptr + 2 * stride_xm, rk, k_mask, w, EVEN_K, ACC_2D)
+        if ROWS > 3:
+            acc3 = _gemv_row_step(acc3, x_ptr + 3 * stride_xm, rk, k_mask, w, EVEN_K, ACC_2D)
+    scale = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if not SPLIT:
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    _gemv_row_out(
+        acc0, 0, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
+        SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D,
+    )  # fmt: skip
+    if ROWS > 1:
+        _gemv_row_out(
+            acc1, 1, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
+            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D,
+        )  # fmt: skip
+    if ROWS > 2:
+        _gemv_row_out(
+            acc2, 2, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
+            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D,
+        )  # fmt: skip
+    if ROWS > 3:
+        _gemv_row_out(
+            acc3, 3, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
+            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D,
+        )  # fmt: skip
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: SplitKGemvConfig | None = None,
+) -> torch.Tensor:
+    """y = x @ (weight * weight_scale[:, None])^T (+ bias) for M <= GEMV_MAX_M rows.
+
+    Args:
+        x: [M, K] activations (bf16/fp16/float32), rows contiguous.
+        weight: [N, K], rows contiguous: float8_e4m3fn with `weight_scale` [N] float32, or 16-bit
+            (bf16/fp16) with `weight_scale` None.
+        bias: optional [N].
+        config: overrides `gemv_config_for`'s (benchmarks, tests).
+
+    The grid and the split-K workspace depend on the shapes only (graph-safe); no host syncs.
+    """
+    assert x.dim() == 2 and weight.dim() == 2, "x [M, K], weight [N, K]"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= GEMV_MAX_M, f"the GEMV kernel takes at most {GEMV_MAX_M} rows, got {m}"
+    assert weight.shape[1] == k, f"x has K={k}, weight {tuple(weight.shape)}"
+    assert weight.stride(1) == 1 or k <= 1, "weight rows must be contiguous"
+    assert x.stride(1) == 1 or k <= 1, "x rows must be contiguous"
+    if weight.dtype == FP8_DTYPE:
+        assert weight_scale is not None and weight_scale.numel() == n
+        assert weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
+    else:
+        assert weight.dtype in (torch.bfloat16, torch.float16), f"weight dtype {weight.dtype}"
+        assert weight_scale is None, "16-bit weights take no scale"
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out.zero_()
+        return out if bias is None else out.add_(bias)
+    config = config or gemv_config_for(m, n, k, weight.dtype)
+    split_k = _gemv_split_k(config, n, k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)  # rounding up each split may leave fewer of them
+    partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    scale = weight if weight_scale is None else weight_scale  # a placeholder pointer without scales
+    bias_arg = scale if bias is None else bias
+    _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
+        x, weight, scale, bias_arg, out, partial, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        k_per_split, ROWS=m, HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
+        SPLIT=split_k > 1, EVEN_K=k % k_per_split == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        NUM_STAGES=config.num_stages, ACC_2D=config.acc_2d, num_warps=config.num_warps, num_stages=1,
+    )  # fmt: skip
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_k_reduce_kernel[(triton.cdiv(n, block), m)](
+            partial, scale, bias_arg, out, m, n, out.stride(0), SPLIT_K=split_k,
+            HAS_BIAS=bias is not None, BLOCK=block, HAS_SCALE=weight_scale is not None, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def linear_16bit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for bf16/fp16 weights and M <= GEMV_MAX_M rows, on the GEMV
+    kernel (output in x's dtype)."""
+    return gemv(x, weight, None, bias, x.dtype)

@@ -53,7 +53,7 @@ def _assert_close_to_reference(got: torch.Tensor, x, wq, ws, b) -> None:
     [(1, 37, 300), (2, 19, 520), (4, 24, 1100), (5, 33, 129), (13, 70, 513), (17, 40, 200), (64, 17, 96)],
 )
 def test_weight_only_kernel_matches_reference_on_odd_shapes(m, n, k):
-    """The table's configuration for each M (CUDA-core sums for a few rows, tensor cores above),
+    """The tables' configuration for each M (the GEMV kernel up to 4 rows, tensor cores above),
     K and N not multiples of any tile, a bias; split-K wherever N gives too few programs."""
     from pagedserve.kernels import triton_fp8_gemv as gemv
 
@@ -89,6 +89,108 @@ def test_weight_only_kernel_edge_shapes():
     _assert_close_to_reference(
         gemv.weight_only_linear(strided[:, :64], wq, ws, None, torch.bfloat16), x, wq, ws, None
     )
+
+
+def _bf16_operands(m: int, n: int, k: int, seed: int, bias: bool = True, device: str = DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) * torch.logspace(-2, 0, n)[:, None]).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    return x.to(device), w.to(device), None if b is None else b.to(device)
+
+
+def _assert_close_to_dense(got: torch.Tensor, x, w, b) -> None:
+    """As `_assert_close_to_reference`, for 16-bit weights (no scale)."""
+    want = x.float() @ w.float().t() + (0 if b is None else b.float())
+    assert got.dtype == x.dtype and got.shape == want.shape
+    err = (got.float() - want).abs()
+    bound = want.abs() * (2**-7 if INTERPRETED else 2**-8) + 1e-5 * want.abs().amax()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g} (worst bound {bound.min().item():.3g})"
+
+
+# Small GEMV configurations for the interpreter: split-K (auto and fixed), each accumulator, the
+# loop pipelined or not; tiles that divide none of the shapes below.
+_GEMV_CONFIGS = [
+    None,  # the default table's
+    dict(block_n=8, block_k=64, split_k=3, num_stages=3, acc_2d=False),
+    dict(block_n=4, block_k=32, split_k=1, num_stages=1, acc_2d=True),
+    dict(block_n=16, block_k=16, split_k=None, num_warps=2, num_stages=2),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("config", _GEMV_CONFIGS, ids=["table", "split3-1d", "nosplit-2d", "auto"])
+@pytest.mark.parametrize("m, n, k", [(1, 37, 300), (2, 19, 520), (3, 24, 1100), (4, 33, 129), (1, 9, 64)])
+def test_gemv_kernel_fp8_matches_reference_on_odd_shapes(m, n, k, config):
+    """The GEMV kernel (M <= 4) on e4m3 weights: K and N not multiples of any tile (but (1, 9, 64):
+    K whole steps, no masks in the loop), a bias."""
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    x, wq, ws, b = _operands(m, n, k, seed=m * 100 + n)
+    cfg = config and gemv.SplitKGemvConfig(**config)
+    _assert_close_to_reference(gemv.gemv(x, wq, ws, b, torch.bfloat16, cfg), x, wq, ws, b)
+
+
+@needs_triton
+@pytest.mark.parametrize("config", _GEMV_CONFIGS, ids=["table", "split3-1d", "nosplit-2d", "auto"])
+@pytest.mark.parametrize("m, n, k", [(1, 37, 300), (2, 19, 520), (3, 24, 1100), (4, 33, 129)])
+def test_gemv_kernel_bf16_matches_reference_on_odd_shapes(m, n, k, config):
+    """The same kernel on bf16 weights (no scale), bias on odd M."""
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    x, w, b = _bf16_operands(m, n, k, seed=m * 100 + n, bias=m % 2 == 1)
+    cfg = config and gemv.SplitKGemvConfig(**config)
+    _assert_close_to_dense(gemv.gemv(x, w, None, b, torch.bfloat16, cfg), x, w, b)
+
+
+@needs_triton
+def test_weight_only_linear_takes_the_gemv_at_few_rows(monkeypatch):
+    """weight_only_linear: the GEMV kernel for M <= FP8_GEMV_MAX_M (or given a GEMV
+    configuration), the tiled kernel above (or given a tiled configuration)."""
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    taken = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: taken.append("gemv") or real(*a, **kw))
+    x, wq, ws, b = _operands(5, 20, 70, seed=21)
+    assert gemv.FP8_GEMV_MAX_M == 2
+    for m in (1, 2, 3, 5):
+        _assert_close_to_reference(
+            gemv.weight_only_linear(x[:m], wq, ws, b, torch.bfloat16), x[:m], wq, ws, b
+        )
+    assert taken == ["gemv", "gemv"]
+    gemv.weight_only_linear(x[:4], wq, ws, b, torch.bfloat16, gemv.SplitKGemvConfig(8, 64))
+    assert taken == ["gemv", "gemv", "gemv"]
+    gemv.weight_only_linear(x[:1], wq, ws, b, torch.bfloat16, gemv.GemvConfig(16, 16, 32, True))
+    assert taken == ["gemv", "gemv", "gemv"]
+
+
+def test_gemv_tables_and_split():
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    cpu = torch.device("cpu")  # planned for 132 SMs
+    fp8_one = gemv.gemv_config_for(1, 1000, 1000, fp8.FP8_DTYPE)  # a shape off the table
+    bf16_one = gemv.gemv_config_for(1, 1000, 1000, torch.bfloat16)
+    # the same bytes per step: 16 e4m3 or 8 bf16 elements per 16-byte load
+    assert fp8_one.block_k == 2 * bf16_one.block_k
+    assert gemv.gemv_config_for(3, 10, 10, torch.bfloat16) == gemv.GEMV_DEFAULTS[("16bit", 4)]
+    assert gemv.gemv_config_for(3, 4096, 4096, torch.bfloat16) == gemv.GEMV_TABLE[("16bit", 4, 4096, 4096)]
+    for kind, m, _, _ in gemv.GEMV_TABLE:  # FP8 at 3-4 rows takes the tiled kernel: no entries
+        assert kind == "16bit" or m <= gemv.FP8_GEMV_MAX_M
+    # every llama-8b shape has >= 2 programs per SM without a split; a small shard gets one
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        for m in (1, 2, 4):
+            config = gemv.gemv_config_for(m, n, k, fp8.FP8_DTYPE)
+            if config.split_k is None:
+                assert gemv._gemv_split_k(config, n, k, cpu) == 1
+    auto = gemv.SplitKGemvConfig(block_n=8, block_k=512)
+    assert gemv._gemv_split_k(auto, 512, 4096, cpu) == 2  # 64 programs: 264 wanted, 8 steps / 4
+    assert gemv._gemv_split_k(auto, 512, 14336, cpu) == 5  # 28 steps allow 7
+    assert gemv._gemv_split_k(gemv.SplitKGemvConfig(8, 512, split_k=64), 8, 1000, cpu) == 2
+    with pytest.raises(ValueError, match="power of two"):
+        gemv.SplitKGemvConfig(block_n=12, block_k=64)
+    with pytest.raises(ValueError, match="num_stages"):
+        gemv.SplitKGemvConfig(block_n=8, block_k=64, num_stages=0)
 
 
 def test_split_k_fills_the_device_and_keeps_loops_long():
@@ -132,6 +234,55 @@ def threshold():
     before = quantization.weight_only_max_m()
     yield quantization.set_weight_only_max_m
     quantization.set_weight_only_max_m(before)
+
+
+def test_bf16_gemv_threshold_env_var_defaults_off(monkeypatch):
+    monkeypatch.delenv(quantization.BF16_GEMV_MAX_M_ENV, raising=False)
+    assert quantization.BF16_GEMV_MAX_M == 0
+    assert quantization._read_bf16_gemv_max_m() == 0
+    monkeypatch.setenv(quantization.BF16_GEMV_MAX_M_ENV, "4")
+    assert quantization._read_bf16_gemv_max_m() == 4
+    for bad in ("-2", "x"):
+        monkeypatch.setenv(quantization.BF16_GEMV_MAX_M_ENV, bad)
+        with pytest.raises(ValueError, match=quantization.BF16_GEMV_MAX_M_ENV):
+            quantization._read_bf16_gemv_max_m()
+
+
+def test_gemv_max_m_mirror():
+    pytest.importorskip("triton")
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    assert quantization._GEMV_MAX_M == gemv.GEMV_MAX_M
+
+
+@pytest.fixture
+def bf16_threshold():
+    before = quantization.bf16_gemv_max_m()
+    yield quantization.set_bf16_gemv_max_m
+    quantization.set_bf16_gemv_max_m(before)
+
+
+def test_dense_matmul_dispatches_by_m(monkeypatch, bf16_threshold):
+    """The model-dtype projections: the GEMV kernel at M <= the threshold (and <= 4) for 16-bit
+    weights where Triton runs, F.linear otherwise (threshold 0, float32, CPU tensors)."""
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    taken = []
+    monkeypatch.setattr(gemv, "linear_16bit", lambda x, w, b=None: taken.append(x.shape[0]) or "gemv")
+    x, w, b = _bf16_operands(6, 12, 40, seed=4, device="cpu")
+    dense = quantization.dense_matmul
+    bf16_threshold(0)
+    torch.testing.assert_close(dense(x[:1], w, b), torch.nn.functional.linear(x[:1], w, b))
+    assert taken == []
+    bf16_threshold(8)
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION", "triton")  # CPU tensors take Triton (interpreter)
+    assert dense(x[:1], w, b) == "gemv" and dense(x[:4], w) == "gemv"
+    assert taken == [1, 4]
+    assert isinstance(dense(x[:5], w, b), torch.Tensor)  # above the kernel's 4 rows: cuBLAS
+    assert isinstance(dense(x[:2].float(), w.float()), torch.Tensor)  # float32: F.linear
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION", "reference")
+    assert isinstance(dense(x[:2], w), torch.Tensor)
+    assert taken == [1, 4]
 
 
 def test_threshold_env_var(monkeypatch):
@@ -261,6 +412,71 @@ def test_cuda_weight_only_kernel_matches_reference(m, n, k):
 
     x, wq, ws, b = _operands(m, n, k, seed=m + n + k, bias=m % 2 == 1, device="cuda")
     _assert_close_to_reference(gemv.weight_only_linear(x, wq, ws, b, torch.bfloat16), x, wq, ws, b)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1000, 4100), (4099, 1032), (37, 300)])
+@pytest.mark.parametrize("weights", ["fp8", "bf16"])
+def test_cuda_gemv_kernel_matches_reference(m, n, k, weights):
+    """The GEMV kernel compiled, with the table's configuration for each shape (llama-8b rows,
+    odd ones where the loop masks K and the last block of N reads past it)."""
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    if weights == "fp8":
+        x, wq, ws, b = _operands(m, n, k, seed=m + n + k, bias=m % 2 == 1, device="cuda")
+        _assert_close_to_reference(gemv.gemv(x, wq, ws, b, torch.bfloat16), x, wq, ws, b)
+    else:
+        x, w, b = _bf16_operands(m, n, k, seed=m + n + k, bias=m % 2 == 1, device="cuda")
+        _assert_close_to_dense(gemv.linear_16bit(x, w, b), x, w, b)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(block_n=8, block_k=512, split_k=4, num_stages=4),
+        dict(block_n=16, block_k=256, split_k=None, num_stages=3, acc_2d=False),
+        dict(block_n=4, block_k=1024, split_k=1, num_stages=1),
+    ],
+)
+def test_cuda_gemv_kernel_configs(config):
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    x, wq, ws, b = _operands(3, 4099, 4100, seed=5, device="cuda")
+    cfg = gemv.SplitKGemvConfig(**config)
+    _assert_close_to_reference(gemv.gemv(x, wq, ws, b, torch.bfloat16, cfg), x, wq, ws, b)
+
+
+@needs_cuda
+@pytest.mark.parametrize("weights", ["fp8", "bf16"])
+def test_cuda_gemv_in_a_cuda_graph_is_deterministic(weights):
+    """Captured (a split-K configuration: its workspace from the graph's pool), replayed on new
+    inputs, and bitwise equal across replays and to the eager call (no atomics)."""
+    from pagedserve.kernels import triton_fp8_gemv as gemv
+
+    cfg = gemv.SplitKGemvConfig(block_n=8, block_k=256, split_k=4)
+    if weights == "fp8":
+        x, wq, ws, _ = _operands(1, 4096, 4096, seed=12, bias=False, device="cuda")
+        run = lambda: gemv.gemv(x, wq, ws, None, torch.bfloat16, cfg)  # noqa: E731
+    else:
+        x, w, _ = _bf16_operands(1, 4096, 4096, seed=12, bias=False, device="cuda")
+        run = lambda: gemv.gemv(x, w, None, None, torch.bfloat16, cfg)  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(first, out) and torch.equal(out, run())
+    if weights == "fp8":
+        _assert_close_to_reference(out, x, wq, ws, None)
+    else:
+        _assert_close_to_dense(out, x, w, None)
 
 
 @needs_cuda
