@@ -79,11 +79,7 @@ class MoeConfig:
     reduction per step, row blocks per column block in the launch order, warps, pipeline depth;
     tma_weights: weight tiles through a TMA descriptor instead of pointer loads (Hopper's copy
     engine; CUDA only, where the weights' strides allow it, else ignored): the prefill defaults'
-    choice where the H200 sweep found it faster, a `benchmarks.moe --sweep` option elsewhere.
-    sorted_intermediate (the down GEMM's config): gate_up writes the intermediate in the sorted,
-    padded row order and the down GEMM reads its row tiles through a TMA descriptor instead of
-    gathering rows (SGLang's `c_sorted` / `a_use_tma`); needs the same block_m for both GEMMs and
-    TMA, else ignored."""
+    choice where the H200 sweep found it faster, a `benchmarks.moe --sweep` option elsewhere."""
 
     block_m: int
     block_n: int
@@ -92,7 +88,6 @@ class MoeConfig:
     num_warps: int
     num_stages: int
     tma_weights: bool = False
-    sorted_intermediate: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -112,8 +107,7 @@ def choose_config(
     through TMA descriptors (gate_up 4 stages, down 256 columns); FP8 activations' gate_up 64
     columns per half with a 128-deep reduction, their down GEMM 128 x 128 x 128 through TMA (the
     largest tile without register spills: ptxas, sm_90); widened FP8 weights 64 gate_up columns per
-    half, 4 stages; bf16's down GEMM reads the intermediate in sorted order through TMA. gate_up
-    and down keep one block_m, so both run on one sorting of the assignments.
+    half, 4 stages. gate_up and down keep one block_m, so both run on one sorting of the assignments.
     """
     per_expert = rows / max(1, num_experts)
     half = 2 if gate_up else 1  # gate_up holds two accumulators of block_n columns
@@ -132,7 +126,7 @@ def choose_config(
     elif fp8_weights:
         cfg = MoeConfig(128, 128, 64, 8, 8, 3, tma_weights=True)
     else:
-        cfg = MoeConfig(128, 256, 64, 8, 8, 3, tma_weights=True, sorted_intermediate=True)
+        cfg = MoeConfig(128, 256, 64, 8, 8, 3, tma_weights=True)
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     return dataclasses.replace(cfg, block_n=block_n, block_k=block_k)
@@ -328,11 +322,9 @@ def _gate_up_kernel(
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    C_SORTED: tl.constexpr,
 ):
     """silu(x w_gate^T) * (x w_up^T) for BLOCK_M sorted assignment rows (one expert) x BLOCK_N
-    intermediate columns, written in the output dtype at the assignments' rows (C_SORTED: at the
-    block's own rows of the sorted layout, padding rows as zeros).
+    intermediate columns, written in the output dtype at the assignments' rows.
 
     a: x [tokens, hidden] (or its FP8 quantization with A_FP8: a_scale [tokens] per token); row r
     of the block reads token sorted_ids[r] // TOP_K. w: w13 [experts, 2 * inter, hidden]; gate
@@ -390,18 +382,13 @@ def _gate_up_kernel(
             acc_g *= row_scale
             acc_u *= row_scale
         hidden_act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        if C_SORTED:
-            o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-            tl.store(o_ptrs, hidden_act.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
-        else:
-            o_ptrs = out_ptr + ids.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-            tl.store(o_ptrs, hidden_act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        o_ptrs = out_ptr + ids.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(o_ptrs, hidden_act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["max_rows", "assignments"])
 def _down_kernel(
     a_ptr,
-    a_desc,
     w_ptr,
     w_desc,
     out_ptr,
@@ -434,7 +421,6 @@ def _down_kernel(
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    A_SORTED: tl.constexpr,
 ):
     """(h w_down^T) * routing weight for BLOCK_M sorted assignment rows x BLOCK_N hidden columns,
     written at the assignments' rows of out [tokens * top_k, hidden].
@@ -442,8 +428,6 @@ def _down_kernel(
     a: the intermediate h [tokens * top_k, inter] (row = assignment; A_FP8: its per-row FP8
     quantization with a_scale [tokens * top_k]); w: w2 [experts, hidden, inter]; W_FP8 as in
     `_gate_up_kernel`; topk_weights: [tokens * top_k] float32; W_TMA: w2's tiles through w_desc.
-    A_SORTED: h (and a_scale) in the sorted layout instead, [max rows, inter], its row tiles
-    through a_desc (a [BLOCK_M, BLOCK_K] descriptor).
     """
     pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, hidden, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -460,9 +444,7 @@ def _down_kernel(
         w_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
-            if A_SORTED:
-                a = a_desc.load([pid_m * BLOCK_M, k0])
-            elif EVEN_K:
+            if EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
@@ -482,8 +464,7 @@ def _down_kernel(
         if W_FP8:
             acc *= tl.load(w_scale_ptr + expert * stride_se + w_n * stride_sn)[None, :]
         if A_FP8:
-            scale_rows = offs_m.to(tl.int64) if A_SORTED else rows
-            acc *= tl.load(a_scale_ptr + scale_rows, mask=valid, other=0.0)[:, None]
+            acc *= tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
         acc *= tl.load(topk_weights_ptr + rows, mask=valid, other=0.0)[:, None]
         o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
@@ -543,25 +524,6 @@ def _weight_descriptor(w: torch.Tensor, cfg: MoeConfig):
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.block_n, cfg.block_k])
 
 
-def _sorts_intermediate(x: torch.Tensor, inter: int, gate_up: MoeConfig, down: MoeConfig) -> bool:
-    """Whether down's config asks for the intermediate in sorted order and can have it: one
-    block_m for both GEMMs (one sorting), a CUDA (or interpreted) tensor, rows of 16 bytes or more
-    (TMA) in bf16 and FP8."""
-    return (
-        down.sorted_intermediate
-        and down.block_m == gate_up.block_m
-        and (x.is_cuda or _INTERPRETED)
-        and inter % 16 == 0
-    )
-
-
-def _row_tile_descriptor(h: torch.Tensor, cfg: MoeConfig):
-    """A [block_m, block_k] TMA descriptor of the sorted intermediate h [max rows, inter]."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(h, list(h.shape), list(h.stride()), [cfg.block_m, cfg.block_k])
-
-
 def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> None:
     assert x.dim() == 2 and x.dtype in _SUPPORTED_DTYPES, "x must be [num_tokens, hidden] bf16/fp16/fp32"
     assert w13.dim() == 3 and w2.dim() == 3, "w13: [experts, 2 * inter, hidden], w2: [experts, hidden, inter]"
@@ -618,6 +580,7 @@ def fused_moe(
     x = x if x.stride(1) == 1 else x.contiguous()
     flat_weights = topk_weights.reshape(-1).contiguous()
 
+    hidden_act = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     a, a_scale = x, x  # a_scale is never read without A_FP8
     if a_fp8:  # per token, as the dense FP8 path (Triton on CUDA; the interpreter's e4m3 rounding
         # is off by a binade at times, so CPU tensors take the reference: `kernels.fp8`)
@@ -625,9 +588,6 @@ def fused_moe(
     sorted_ids, block_experts, num_rows = align(topk_ids, num_experts, gate_up_config.block_m)
     cfg = gate_up_config
     max_rows = sorted_ids.shape[0]
-    sorted_h = _sorts_intermediate(x, inter, gate_up_config, down_config)
-    # sorted: rows past the live blocks are never written, and never read (their programs exit)
-    hidden_act = torch.empty((max_rows if sorted_h else rows, inter), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
     _gate_up_kernel[grid](
         a, w13, _weight_descriptor(w13, cfg), hidden_act, a_scale, w13_scale if w_fp8 else w13, sorted_ids,
@@ -635,7 +595,7 @@ def fused_moe(
         *hidden_act.stride(), *(w13_scale.stride() if w_fp8 else (0, 0)),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=_uses_tma(w13, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
-        DOT_FP32=dot_fp32, DOT_PREC=precision, C_SORTED=sorted_h,
+        DOT_FP32=dot_fp32, DOT_PREC=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -650,13 +610,12 @@ def fused_moe(
     down = out if top_k == 1 else torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(hidden, cfg.block_n),)
     _down_kernel[grid](
-        h, _row_tile_descriptor(h, cfg) if sorted_h else None, w2, _weight_descriptor(w2, cfg), down,
-        h_scale, w2_scale if w_fp8 else w2, flat_weights,
+        h, w2, _weight_descriptor(w2, cfg), down, h_scale, w2_scale if w_fp8 else w2, flat_weights,
         sorted_ids, block_experts, num_rows, max_rows, rows, hidden, inter, *h.stride(), *w2.stride(),
         *down.stride(), *(w2_scale.stride() if w_fp8 else (0, 0)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=inter % cfg.block_k == 0, W_TMA=_uses_tma(w2, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
-        DOT_FP32=dot_fp32, DOT_PREC=precision, A_SORTED=sorted_h,
+        DOT_FP32=dot_fp32, DOT_PREC=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if top_k > 1:

@@ -8,8 +8,6 @@ both FP8 modes and a CUDA graph. Every check draws fresh random inputs.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -240,25 +238,6 @@ def test_fused_moe_weights_through_tma_descriptors(mode: str) -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", ["bf16", "fp8-widened", "fp8-activations"])
-def test_fused_moe_sorted_intermediate(mode: str) -> None:
-    """sorted_intermediate: gate_up writes the intermediate in the sorted, padded order and the down
-    GEMM reads its row tiles through a descriptor (a reduction of 48 leaves a partial 32-wide tile),
-    the same result as the gathered layout; a down block_m unlike gate_up's keeps the gathered one."""
-    args = make_moe(19, 6, 2, 64, 48, torch.bfloat16, fp8_weights=mode != "bf16", seed=11)
-    gate_up = tm.MoeConfig(16, 32, 32, 2, 4, 2)
-    down = tm.MoeConfig(16, 64, 32, 1, 4, 2, tma_weights=True, sorted_intermediate=True)
-    assert tm._sorts_intermediate(args["x"], 48, gate_up, down)
-    assert not tm._sorts_intermediate(args["x"], 48, gate_up, dataclasses.replace(down, block_m=32))
-    options = dict(fp8_activations=mode == "fp8-activations", gate_up_config=gate_up, down_config=down)
-    got = tm.fused_moe(**args, **options)
-    if mode == "fp8-activations":
-        assert_close(got, w8a8_reference(args), 3e-2)
-    else:
-        assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
-
-
-@needs_triton
 def test_fused_moe_fp8_widened_weights_match_reference() -> None:
     """e4m3 weights widened to bf16 (exact) times their row scales: the reference's math."""
     args = make_moe(21, 10, 2, 64, 48, torch.bfloat16, fp8_weights=True, seed=5)
@@ -352,20 +331,17 @@ def test_cuda_mixtral_moe_layer() -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("num_tokens", [64, 2048])
-def test_cuda_graph_capture_of_fused_moe(num_tokens: int) -> None:
+def test_cuda_graph_capture_of_fused_moe() -> None:
     """Captured once (sorting included: no host synchronisation); replays follow new routings and
-    inputs copied in place; at decode tiles and at prefill tiles (the sorted intermediate)."""
-    args = make_moe(num_tokens, **QWEN3_30B_A3B, dtype=torch.bfloat16, seed=1)
+    inputs copied in place."""
+    args = make_moe(64, **QWEN3_30B_A3B, dtype=torch.bfloat16, seed=1)
     tm.fused_moe(**args)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = tm.fused_moe(**args)
     for step in range(3):
-        fresh = make_moe(
-            num_tokens, **QWEN3_30B_A3B, dtype=torch.bfloat16, idle_experts=8 * step, seed=10 + step
-        )
+        fresh = make_moe(64, **QWEN3_30B_A3B, dtype=torch.bfloat16, idle_experts=8 * step, seed=10 + step)
         for key in ("x", "topk_ids", "topk_weights"):
             args[key].copy_(fresh[key])
         graph.replay()
