@@ -16,8 +16,8 @@ the model dtype (`rms_norm_for_fp8`, `silu_and_mul_for_fp8`) and the projection 
 kernel (`kernels.fp8.weight_only_linear`: the same e4m3 weights and scales, widened in registers),
 saving the activation quantization and `_scaled_mm`'s large-M tiles. The choice depends on the
 step's token count only, a shape, so each CUDA graph (one per padded batch size) captures one path.
-The same GEMV kernel can take the 16-bit projections and the LM head at small M (`dense_matmul`,
-behind `BF16_GEMV_MAX_M`, off until measured to beat cuBLAS).
+The same GEMV kernel takes the 16-bit projections and the LM head of one-token steps
+(`dense_matmul`, `BF16_GEMV_MAX_M`), where it beats cuBLAS.
 
 KV cache. The pool stores e4m3; each layer's `Attention` owns k_scale / v_scale (float32 [1] on the
 device, read by the kernels through a pointer so CUDA graphs captured before calibration see the
@@ -74,9 +74,10 @@ WEIGHT_ONLY_MAX_M_ENV = "PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M"
 
 # Steps of at most this many tokens run their 16-bit (bf16/fp16) projections and LM head on the
 # GEMV kernel (`kernels.triton_fp8_gemv.linear_16bit`, at most its GEMV_MAX_M rows) instead of
-# cuBLAS; 0: off until measured (`python -m benchmarks.small_m` prints where it beats cuBLAS on
-# every shape, as "BF16_GEMV_MAX_M").
-BF16_GEMV_MAX_M = 0
+# cuBLAS (0: never). One row, measured on the H200 (benchmarks/results/2026-12-04-h200): the GEMV
+# beats cuBLAS on every llama-8b shape at M = 1 and takes one request's per-token latency from
+# 4.86 to 4.53 ms; at 2 rows it lost on gate_up in one of two runs of `benchmarks.small_m`.
+BF16_GEMV_MAX_M = 1
 BF16_GEMV_MAX_M_ENV = "PAGEDSERVE_BF16_GEMV_MAX_M"
 
 

@@ -236,9 +236,11 @@ def threshold():
     quantization.set_weight_only_max_m(before)
 
 
-def test_bf16_gemv_threshold_env_var_defaults_off(monkeypatch):
+def test_bf16_gemv_threshold_env_var(monkeypatch):
     monkeypatch.delenv(quantization.BF16_GEMV_MAX_M_ENV, raising=False)
-    assert quantization.BF16_GEMV_MAX_M == 0
+    assert quantization.BF16_GEMV_MAX_M == 1
+    assert quantization._read_bf16_gemv_max_m() == 1
+    monkeypatch.setenv(quantization.BF16_GEMV_MAX_M_ENV, "0")
     assert quantization._read_bf16_gemv_max_m() == 0
     monkeypatch.setenv(quantization.BF16_GEMV_MAX_M_ENV, "4")
     assert quantization._read_bf16_gemv_max_m() == 4
