@@ -2,7 +2,7 @@
 (run on a GPU): 128 experts, top-8, hidden 2048, expert width 768.
 
     python -m benchmarks.moe [--result-file bench-results/moe.json] [--tokens 64,512,8192] [--quick]
-                             [--sweep [--sweep-budget-s 240]]
+                             [--sweep [--sweep-budget-s 240] [--sweep-gemms gate_up,down]]
 
 For each number of tokens and each mode (bf16 weights; FP8 weights widened to bf16; FP8 weights
 with FP8 activations per token), with random routing (softmax over random logits, top-8):
@@ -25,7 +25,7 @@ with FP8 activations per token), with random routing (softmax over random logits
 4. `--quick`: fewer repetitions and no per-expert loop (a quick check of a change).
 5. `--sweep` also times other tile configs (`kernels.triton_moe.MoeConfig`) for each GEMM, the
    other GEMM keeping its default, and prints the best per case next to the default
-   (`--sweep-budget-s` bounds it; settings left out are reported).
+   (`--sweep-budget-s` bounds it; settings left out are reported; `--sweep-gemms` picks the GEMMs).
 
 A line per case shows progress; a markdown table comes last; the JSON holds everything.
 """
@@ -240,7 +240,9 @@ def breakdown_line(stages: dict, graph_us: float) -> str:
     )
 
 
-def run_case(layer: Layer, tokens: int, mode: str, sweep_deadline: float | None, quick: bool) -> dict:
+def run_case(
+    layer: Layer, tokens: int, mode: str, sweep_deadline: float | None, quick: bool, gemms: list[str]
+) -> dict:
     device = layer.w13.device
     x = torch.randn(tokens, HIDDEN, device=device, dtype=DTYPE)
     weights, ids = routing(tokens, device)
@@ -288,7 +290,7 @@ def run_case(layer: Layer, tokens: int, mode: str, sweep_deadline: float | None,
     )
     log(breakdown_line(stages, ours_graph))
     if sweep_deadline is not None:
-        row["sweep"] = sweep(args, options, default_configs(rows, mode), ours_graph, sweep_deadline)
+        row["sweep"] = sweep(args, options, default_configs(rows, mode), ours_graph, sweep_deadline, gemms)
     return row
 
 
@@ -301,10 +303,14 @@ def default_configs(rows: int, mode: str) -> dict[str, tm.MoeConfig]:
     }
 
 
-def sweep(args: dict, options: dict, defaults: dict, default_us: float, deadline: float) -> dict:
+def sweep(
+    args: dict, options: dict, defaults: dict, default_us: float, deadline: float, gemms: list[str]
+) -> dict:
     """Each GEMM's candidates with the other's default config (graph replays of the whole call)."""
-    found: dict = {"gate_up": [], "down": []}
+    found: dict = {which: [] for which in gemms}
     for which, candidates in (("gate_up", GATE_UP_SWEEP), ("down", DOWN_SWEEP)):
+        if which not in gemms:
+            continue
         for config in candidates:
             if time.time() > deadline:
                 found[which].append({"config": asdict(config), "skipped": "sweep budget spent"})
@@ -379,6 +385,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, no per-expert loop")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
     parser.add_argument("--sweep-budget-s", type=float, default=240.0, help="seconds the sweep may take")
+    parser.add_argument("--sweep-gemms", default="gate_up,down", help="the GEMMs to sweep, comma-separated")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
     device = torch.device("cuda")
@@ -402,7 +409,7 @@ def main() -> None:
         deadline = None
         if args.sweep:
             deadline = time.time() + (start + args.sweep_budget_s - time.time()) / (len(cases) - index)
-        results["cases"].append(run_case(layer, t, mode, deadline, args.quick))
+        results["cases"].append(run_case(layer, t, mode, deadline, args.quick, args.sweep_gemms.split(",")))
         torch.cuda.empty_cache()
     results["correct"] = all(r["ok"] for r in results["cases"])
     results["wall_s"] = time.time() - start
