@@ -28,11 +28,12 @@ input), filled by one non-blocking copy per step. Padding cannot disturb anythin
   sampled;
 * logits rows past the sampled ones are never read.
 
-Speculative decoding's draft model runs k one-token passes per verification step, each from the
-previous one's proposal. Only pass 0 is staged from the host (`run`); a later pass rewrites its
-decode graph's per-token fields from device tensors (`run_next`, `step_inputs.next_pass_inputs`)
-and replays it again. For greedy requests the k passes, with their argmax, are also captured as one
-*proposal* graph per small decode size (`capture_proposals`, `propose`): one replay per step.
+Speculative decoding's draft model runs k + 1 one-token passes per verification step, each from
+the previous one's proposal (the last only writes the KV of the last proposal). Only pass 0 is
+staged from the host (`run`); a later pass rewrites its decode graph's per-token fields from device
+tensors (`run_next`, `step_inputs.next_pass_inputs`) and replays it again. For greedy requests the
+k + 1 passes, with their argmax, are also captured as one *proposal* graph per small decode size
+(`capture_proposals`, `propose`): one replay per step.
 
 The Triton kernels choose grids and splits from tensor *shapes* only, and a graph's block tables
 always have the full `max_blocks_per_seq` columns, so every launch parameter is fixed at capture.
@@ -50,7 +51,7 @@ import torch
 
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.step_inputs import DecodePassInputs, HostBatch, RequestSlots, next_pass_inputs
-from pagedserve.executor.transfer import aligned_length, pack_int64
+from pagedserve.executor.transfer import aligned_length
 
 log = structlog.get_logger(__name__)
 
@@ -59,8 +60,12 @@ log = structlog.get_logger(__name__)
 # of k separate passes weighs most; larger batches replay one decode graph per pass.
 PROPOSAL_GRAPH_MAX_SEQS = 32
 
+# What the CPU's static inputs hold where a fill wrote nothing: no token id, slot, row or position.
+_POISON = 1 << 40
+
 _TOKEN_FIELDS = ("host_ids", "feed_slots", "positions", "slot_mapping")
-_SEQ_FIELDS = ("seq_lens", "rows", "cu_seqlens", "logits_indices", "sample_rows")
+# `limits`: draft proposal graphs' per-row last proposal position (`next_pass_inputs`; -1: padding).
+_SEQ_FIELDS = ("seq_lens", "rows", "cu_seqlens", "logits_indices", "sample_rows", "limits")
 
 
 def decode_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -116,7 +121,7 @@ class StepGraphs:
         if device.type == "cuda":  # graph memory counts from here
             torch.cuda.synchronize(device)
             self._free_at_start = torch.cuda.mem_get_info(device)[0]
-        # Aligned capacities: the fields start 16-byte aligned, as `pack_int64` lays them out.
+        # Aligned capacities: the fields start 16-byte aligned (Triton specialises on alignment).
         tokens = max(self.max_decode, self.mixed_sizes[-1] if self.mixed_sizes else 0)
         self._token_capacity = aligned_length(tokens)
         self._seq_capacity = aligned_length(self.num_seq_slots + 1)  # cu_seqlens has one entry more
@@ -134,9 +139,8 @@ class StepGraphs:
         self._decode_cu_seqlens = torch.arange(self.max_decode + 1, dtype=torch.int32, device=device)
         self._decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Draft proposals (`capture_proposals`): each row's last proposal position (-1: padding),
-        # the proposals, and one graph per decode size of the k passes.
-        self._limits = torch.full((self.max_decode,), -1, dtype=torch.int64, device=device)
+        # Draft proposals (`capture_proposals`): the proposals, and one graph per decode size of the
+        # k + 1 passes (each row's limit is a static field, staged with pass 0's inputs).
         self._proposals = torch.zeros((self.max_decode, 0), dtype=torch.int64, device=device)
         self._proposal_sizes: list[int] = []
         self._proposal_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -179,9 +183,18 @@ class StepGraphs:
         logits_indices = seqs["logits_indices"] if mixed else None
         self.model(input_ids, meta, self.kv_caches, logits_indices, out=self._logits[:num_seqs])
 
-    def _fill(self, batch: HostBatch | None, num_tokens: int, mixed: bool) -> None:
+    def _fill(
+        self, batch: HostBatch | None, num_tokens: int, mixed: bool, limits: np.ndarray | None = None
+    ) -> None:
         """Copies `batch` into the static inputs, padded to `num_tokens` tokens (and, for a mixed
-        graph, `num_seq_slots` sequences); all padding if batch is None."""
+        graph, `num_seq_slots` sequences); all padding if batch is None. `limits`: a proposal
+        graph's, per sequence (padding rows get -1); None for the graphs that do not read them.
+
+        Only the prefix of each field that this graph reads is written (`_forward` reads the first
+        num_tokens / num_seqs entries): the rest of the staging buffer is left as allocated and
+        never read, so a step costs the host O(its tokens), not the fields' capacities (the
+        largest mixed graph's, 8,192 tokens by default: ~260 KB zero-padded and packed per fill
+        before). One non-blocking copy moves the buffer; on the CPU it is written in place."""
         empty = np.zeros(0, dtype=np.int64)
         get = (lambda name: empty) if batch is None else (lambda name: getattr(batch, name))
         t = len(get("positions"))
@@ -202,29 +215,33 @@ class StepGraphs:
             pad_seqs = num_tokens - s
             cu, seq_lens = empty, np.concatenate((get("seq_lens"), np.ones(pad_seqs, dtype=np.int64)))
         num_sampled = len(get("logits_indices"))
+        num_rows = s + pad_seqs - num_sampled  # logits rows past the sampled ones
         pad_row = self.slots.pad_row
         slot_mapping = get("slot_mapping") if batch is not None else np.zeros((self.slots.num_groups, 0))
+        # Per field: its values, then a padding value (or array) and how many entries it fills.
         fields = {
-            "host_ids": (get("host_ids"), np.zeros(pad_tokens)),
-            "feed_slots": (get("feed_slots"), np.full(pad_tokens, -1)),
-            "positions": (get("positions"), np.zeros(pad_tokens)),
-            "slot_mapping": (slot_mapping, np.full(pad_tokens, -1)),
-            "seq_lens": (seq_lens, empty),
-            "rows": (get("rows"), np.full(pad_seqs, pad_row)),
-            "cu_seqlens": (cu, empty),
-            "logits_indices": (get("logits_indices"), np.zeros(s + pad_seqs - num_sampled)),
-            "sample_rows": (get("sample_rows"), np.full(s + pad_seqs - num_sampled, pad_row)),
+            "host_ids": (get("host_ids"), 0, pad_tokens),
+            "feed_slots": (get("feed_slots"), -1, pad_tokens),
+            "positions": (get("positions"), 0, pad_tokens),
+            "seq_lens": (seq_lens, 0, 0),
+            "rows": (get("rows"), pad_row, pad_seqs),
+            "cu_seqlens": (cu, 0, 0),
+            "logits_indices": (get("logits_indices"), 0, num_rows),
+            "sample_rows": (get("sample_rows"), pad_row, num_rows),
         }
-        arrays = []
-        for names, capacity in ((_TOKEN_FIELDS, self._token_capacity), (_SEQ_FIELDS, self._seq_capacity)):
-            for name in names:
-                head, pad = fields[name]
-                if name == "slot_mapping":  # one padded row per KV-cache group
-                    arrays.append(np.concatenate([_padded(row, pad, capacity) for row in head]))
-                else:
-                    arrays.append(_padded(head, pad, capacity))
-        host, _ = pack_int64(arrays, self._static.device)
-        self._static.copy_(host, non_blocking=True)
+        if limits is not None:
+            fields["limits"] = (limits, -1, s + pad_seqs - len(limits))
+        on_cpu = self._static.device.type == "cpu"
+        if on_cpu:  # (tests: the graphs' layout uncaptured) poisoned where not written, so that a
+            self._static.fill_(_POISON)  # graph reading past its fill fails there too
+        host = self._static if on_cpu else torch.empty(self._static.shape, dtype=torch.int64, pin_memory=True)
+        view = host.numpy()
+        for name, (head, pad, num_pad) in fields.items():
+            _write(view, self._offsets[name], head, pad, num_pad)
+        for group, row in enumerate(slot_mapping):  # one row of token_capacity per KV-cache group
+            _write(view, self._offsets["slot_mapping"] + group * self._token_capacity, row, -1, pad_tokens)
+        if not on_cpu:
+            self._static.copy_(host, non_blocking=True)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -259,12 +276,13 @@ class StepGraphs:
     @torch.inference_mode()
     def capture_proposals(self, num_passes: int, max_size: int) -> None:
         """Captures, for each decode size up to `max_size`, a draft model's `num_passes` greedy
-        proposal passes as one graph (after `capture`, in its memory pool)."""
+        proposal passes (and the pass that writes the last proposal's KV) as one graph (after
+        `capture`, in its memory pool)."""
         device = self._static.device
         start = time.perf_counter()
         self.prepare_proposals(num_passes, max_size)
         for size in reversed(self._proposal_sizes):
-            self._fill(None, size, False)
+            self._fill(None, size, False, np.zeros(0, dtype=np.int64))
             self._propose(size, num_passes)  # warm-up
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
@@ -288,17 +306,19 @@ class StepGraphs:
 
     def _propose(self, size: int, num_passes: int) -> None:
         """The captured proposal work: pass 0 from the static inputs, then each later pass from
-        the previous one's argmax, its inputs derived on the device."""
+        the previous one's argmax, its inputs derived on the device; a last pass, over the last
+        proposals, writes their KV alone (the draft then holds the KV of every verified token)."""
         rows = self._field("rows", size)
         base = self._field("positions", size).clone()
-        limits = self._limits[:size]
+        limits = self._field("limits", size)
         block_size = self.kv_caches[0][0].shape[1]
-        for j in range(num_passes):
+        for j in range(num_passes + 1):
             if j:
                 inputs = next_pass_inputs(rows, base, limits, j, self.slots.table, block_size)
                 self._set_pass_inputs(size, self._proposals[:size, j - 1], inputs)
             self._forward(size, False)
-            self._proposals[:size, j] = self._logits[:size].argmax(dim=-1)
+            if j < num_passes:
+                self._proposals[:size, j] = self._logits[:size].argmax(dim=-1)
 
     def can_propose(self, num_rows: int, num_passes: int) -> bool:
         """Whether a proposal graph runs `num_passes` passes of `num_rows` sequences."""
@@ -308,10 +328,11 @@ class StepGraphs:
         self,
         batch: HostBatch,
         token_ids: tuple[torch.Tensor, torch.Tensor] | None,
-        limits: torch.Tensor,
+        limits: np.ndarray,
     ) -> torch.Tensor:
         """Replays the proposal graph for pass 0's `batch` (a decode batch; `token_ids` as in
-        `run`) and [S] `limits` (see `next_pass_inputs`): returns the greedy proposals [S, k]."""
+        `run`) and [S] `limits` (see `next_pass_inputs`: each row's last proposal's position):
+        returns the greedy proposals [S, k]."""
         size = self._start_proposals(batch, token_ids, limits)
         self._proposal_graphs[size].replay()
         return self._proposals[: batch.num_seqs]
@@ -321,7 +342,7 @@ class StepGraphs:
         self,
         batch: HostBatch,
         token_ids: tuple[torch.Tensor, torch.Tensor] | None,
-        limits: torch.Tensor,
+        limits: np.ndarray,
     ) -> torch.Tensor:
         """Computes what `propose` replays, padding included, without a graph (tests on the CPU)."""
         size = self._start_proposals(batch, token_ids, limits)
@@ -329,13 +350,12 @@ class StepGraphs:
         return self._proposals[: batch.num_seqs]
 
     def _start_proposals(
-        self, batch: HostBatch, token_ids: tuple[torch.Tensor, torch.Tensor] | None, limits: torch.Tensor
+        self, batch: HostBatch, token_ids: tuple[torch.Tensor, torch.Tensor] | None, limits: np.ndarray
     ) -> int:
+        """Stages pass 0 and the limits (host arrays, one copy); returns the graph's size."""
         size = self._decode_size(batch.num_seqs)
-        self._fill(batch, size, False)
+        self._fill(batch, size, False, limits)
         self._set_token_ids(token_ids)
-        self._limits[: batch.num_seqs].copy_(limits)
-        self._limits[batch.num_seqs : size].fill_(-1)
         return size
 
     def run_next(self, ids: torch.Tensor, inputs: DecodePassInputs) -> torch.Tensor:
@@ -418,16 +438,15 @@ class StepGraphs:
         same stream); their feed slots are -1, so the graph reads them as host ids."""
         if token_ids is not None:
             rows, ids = token_ids
-            self._static.index_copy_(0, rows + self._offsets["host_ids"], ids)
+            self._field("host_ids", self._token_capacity).index_copy_(0, rows, ids)  # (one kernel)
 
     def _outputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         num_sampled = len(batch.logits_indices)
         return self._logits[:num_sampled], self._field("sample_rows", num_sampled)
 
 
-def _padded(head: np.ndarray, pad: np.ndarray, capacity: int) -> np.ndarray:
-    """head then pad, as int64, zero-filled up to capacity (unused tail of a field)."""
-    out = np.zeros(capacity, dtype=np.int64)
-    out[: len(head)] = head
-    out[len(head) : len(head) + len(pad)] = pad
-    return out
+def _write(view: np.ndarray, offset: int, head: np.ndarray, pad: int, num_pad: int) -> None:
+    """Writes `head`, then `num_pad` entries of `pad`, into `view` from `offset`."""
+    end = offset + len(head)
+    view[offset:end] = head
+    view[end : end + num_pad] = pad

@@ -63,6 +63,7 @@ from pagedserve.executor.spec_decode import (
     draft_sampling_params,
     probs_processing,
     processed_probs,
+    stage_layout,
     verify_draft_model,
     verify_point_mass,
 )
@@ -71,6 +72,7 @@ from pagedserve.executor.step_inputs import (
     RequestSlots,
     build_host_batch,
     build_step_inputs,
+    decode_batch,
     next_pass_inputs,
     stage_batch,
 )
@@ -215,25 +217,31 @@ def load_draft_model(config: ExecutorConfig, target: CausalLM) -> CausalLM | Non
 @dataclass(frozen=True, slots=True)
 class _DraftProposals:
     """The draft model's proposals of one step, on the device: per verification row the proposal
-    it checks and the draft distribution q it was drawn from, and the proposals again as the input
-    ids of their batch rows (`token_rows`)."""
+    it checks and the draft distribution q it was drawn from (None: every request is greedy), and
+    the proposals again as the input ids of their batch rows (`token_rows`). `layout` (its index
+    tensors staged) and `slots` are the verification's, copied to the device with the passes'
+    inputs: the step's one copy for its proposals and their acceptance."""
 
     row_ids: torch.Tensor
-    row_probs: torch.Tensor
+    row_probs: torch.Tensor | None
     input_ids: torch.Tensor
     token_rows: torch.Tensor
+    layout: VerifyLayout
+    slots: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
 class _DraftPasses:
-    """A step's draft proposal passes, for the device-side derivation of passes 1 .. width - 1
+    """A step's draft proposal passes, for the device-side derivation of passes 1 .. width
     (`step_inputs.next_pass_inputs`): per verified request its slot, its last token's position
-    (pass 0's) and its last proposal's input position (limit), on the device; the passes; the
-    block table columns the last pass needs."""
+    (pass 0's) and its last proposal's position (limit), on the device; the proposals per request
+    (`width`, the widest: width + 1 passes, the last of which only writes the last proposal's KV);
+    the block table columns the last pass needs."""
 
     rows: torch.Tensor
     starts: torch.Tensor
     limits: torch.Tensor
+    host_limits: np.ndarray  # the same, on the host (a proposal graph stages them with pass 0)
     width: int
     table_width: int
 
@@ -267,6 +275,13 @@ class _Scheduled:
         """Whether its computed tokens (proposals aside) reach its end: the step samples it."""
         st = self.state
         return st.num_computed + self.num_new - self.num_draft == st.num_tokens
+
+
+def _verify_layout(verified: list[_Scheduled]) -> VerifyLayout:
+    """The verification rows of a step's verified requests (in their order, d_i + 1 each)."""
+    num_drafts = np.array([s.num_draft for s in verified], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]]).astype(np.int64)
+    return VerifyLayout(num_drafts, offsets)
 
 
 class ModelRunner:
@@ -787,12 +802,15 @@ class ModelRunner:
             pending.order = [s.state.seq_id for s in scheduled if s.samples]
         spec_rows = self._spec_rows(scheduled, batch) if verified else np.zeros(0, dtype=np.int64)
         prompt_rows, prompt_targets = self._prompt_logprob_rows(scheduled, batch, pending)
+        calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
         drafted = None
+        draft_batch = batch  # what the draft runs over for its KV (None: nothing)
         if self.draft is not None and any(s.from_draft_model for s in verified):
-            drafted = self._draft_proposals(verified, spec_rows)
+            drafted = self._draft_proposals(verified, spec_rows, batch)
+            if not calibrate:  # the proposal passes wrote the verified tokens' draft KV
+                draft_batch = self._draft_rest(scheduled, verified)
         for s in scheduled:
             s.state.num_computed += s.num_new
-        calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
         # Prompt logprobs and verification need logits at more rows than the graphs compute: those
         # steps run eagerly, as does the step that calibrates the FP8 KV scales.
         graph_batch = batch
@@ -815,8 +833,8 @@ class ModelRunner:
             logits, sample_rows = self.graphs.run(graph_batch, token_ids)
             sample_rows = sample_rows[: len(batch.logits_indices)]
             self.stats.graph_steps += 1
-            if self.draft is not None:  # the draft's KV for the same tokens, before the feed
-                self._draft_pass(batch, token_ids)
+            if self.draft is not None and draft_batch is not None:  # the draft's KV, before the feed
+                self._draft_pass(draft_batch, token_ids if draft_batch is batch else None)
         else:
             inputs = stage_batch(batch, self.slots)
             input_ids = inputs.input_ids
@@ -833,9 +851,10 @@ class ModelRunner:
             logits = self.model(input_ids, inputs.meta, self._layer_caches, indices)
             if calibrate:
                 self.model.set_kv_calibration(False)
-            if self.draft is not None:
+            if self.draft is not None and draft_batch is not None:
                 token_ids = None if drafted is None else (drafted.token_rows, drafted.input_ids)
-                self._draft_pass(batch, token_ids, calibrate=calibrate)
+                token_ids = token_ids if draft_batch is batch else None
+                self._draft_pass(draft_batch, token_ids, calibrate=calibrate)
             sample_rows = inputs.sample_rows
             if len(prompt_rows):
                 num_rows = len(batch.logits_indices) + len(spec_rows)
@@ -863,6 +882,15 @@ class ModelRunner:
         if not work.sampling and not work.verified and self.device.type == "cuda" and pending.prompt_spans:
             pending.done = torch.cuda.Event()
             pending.done.record()
+
+    def _draft_rest(self, scheduled: list[_Scheduled], verified: list[_Scheduled]) -> HostBatch | None:
+        """The batch of a step's requests whose tokens the draft still has to run over for their
+        KV: all but the verified ones, whose proposal passes wrote it (None: no other request, as
+        in a step of verifications alone, where the draft's pass over the step is skipped: its
+        staging, a graph replay and its GPU time). Called before num_computed advances."""
+        done = {id(s) for s in verified}
+        rest = [s for s in scheduled if id(s) not in done]
+        return self._host_batch(rest) if rest else None
 
     def _draft_pass(
         self,
@@ -893,61 +921,68 @@ class ModelRunner:
             self.draft.set_kv_calibration(False)
         return out
 
-    def _draft_proposals(self, verified: list[_Scheduled], spec_rows: np.ndarray) -> _DraftProposals:
+    def _draft_proposals(
+        self, verified: list[_Scheduled], spec_rows: np.ndarray, batch: HostBatch
+    ) -> _DraftProposals:
         """The draft model's proposals for the verified requests: d_i decode passes of the draft
         from each one's last token (its KV is the draft's for every earlier token), each sampling
         the next proposal from the draft's processed distribution q (the request's temperature,
         top-k and top-p; greedy: its argmax) with its own per-(seed, position) noise. Called before
         the target's forward, which then computes the proposals with the rest of the step.
 
-        Only pass 0 is built on the host; every later pass's inputs are derived on the device
+        Only pass 0 is built on the host (the rows of `batch`, the step's, where the verifications
+        start: `spec_rows` are their batch rows); every later pass's inputs are derived on the device
         (`step_inputs.next_pass_inputs`), so the passes queue back to back without host work
         between them: one replay of a proposal graph for greedy requests, else one decode graph
-        replay per pass (or eager passes without graphs)."""
+        replay per pass (or eager passes without graphs). A last pass over each request's last
+        proposal writes its KV, so the passes leave the draft's KV of every token the target
+        verifies and the draft need not run over the verified requests' tokens again
+        (`_launch_forward`)."""
         assert self.draft is not None
         states = [s.state for s in verified]
         num = len(verified)
-        num_drafts = np.array([s.num_draft for s in verified], dtype=np.int64)
+        layout = _verify_layout(verified)
+        num_drafts = layout.num_drafts
         width = int(num_drafts.max())
         starts = np.array([st.num_computed for st in states], dtype=np.int64)  # the last token's position
         slots = np.array([st.slot for st in states], dtype=np.int64)
-        # The last token: on the host if it was sent, else fed from last_token.
-        chunks = [st.known_ids[st.num_computed : st.num_computed + 1] for st in states]
-        batch = build_host_batch(
-            rows=slots, starts=starts, q_lens=np.ones(num, dtype=np.int64), samples=np.ones(num, dtype=bool),
-            host_chunks=chunks, table=self.slots.table_host, block_size=self.block_size,
-        )  # fmt: skip
-        # Per verification row (j = 0 .. d_i of request i): the proposal it checks and its q (the
-        # last row's entries are ignored), and the batch rows of the proposals (input tokens).
+        # Pass 0: each verified request's last token (on the host if it was sent, else fed from
+        # last_token), the first of its verification rows in the step's batch.
+        first = decode_batch(batch, spec_rows[layout.offsets], slots, self.block_size)
+        # Per verification row (j = 0 .. d_i of request i): the proposal it checks, as an index into
+        # the [S, width] proposals flattened (the last row's, clamped, is ignored), and its q's row
+        # of the [S, width + 1] distributions; per proposal, the batch row it is the input token of
+        # (proposal j is that of verification row j + 1; `spec_rows`: their batch rows). Indexing
+        # the proposals so needs no padded copy of them.
         seq_index = np.repeat(np.arange(num), num_drafts + 1)
         j_index = np.concatenate([np.arange(d + 1) for d in num_drafts.tolist()])
-        # Proposal j is the input token of verification row j + 1 (`spec_rows`: their batch rows).
-        checked = np.flatnonzero(j_index < np.repeat(num_drafts, num_drafts + 1))
+        checks = seq_index * width + np.minimum(j_index, width - 1)
+        inputs = checks[j_index < num_drafts[seq_index]]
         token_rows = spec_rows[j_index >= 1]
-        rows_d, starts_d, limits_d, seq_d, j_d, checked_d, token_rows_d = int64_to_device(
-            [slots, starts, starts + num_drafts - 1, seq_index, j_index, checked, token_rows], self.device
+        q_rows = seq_index * (width + 1) + j_index
+        limits = starts + num_drafts
+        layout, (slots_d, starts_d, limits_d, checks_d, inputs_d, token_rows_d, q_rows_d) = stage_layout(
+            layout, self.device, [slots, starts, limits, checks, inputs, token_rows, q_rows]
         )
-        passes = _DraftPasses(
-            rows_d, starts_d, limits_d, width, -(-int((starts + num_drafts).max()) // self.block_size)
-        )
+        table_width = -(-int(limits.max() + 1) // self.block_size)
+        passes = _DraftPasses(slots_d, starts_d, limits_d, limits, width, table_width)
         params = [st.sampling for st in states]
         vocab, device = self.spec.vocab_size, self.device
-        proposals = torch.zeros((num, width + 1), dtype=torch.int64, device=device)
-        if all(p.greedy for p in params):  # proposals are the draft's argmax; q is not needed
-            proposals[:, :width] = self._greedy_proposals(batch, passes)
-            row_probs = torch.zeros((1, 1), device=device).expand(len(seq_index), vocab)  # (unused)
+        row_probs = None  # greedy: proposals are the draft's argmax, q is not needed
+        if all(p.greedy for p in params):
+            proposals = self._greedy_proposals(first, passes)
         else:
             probs = torch.zeros((num, width + 1, vocab), dtype=torch.float32, device=device)
-            proposals[:, :width] = self._sampled_proposals(batch, passes, params, starts, probs)
-            row_probs = probs[seq_d, j_d]
-        row_ids = proposals[seq_d, j_d]
-        return _DraftProposals(row_ids, row_probs, row_ids[checked_d], token_rows_d)
+            proposals = self._sampled_proposals(first, passes, params, starts, probs)
+            row_probs = probs.view(-1, vocab)[q_rows_d]
+        flat = proposals.reshape(-1)
+        return _DraftProposals(flat[checks_d], row_probs, flat[inputs_d], token_rows_d, layout, slots_d)
 
     def _greedy_proposals(self, batch: HostBatch, passes: _DraftPasses) -> torch.Tensor:
         """[S, width] greedy proposals: one replay of the proposal graph when one fits."""
         graphs = self.draft_graphs
         if graphs is not None and graphs.can_propose(batch.num_seqs, passes.width):
-            return graphs.propose(batch, None, passes.limits)
+            return graphs.propose(batch, None, passes.host_limits)
         return self._proposal_passes(batch, passes, lambda logits, j: logits.argmax(dim=-1))
 
     def _sampled_proposals(
@@ -981,15 +1016,16 @@ class ModelRunner:
         passes: _DraftPasses,
         choose: Callable[[torch.Tensor, int], torch.Tensor],
     ) -> torch.Tensor:
-        """Runs the width passes (pass 0 from `batch`, staged; the others' inputs derived on the
-        device from pass 0's) and returns [S, width] proposals, `choose(logits, j)` of each pass."""
+        """Runs the width + 1 passes (pass 0 from `batch`, staged; the others' inputs derived on
+        the device from pass 0's) and returns [S, width] proposals, `choose(logits, j)` of passes
+        0 .. width - 1 (the last pass writes the last proposal's KV; its logits are not used)."""
         assert self.draft is not None
         graphs = self.draft_graphs
         graph = graphs is not None and graphs.can_run_decode(batch.num_seqs)  # pass 0 ran its decode graph
         out = torch.empty((batch.num_seqs, passes.width), dtype=torch.int64, device=self.device)
         logits = self._draft_pass(batch, None, logits=True)
         cu_seqlens = None
-        for j in range(passes.width):
+        for j in range(passes.width + 1):
             if j:
                 inputs = next_pass_inputs(
                     passes.rows, passes.starts, passes.limits, j, self.slots.table, self.block_size
@@ -1006,8 +1042,10 @@ class ModelRunner:
                         seq_lens=inputs.seq_lens.to(torch.int32),
                         cu_seqlens_q=cu_seqlens,
                     )
-                    logits = self.draft(out[:, j - 1], meta, self._draft_caches, None)
-            out[:, j] = choose(logits, j)
+                    ids = out[:, j - 1]
+                    logits = self.draft(ids, meta, self._draft_caches, None if j < passes.width else ids[:0])
+            if j < passes.width:
+                out[:, j] = choose(logits, j)
         return out
 
     def _verify(
@@ -1023,31 +1061,32 @@ class ModelRunner:
         the host. Its state advances in `finish`, once the counts are known there: the scheduler
         plans its next step only after this output (scheduler/core.py)."""
         states = [s.state for s in verified]
-        num_drafts = np.array([s.num_draft for s in verified], dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(num_drafts + 1)[:-1]]).astype(np.int64)
-        layout = VerifyLayout(num_drafts, offsets)
-        draft_rows = np.concatenate([np.append(s.drafts[: s.num_draft], -1) for s in verified])
         banned = [
             st.sampling.banned_ids(st.num_tokens - st.num_prompt + j)
-            for st, d in zip(states, num_drafts.tolist(), strict=True)
-            for j in range(d + 1)
+            for s, st in zip(verified, states, strict=True)
+            for j in range(s.num_draft + 1)
         ]
-        draft_ids, slots = int64_to_device([draft_rows, np.array([st.slot for st in states])], self.device)
         params, positions = [st.sampling for st in states], [st.num_tokens for st in states]
-        if drafted is not None:
+        if drafted is not None:  # the layout and slots came to the device with the proposal passes
+            slots = drafted.slots
             result = verify_draft_model(
-                logits, drafted.row_ids, drafted.row_probs, params, positions, layout,
+                logits, drafted.row_ids, drafted.row_probs, params, positions, drafted.layout,
                 banned if any(banned) else None,
             )  # fmt: skip
-        else:
+        else:  # one copy for everything acceptance reads: the layout's indices, proposals, slots
+            draft_rows = np.concatenate([np.append(s.drafts[: s.num_draft], -1) for s in verified])
+            layout, (draft_ids, slots) = stage_layout(
+                _verify_layout(verified), self.device, [draft_rows, np.array([st.slot for st in states])]
+            )
             result = verify_point_mass(
                 logits, draft_ids, params, positions, layout, banned if any(banned) else None, masks
             )
         self._feed(slots, result.last_token)
         self._verified(result.counts)
         pending.spec = [(st, s.num_draft) for st, s in zip(states, verified, strict=True)]
-        pending.spec_token_ids = to_host(result.token_ids)
-        pending.spec_counts = to_host(result.counts)
+        # One copy to the host: the emitted tokens with each row's count in a last column.
+        emitted = to_host(torch.cat([result.token_ids, result.counts[:, None]], dim=1))
+        pending.spec_token_ids, pending.spec_counts = emitted[:, :-1], emitted[:, -1]
         if any(st.sampling.return_logprobs for st in states) and result.logprobs is not None:
             pending.spec_logprobs = to_host(result.logprobs)
         if self.device.type == "cuda":

@@ -44,6 +44,17 @@ from pagedserve.executor.transfer import int64_to_device, to_device
 
 
 @dataclass(frozen=True)
+class LayoutIndex:
+    """A `VerifyLayout`'s index tensors on the device: [S, K + 1] `padded_rows`, its [S, K]
+    proposal mask, and the [rows] mask of each sequence's last row (the masks int64 0 / 1, as
+    copied: a cast would be one more kernel per step)."""
+
+    rows: torch.Tensor
+    valid: torch.Tensor
+    last: torch.Tensor
+
+
+@dataclass(frozen=True)
 class VerifyLayout:
     """Where each speculating sequence's rows are. S sequences; row j of sequence i is
     `offsets[i] + j`, j in [0, num_drafts[i]]; K = max(num_drafts).
@@ -51,10 +62,13 @@ class VerifyLayout:
     Attributes:
         num_drafts: [S] host ints, d_i >= 1.
         offsets: [S] host ints, the first row of each sequence.
+        index: its index tensors on the device (`stage_layout`: one copy with the caller's own
+            arrays); None: acceptance copies them itself.
     """
 
     num_drafts: np.ndarray
     offsets: np.ndarray
+    index: LayoutIndex | None = None
 
     @property
     def num_rows(self) -> int:
@@ -71,6 +85,30 @@ class VerifyLayout:
         rows = self.offsets[:, None] + np.minimum(j, self.num_drafts[:, None])
         valid = j[:, :-1] < self.num_drafts[:, None]
         return rows.astype(np.int64), valid
+
+    def last_rows(self) -> np.ndarray:
+        """[rows] bool: each sequence's last row (the bonus token's)."""
+        last = np.zeros(self.num_rows, dtype=bool)
+        last[self.offsets + self.num_drafts] = True
+        return last
+
+
+def stage_layout(
+    layout: VerifyLayout, device: torch.device, extra: Sequence[np.ndarray] = ()
+) -> tuple[VerifyLayout, list[torch.Tensor]]:
+    """`layout` with its index tensors on the device, and the int arrays `extra` there too, in one
+    non-blocking copy: a verification step stages everything its acceptance needs at once."""
+    rows, valid = layout.padded_rows()
+    arrays = [rows.reshape(-1), valid.reshape(-1).astype(np.int64), layout.last_rows().astype(np.int64)]
+    rows_d, valid_d, last_d, *extra_d = int64_to_device([*arrays, *extra], device)
+    index = LayoutIndex(rows_d.view(rows.shape), valid_d.view(valid.shape), last_d)
+    return replace(layout, index=index), extra_d
+
+
+def _index(layout: VerifyLayout, device: torch.device) -> LayoutIndex:
+    index = layout.index if layout.index is not None else stage_layout(layout, device)[0].index
+    assert index is not None
+    return index
 
 
 @dataclass(frozen=True)
@@ -100,15 +138,12 @@ def _gather_emitted(
     logprobs: torch.Tensor | None,
 ) -> VerifyOutput:
     """From per-row emitted candidates and per-row acceptance of the proposals: the emitted runs."""
-    device = tokens.device
-    rows, valid = layout.padded_rows()
-    rows_d, valid_d = int64_to_device([rows.reshape(-1), valid.astype(np.int64).reshape(-1)], device)
-    rows_d, valid_d = rows_d.view(rows.shape), valid_d.view(valid.shape)
-    accepted = accept[rows_d[:, :-1]] & valid_d.bool()
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)
-    padded = tokens[rows_d]
+    index = _index(layout, tokens.device)
+    accepted = accept[index.rows[:, :-1]] * index.valid  # int64: the proposals accepted
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1)
+    padded = tokens[index.rows]
     last = padded.gather(1, num_accepted[:, None]).squeeze(1)
-    lp = None if logprobs is None else logprobs[rows_d]
+    lp = None if logprobs is None else logprobs[index.rows]
     return VerifyOutput(padded, num_accepted + 1, last, lp)
 
 
@@ -207,7 +242,7 @@ def _uniforms(
 def verify_draft_model(
     logits: torch.Tensor,
     draft_ids: torch.Tensor,
-    draft_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
     params: Sequence[SamplingParams],
     positions: Sequence[int],
     layout: VerifyLayout,
@@ -219,11 +254,12 @@ def verify_draft_model(
         logits: [rows, vocab] the target's verification rows (`layout`).
         draft_ids: [rows] int64, row j's proposal (ignored at each sequence's last row).
         draft_probs: [rows, vocab] the processed draft distribution each proposal was drawn from
-            (ignored at each sequence's last row).
+            (ignored at each sequence's last row); None only if every request is greedy.
         params, positions, banned: as `verify_point_mass`.
     """
     if all(p.greedy for p in params):  # argmax matching: no distribution is needed
         return verify_point_mass(logits, draft_ids, params, positions, layout, banned)
+    assert draft_probs is not None, "sampled proposals need the draft's distributions"
     row_params, row_positions = _row_params(params, layout, positions)
     if banned is not None and any(banned):
         logits = ban_tokens(logits, banned)
@@ -235,10 +271,9 @@ def verify_draft_model(
     accept = u * q_x <= p_x  # min(1, p/q) >= u, with q_x > 0 for a token the draft sampled
     # The token emitted at a row if that row is where the run ends: the residual max(0, p - q) at a
     # rejection; p itself at a sequence's last row (the bonus). Drawn with the sampler's race.
-    last_rows = np.zeros(layout.num_rows, dtype=bool)
-    last_rows[layout.offsets + layout.num_drafts] = True
-    (last_d,) = int64_to_device([last_rows.astype(np.int64)], logits.device)
-    residual = torch.where(last_d.bool()[:, None], p, (p - draft_probs).clamp(min=0))
+    index = _index(layout, logits.device)
+    last = index.last.bool()
+    residual = torch.where(last[:, None], p, (p - draft_probs).clamp(min=0))
     # A residual of all zeros (p == q) cannot be reached by a rejection; keep p there.
     residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p)
     noise = exponential_noise(residual, row_params, row_positions)
@@ -248,17 +283,13 @@ def verify_draft_model(
         g = to_device(greedy, torch.int64, logits.device)
         tokens[g] = logits[g].argmax(dim=-1)
         accept[g] = draft_ids[g] == tokens[g]
-    accept &= ~last_d.bool()
+    accept &= ~last
     tokens = torch.where(accept, draft_ids, tokens)  # an accepted row emits its proposal
     logprobs = None
     if any(rp.return_logprobs for rp in row_params):
         logprobs = logits.float().log_softmax(dim=-1)
-    out = _gather_emitted(tokens, accept, layout, None)
+    out = _gather_emitted(tokens, accept, replace(layout, index=index), None)
     if logprobs is not None:
-        rows, _ = layout.padded_rows()
-        (rows_d,) = int64_to_device([rows.reshape(-1)], logits.device)
-        out = VerifyOutput(
-            out.token_ids, out.counts, out.last_token,
-            logprobs[rows_d.reshape(-1)].gather(1, out.token_ids.reshape(-1, 1)).reshape(out.token_ids.shape),
-        )  # fmt: skip
+        emitted = logprobs[index.rows.reshape(-1)].gather(1, out.token_ids.reshape(-1, 1))
+        out = VerifyOutput(out.token_ids, out.counts, out.last_token, emitted.reshape(out.token_ids.shape))
     return out

@@ -193,6 +193,27 @@ def build_host_batch(
     )
 
 
+def decode_batch(batch: HostBatch, token_rows: np.ndarray, rows: np.ndarray, block_size: int) -> HostBatch:
+    """A decode batch of `batch`'s tokens at `token_rows`, one per sequence (`rows`: their slots),
+    each sampled: what `build_host_batch` builds for them, taken from `batch` (a draft model's first
+    proposal pass over the tokens its step's verifications start from)."""
+    num = len(token_rows)
+    positions = batch.positions[token_rows]
+    seq_lens = positions + 1
+    return HostBatch(
+        rows=rows,
+        seq_lens=seq_lens,
+        cu_seqlens=np.arange(num + 1, dtype=np.int64),
+        positions=positions,
+        slot_mapping=batch.slot_mapping[:, token_rows],
+        host_ids=batch.host_ids[token_rows],
+        feed_slots=batch.feed_slots[token_rows],
+        logits_indices=np.arange(num, dtype=np.int64),
+        sample_rows=rows,
+        width=int(-(-seq_lens.max() // block_size)) if num else 1,
+    )
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """Device tensors for one eager forward pass."""
@@ -289,10 +310,11 @@ def next_pass_inputs(
     block_size: int,
 ) -> DecodePassInputs:
     """Proposal pass j's inputs (one token per sequence), computed on the device from pass 0's, so
-    the k passes of a step queue back to back with no host batch between them (a CUDA graph can
-    hold them all). A sequence computes position base + j while that is at most its limit (its
-    last proposal's input); past it (fewer proposals than the widest, or a graph's padding row,
-    limit -1) it stays at base with slot -1: no KV is written and its result is ignored.
+    the k + 1 passes of a step queue back to back with no host batch between them (a CUDA graph
+    can hold them all). A sequence computes position base + j while that is at most its limit (its
+    last proposal's position: that pass only writes its KV); past it (fewer proposals than the
+    widest, or a graph's padding row, limit -1) it stays at base with slot -1: no KV is written
+    and its result is ignored.
 
     Args:
         rows: [S] slots (block table rows). base: [S] pass 0's positions. limits: [S] int64.

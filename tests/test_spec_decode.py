@@ -451,7 +451,8 @@ def _through_graph_layouts(runner, monkeypatch, proposal_graphs: bool = False) -
     """The runner's steps computed as their CUDA graphs would compute them (padded static inputs,
     no capture: the CPU can run it); with a draft model, its passes too (returns the names of the
     draft graphs' calls: `run`, `run_next`, `propose`), with `proposal_graphs` its greedy proposal
-    graphs of 3 passes for up to 4 sequences."""
+    graphs of 3 passes for up to 4 sequences. (On the CPU a fill poisons what it does not write:
+    a graph must read nothing else, as on CUDA that is whatever its staging buffer held.)"""
     from pagedserve.executor.cuda_graphs import StepGraphs
 
     graphs = StepGraphs(runner.model, runner._layer_caches, runner.slots, [1, 2, 4], [32, 64])
@@ -531,10 +532,12 @@ def test_draft_model_steps_equal_hf_eagerly_and_in_graph_layouts(draft_runner, h
     _, accepted = _verify_through(draft_runner, hf_model, lambda seq_id, tokens: None, num_steps=6)
     assert accepted > 0
     assert (draft_runner.stats.graph_steps - before > 0) == (graphs is not None)
-    if graphs == "per pass":  # per step: the pass over its tokens; per verification 1 + 2 passes
-        assert sorted(calls) == sorted(["run"] * (6 + 5) + ["run_next"] * 5 * 2)
+    # The prompts' step runs the draft over its tokens; a verification step runs its proposal
+    # passes alone (the last of them writes the last proposal's KV): no pass over the step.
+    if graphs == "per pass":  # per verification pass 0, 2 more proposals, the last one's KV
+        assert sorted(calls) == sorted(["run"] * (1 + 5) + ["run_next"] * 5 * 3)
     if graphs == "proposal":  # per verification one proposal graph
-        assert sorted(calls) == sorted(["run"] * 6 + ["propose"] * 5)
+        assert sorted(calls) == sorted(["run"] + ["propose"] * 5)
     assert draft_runner.kv_cache.layout.layers_per_block == 4  # the target's 2 layers, the draft's 2
 
 
@@ -546,6 +549,85 @@ def test_draft_proposals_of_uneven_counts_equal_hf(draft_runner, hf_model, monke
         _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=graphs == "proposal")
     _, accepted = _verify_through(draft_runner, hf_model, lambda *_: None, num_steps=6, d={1: 3, 2: 1})
     assert accepted > 0
+
+
+@pytest.fixture(scope="module")
+def exact_draft_runner(tiny_model_dir):
+    """A runner whose draft is the target itself: every greedy proposal is accepted."""
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner
+
+    spec = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3}
+    config = ExecutorConfig(
+        model=str(tiny_model_dir), device="cpu", dtype="float32", num_gpu_blocks_override=64,
+        max_model_len=256, max_num_seqs=4, swap_space=0.002, speculative_config=spec,
+    )  # fmt: skip
+    return ModelRunner.create(config)
+
+
+@pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
+@pytest.mark.parametrize("exact", [False, True], ids=["perturbed draft", "exact draft"])
+def test_the_draft_holds_the_kv_of_every_computed_token(
+    draft_runner, exact_draft_runner, hf_model, monkeypatch, graphs, exact
+):
+    """A verification step runs the draft over no token of its own (its proposal passes wrote that
+    KV, the last pass the last proposal's), only over the other requests' (a prompt arriving in the
+    same step): after verifications beside a prefill, the draft's KV of every computed token equals
+    one eager prefill of the draft over the same tokens, and greedy outputs equal HF's. The exact
+    draft has every proposal accepted (the last pass's KV is kept), the perturbed one some."""
+    from pagedserve.executor.step_inputs import build_step_inputs
+    from pagedserve.protos import executor_pb2 as pb
+
+    runner, drafts = exact_draft_runner if exact else draft_runner, {1: 3, 2: 1}
+    if graphs is not None:
+        _through_graph_layouts(runner, monkeypatch, proposal_graphs=graphs == "proposal")
+    runner.reset()
+    prompts = {1: list(range(30, 47)), 2: [5, 6, 7, 5, 6, 9, 11]}
+    blocks = {1: list(range(1, 9)), 2: list(range(9, 17))}
+    tokens: dict[int, list[int]] = {}
+    ends: dict[int, int] = {}
+    greedy = pb.Sampling(temperature=0)
+    all_accepted = 0  # verifications that accepted every proposal: the last pass's KV is kept
+    for step in range(6):
+        plan = pb.StepPlan(step_id=step)
+        for seq_id in tokens:  # verifications
+            computed, d = len(tokens[seq_id]) - 1, drafts[seq_id]
+            running = plan.running.add(seq_id=seq_id, num_new_tokens=1 + d, num_draft_tokens=d)
+            need = -(-(computed + 1 + d) // BLOCK)
+            if need > ends[seq_id]:
+                running.new_blocks.add(
+                    first_index=ends[seq_id], block_ids=blocks[seq_id][ends[seq_id] : need]
+                )
+        if step < 2:  # request 1's prompt, then request 2's beside request 1's first verification
+            seq_id, prompt = step + 1, prompts[step + 1]
+            first = blocks[seq_id][: -(-len(prompt) // BLOCK)]
+            plan.new_requests.add(
+                seq_id=seq_id, token_ids=prompt, num_computed_tokens=0, num_new_tokens=len(prompt),
+                block_tables=[pb.BlockTable(first_index=0, block_ids=first)], sampling=greedy,
+            )  # fmt: skip
+            tokens[seq_id] = list(prompt)
+        out = runner.execute(plan)
+        offset = 0
+        counts = out.num_tokens or [1] * len(out.seq_ids)  # (a step without verifications)
+        for seq_id, count in zip(out.seq_ids, counts, strict=True):
+            tokens[seq_id] += out.token_ids[offset : offset + count]
+            offset += count
+            ends[seq_id] = -(-(len(tokens[seq_id]) - 1) // BLOCK)
+            all_accepted += bool(out.num_tokens) and count == drafts[seq_id] + 1
+    verifications = 5 + 4  # request 1 in steps 1-5, request 2 in steps 2-5
+    assert all_accepted == verifications if exact else all_accepted < verifications
+    for seq_id, prompt in prompts.items():
+        got = tokens[seq_id][len(prompt) :]
+        assert got == hf_greedy(hf_model, prompt, len(got)), seq_id
+        computed = len(tokens[seq_id]) - 1
+        table = blocks[seq_id][: -(-computed // BLOCK)]
+        inputs = build_step_inputs([tokens[seq_id][:computed]], [0], [table], [True], BLOCK, runner.device)
+        fresh = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in runner._draft_caches]
+        runner.draft(inputs.input_ids, inputs.meta, fresh, inputs.logits_indices)
+        for (k, v), (k_ref, v_ref) in zip(runner._draft_caches, fresh, strict=True):
+            for cache, ref in ((k, k_ref), (v, v_ref)):
+                held = cache[table].flatten(0, 1)[:computed]
+                torch.testing.assert_close(held, ref[table].flatten(0, 1)[:computed], atol=1e-4, rtol=1e-4)
 
 
 def test_seeded_draft_sampling_is_the_same_eagerly_and_through_the_graphs(draft_runner, monkeypatch):
@@ -588,6 +670,34 @@ def test_next_pass_inputs_equal_the_host_batch_of_that_pass():
         assert got.slot_mapping[0, active].tolist() == want.slot_mapping[0].tolist()
         assert got.slot_mapping[0, ~active].tolist() == [-1] * (~active).sum()
         assert got.positions[~active].tolist() == base[~active].tolist()
+
+
+def test_decode_batch_of_verification_rows_equals_the_host_batch_of_pass_0():
+    """The draft's first proposal pass, taken from the step's batch (each verification's first
+    row: its last token, fed from the device or known on the host), is what `build_host_batch`
+    builds for it."""
+    from dataclasses import fields
+
+    from pagedserve.executor.step_inputs import RequestSlots, build_host_batch, decode_batch
+
+    slots = RequestSlots(4, 8, torch.device("cpu"))
+    slots.set_blocks(0, 0, [5, 9, 2])
+    slots.set_blocks(2, 0, [7, 3, 11, 4])
+    slots.flush()
+    rows, starts = np.array([2, 0]), np.array([30, 14])
+    # Request at slot 2 verifies 3 proposals from a fed token; the one at slot 0, 2 from a known one.
+    step = build_host_batch(
+        rows=rows, starts=starts, q_lens=np.array([4, 3]), samples=np.array([False, False]),
+        host_chunks=[np.array([0, 0, 0]), np.array([77, 0, 0])], table=slots.table_host,
+        block_size=BLOCK, fed_offsets=np.array([0, -1]),
+    )  # fmt: skip
+    got = decode_batch(step, np.array([0, 4]), rows, BLOCK)
+    want = build_host_batch(
+        rows=rows, starts=starts, q_lens=np.ones(2, dtype=np.int64), samples=np.ones(2, dtype=bool),
+        host_chunks=[np.zeros(0, dtype=np.int64), np.array([77])], table=slots.table_host, block_size=BLOCK,
+    )  # fmt: skip
+    for f in fields(want):
+        assert np.array_equal(getattr(got, f.name), getattr(want, f.name)), f.name
 
 
 def test_a_draft_of_another_kv_shape_is_refused(ngram_runner, tmp_path):
@@ -703,7 +813,7 @@ def test_cuda_proposal_graphs_equal_eager_and_hf(cuda_draft_runners, hf_model, m
     want, _ = _verify_through(eager, None, none, num_steps=6, d=d, sampling=sampling)
     got, _ = _verify_through(graphs, None, none, num_steps=6, d=d, sampling=sampling)
     assert got == want
-    assert calls.count("run_next") == 5 * 2
+    assert calls.count("run_next") == 5 * 3  # 2 more proposals, then the last one's KV
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
