@@ -184,6 +184,45 @@ def test_bounded_strings_hold_no_control_characters(compiler):
         jsonschema.validate(json.loads(text), schema)
 
 
+def test_masks_past_the_tokenizer_are_zero_and_the_same_as_over_the_logits_width(compiler):
+    """A model whose logits are wider than its tokenizer (the llama-8b shape's dummy tokenizer:
+    512 tokens under 128,256): the matchers know only the tokenizer's tokens (xgrammar would take
+    each padding id for a special token and scan them all per token), and the masks, padded with
+    zero columns, are those of a matcher over the whole width, step after step."""
+    import xgrammar as xgr
+
+    from pagedserve.bench.workloads import W1_JSON_SCHEMA
+    from pagedserve.scheduler.structured import fill_bitmasks
+
+    tokenizer, _ = compiler
+    eos = tokenizer.eos_token_id
+    pool = GrammarCompilerPool(tokenizer, 1000, [eos])
+    spec = validate_request(
+        {"prompt": "x", "structured_outputs": {"json": W1_JSON_SCHEMA}}
+    ).structured_outputs
+    grammar = pool.grammar_blocking(spec)
+    assert pool.grammar_vocab_size == 512 and grammar.grammar_vocab_size == 512
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=1000, stop_token_ids=[eos])
+    whole = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(constraint_ebnf(spec)))
+    rng = np.random.default_rng(0)
+    for _ in range(120):
+        mask = fill_bitmasks([grammar], 1000)
+        expected = np.empty((1, 32), dtype=np.int32)
+        whole.fill_next_token_bitmask(expected, 0)
+        assert mask.shape == (1, 32) and np.array_equal(mask, expected) and not mask[:, 16:].any()
+        token = int(rng.choice(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))))
+        assert grammar.accept(token) and whole.accept_token(token)
+    pool.close()
+
+
+def test_widened_masks_forbid_the_bits_past_the_tokenizer_in_its_last_word():
+    from pagedserve.scheduler.structured import widen_bitmask
+
+    wide = widen_bitmask(np.full((2, 2), -1, dtype=np.int32), 40, 100)
+    assert wide.shape == (2, 4) and (wide[:, 0] == -1).all() and (wide[:, 1] == 0xFF).all()
+    assert not wide[:, 2:].any()
+
+
 def test_matcher_accepts_rolls_back_and_terminates(compiler):
     tokenizer, pool = compiler
     grammar = pool.grammar_blocking(StructuredOutputs("choice", ("ab",)))
@@ -195,6 +234,10 @@ def test_matcher_accepts_rolls_back_and_terminates(compiler):
     for token in ids:
         assert grammar.accept(token)
     assert not grammar.is_terminated
+    assert grammar.accept(tokenizer.eos_token_id) and grammar.is_terminated
+    assert grammar.matcher.is_terminated()  # what is_terminated keeps (not asked per token)
+    grammar.rollback(1)  # the stop token taken back
+    assert not grammar.is_terminated and not grammar.matcher.is_terminated()
     assert grammar.accept(tokenizer.eos_token_id) and grammar.is_terminated
     with pytest.raises(ValueError):
         grammar.rollback(99)
@@ -242,6 +285,7 @@ class FakeGrammar:
     """A grammar that allows only token 7, for the core's bookkeeping."""
 
     vocab_size = 64
+    grammar_vocab_size = 64  # the matcher's (the tokenizer's tokens): all of them here
     is_terminated = False
     failed = False
 
