@@ -89,6 +89,7 @@ class FakeExecutor:
             eos_token_ids=self.eos_token_ids,
             device="none",
             accepts_late_masks=True,
+            accepts_shared_mask_rows=True,
         )
 
     def open_steps(self, lease_epoch: int) -> StepStream:
@@ -121,7 +122,8 @@ class _FakeSteps:
             assert self._awaiting is not None and self._awaiting[0] == plan.masks.step_id
             step_id, seq_ids, token_ids, states = self._awaiting
             self._awaiting = None
-            self._apply_masks(seq_ids, token_ids, states, plan.masks.seq_ids, plan.masks.token_bitmask)
+            masks = plan.masks
+            self._apply_masks(seq_ids, token_ids, states, masks.seq_ids, masks.token_bitmask, masks.rows)
             self._emit(step_id, seq_ids, token_ids, start)
             return
         assert self._awaiting is None, "a plan while the one before awaits its masks"
@@ -150,17 +152,20 @@ class _FakeSteps:
         for r in plan.running:
             step(r.seq_id, seqs[r.seq_id], r.num_new_tokens)
         if plan.masked_seq_ids:
-            self._apply_masks(seq_ids, token_ids, states, plan.masked_seq_ids, plan.token_bitmask)
+            self._apply_masks(
+                seq_ids, token_ids, states, plan.masked_seq_ids, plan.token_bitmask, plan.mask_rows
+            )
         if plan.late_masked_seq_ids:  # it samples once its StepMasks arrives
             self._awaiting = (plan.step_id, seq_ids, token_ids, states)
             self._executor.seconds += time.perf_counter() - start
             return
         self._emit(plan.step_id, seq_ids, token_ids, start)
 
-    def _apply_masks(self, seq_ids, token_ids, states, masked_seq_ids, packed: bytes) -> None:
-        """Structured outputs: each masked row's token made one its mask allows (`_masked_token`)."""
-        masks = np.frombuffer(packed, dtype="<i4").reshape(len(masked_seq_ids), -1)
-        row_of = {seq_id: row for row, seq_id in enumerate(masked_seq_ids)}
+    def _apply_masks(self, seq_ids, token_ids, states, masked_seq_ids, packed: bytes, rows) -> None:
+        """Structured outputs: each masked row's token made one its mask allows (`_masked_token`);
+        `rows`: shared rows, each masked request's (StepPlan.mask_rows; empty: one row each)."""
+        masks = np.frombuffer(packed, dtype="<i4").reshape(-1, (self._executor.vocab_size + 31) // 32)
+        row_of = dict(zip(masked_seq_ids, rows or range(len(masked_seq_ids)), strict=True))
         for i, seq_id in enumerate(seq_ids):
             row = row_of.get(seq_id)
             if row is not None:

@@ -180,6 +180,7 @@ def masks_to_proto(masks: LateMasks) -> executor_pb2.StepPlan:
     out.step_id = masks.step_id
     out.seq_ids.extend(masks.seq_ids)
     out.token_bitmask = masks.token_bitmask.astype("<i4", copy=False).tobytes()
+    out.rows.extend(masks.rows)
     return message
 
 
@@ -429,6 +430,7 @@ class ExecutorReplica:
                 num_cpu_offload_blocks=info.num_cpu_offload_blocks if config.enable_prefix_caching else 0,
                 speculative=config.speculative_config,
                 late_masks=reply.accepts_late_masks,
+                shared_mask_rows=reply.accepts_shared_mask_rows,
             )
         )
         self._heartbeats = True
