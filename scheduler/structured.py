@@ -259,14 +259,17 @@ class RequestGrammar:
 
 def widen_bitmask(bitmask: np.ndarray, grammar_vocab_size: int, vocab_size: int) -> np.ndarray:
     """Masks filled over the matchers' vocabulary (`grammar_vocab_size` tokens) as rows of the
-    model's width (`vocab_size`): the tokens past the tokenizer's are never allowed."""
-    words = bitmask_words(vocab_size)
-    if bitmask.shape[1] == words:
+    model's width (`vocab_size`): the tokens past the tokenizer's are never allowed (xgrammar
+    sets the bits of its last word past its vocabulary: they are cleared)."""
+    if grammar_vocab_size == vocab_size:
         return bitmask
-    wide = np.zeros((len(bitmask), words), dtype=np.int32)
-    wide[:, : bitmask.shape[1]] = bitmask
-    if grammar_vocab_size % 32:  # the bits of the last word past the tokenizer's tokens
-        wide[:, bitmask.shape[1] - 1] &= np.int32((1 << (grammar_vocab_size % 32)) - 1)
+    filled, words = bitmask.shape[1], bitmask_words(vocab_size)
+    wide = bitmask
+    if filled < words:
+        wide = np.zeros((len(bitmask), words), dtype=np.int32)
+        wide[:, :filled] = bitmask
+    if grammar_vocab_size % 32:
+        wide[:, filled - 1] &= np.int32((1 << (grammar_vocab_size % 32)) - 1)
     return wide
 
 

@@ -221,6 +221,9 @@ def test_widened_masks_forbid_the_bits_past_the_tokenizer_in_its_last_word():
     wide = widen_bitmask(np.full((2, 2), -1, dtype=np.int32), 40, 100)
     assert wide.shape == (2, 4) and (wide[:, 0] == -1).all() and (wide[:, 1] == 0xFF).all()
     assert not wide[:, 2:].any()
+    same = widen_bitmask(np.full((1, 4), -1, dtype=np.int32), 100, 128)  # as many words: cleared too
+    assert same.tolist() == [[-1, -1, -1, 0xF]]
+    assert widen_bitmask(np.full((1, 4), -1, dtype=np.int32), 100, 100).tolist() == [[-1] * 4]
 
 
 def test_matcher_accepts_rolls_back_and_terminates(compiler):
