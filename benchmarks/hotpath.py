@@ -8,6 +8,14 @@ and output's (de)serialization, `process_output`, each request's `Completion.add
     python -m benchmarks.hotpath                 # deltas drained through GenerationService._stream
     python -m benchmarks.hotpath --grpc          # real public gRPC service, clients in a subprocess
     python -m benchmarks.hotpath --profile       # cProfile of the scheduler process
+    python -m benchmarks.hotpath --model /tmp/llama-8b-shape --workload W1-JSON   # structured outputs
+
+`--workload W1` or `W1-JSON` takes that preset's requests and lengths and the throughput flags
+(512 requests, --max-num-seqs 512, --stream-interval 4); W1-JSON puts its JSON schema on every
+request, so the scheduler keeps one xgrammar matcher per request and sends their masks behind each
+plan (late masks) as to a real executor, which here samples within them (`_masked_token`). Give a
+model with the real vocabulary (`pagedserve make-model --shape llama-8b --no-weights DIR`): the
+masks are as wide as it.
 
 "CPU/step" is this process's CPU time per step (all threads, gRPC's included), less the fake
 executor's own time; at the executor's 16 ms per decode step of batch 256 on an H200, anything near
@@ -24,6 +32,7 @@ import cProfile
 import gc
 import hashlib
 import io
+import json
 import logging
 import pstats
 import random
@@ -34,8 +43,10 @@ from collections import deque
 from pathlib import Path
 
 import grpc
+import numpy as np
 import structlog
 
+from pagedserve.bench.workloads import PRESETS
 from pagedserve.common.validation import validate_request, values_from_proto
 from pagedserve.protos import executor_pb2, generation_pb2, generation_pb2_grpc
 from pagedserve.scheduler.admission import sampling_options, stop_conditions
@@ -46,6 +57,8 @@ from pagedserve.scheduler.transport import StepStream
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 4096
+WORKLOADS = ("W1", "W1-JSON")
+W1_THROUGHPUT_FLAGS = dict(max_num_seqs=512, stream_interval=4)  # scripts/gpu-bench.sh's W1 flags
 
 
 class FakeExecutor:
@@ -75,6 +88,8 @@ class FakeExecutor:
             num_cpu_blocks=0,
             eos_token_ids=self.eos_token_ids,
             device="none",
+            accepts_late_masks=True,
+            accepts_shared_mask_rows=True,
         )
 
     def open_steps(self, lease_epoch: int) -> StepStream:
@@ -96,16 +111,27 @@ class _FakeSteps:
         self._seqs: dict[int, list[int]] = {}
         self._outputs: deque[tuple[float, bytes]] = deque()  # (ready at, serialized output)
         self._device_free_at = 0.0
+        # A plan whose late masks are still to come: (step id, seq ids, tokens, their states).
+        self._awaiting: tuple[int, list[int], list[int], list[list[int]]] | None = None
 
     async def write(self, plan: executor_pb2.StepPlan) -> None:
         data = plan.SerializeToString()  # what grpc does with it in this process
         start = time.perf_counter()
         plan = executor_pb2.StepPlan.FromString(data)  # the executor's side
+        if plan.HasField("masks"):  # the late masks of the step awaiting them: it samples now
+            assert self._awaiting is not None and self._awaiting[0] == plan.masks.step_id
+            step_id, seq_ids, token_ids, states = self._awaiting
+            self._awaiting = None
+            masks = plan.masks
+            self._apply_masks(seq_ids, token_ids, states, masks.seq_ids, masks.token_bitmask, masks.rows)
+            self._emit(step_id, seq_ids, token_ids, start)
+            return
+        assert self._awaiting is None, "a plan while the one before awaits its masks"
         text_ids, n = self._executor.text_ids, len(self._executor.text_ids)
         seqs = self._seqs
         for seq_id in plan.removed_seq_ids:
             seqs.pop(seq_id, None)
-        seq_ids, token_ids = [], []
+        seq_ids, token_ids, states = [], [], []
 
         def step(seq_id: int, state: list[int], num_new: int) -> None:
             # state: tokens known, tokens computed, tokens sampled, offset into text_ids
@@ -113,6 +139,7 @@ class _FakeSteps:
             if state[1] == state[0]:
                 seq_ids.append(seq_id)
                 token_ids.append(text_ids[(state[3] + state[2]) % n])
+                states.append(state)
                 state[0] += 1
                 state[2] += 1
 
@@ -124,8 +151,29 @@ class _FakeSteps:
             step(r.seq_id, state, r.num_new_tokens)
         for r in plan.running:
             step(r.seq_id, seqs[r.seq_id], r.num_new_tokens)
+        if plan.masked_seq_ids:
+            self._apply_masks(
+                seq_ids, token_ids, states, plan.masked_seq_ids, plan.token_bitmask, plan.mask_rows
+            )
+        if plan.late_masked_seq_ids:  # it samples once its StepMasks arrives
+            self._awaiting = (plan.step_id, seq_ids, token_ids, states)
+            self._executor.seconds += time.perf_counter() - start
+            return
+        self._emit(plan.step_id, seq_ids, token_ids, start)
+
+    def _apply_masks(self, seq_ids, token_ids, states, masked_seq_ids, packed: bytes, rows) -> None:
+        """Structured outputs: each masked row's token made one its mask allows (`_masked_token`);
+        `rows`: shared rows, each masked request's (StepPlan.mask_rows; empty: one row each)."""
+        masks = np.frombuffer(packed, dtype="<i4").reshape(-1, (self._executor.vocab_size + 31) // 32)
+        row_of = dict(zip(masked_seq_ids, rows or range(len(masked_seq_ids)), strict=True))
+        for i, seq_id in enumerate(seq_ids):
+            row = row_of.get(seq_id)
+            if row is not None:
+                token_ids[i] = _masked_token(masks[row], token_ids[i], states[i])
+
+    def _emit(self, step_id: int, seq_ids: list[int], token_ids: list[int], start: float) -> None:
         output = executor_pb2.StepOutput(
-            step_id=plan.step_id, seq_ids=seq_ids, token_ids=token_ids, logprobs=[0.0] * len(seq_ids)
+            step_id=step_id, seq_ids=seq_ids, token_ids=token_ids, logprobs=[0.0] * len(seq_ids)
         )
         self._device_free_at = max(start, self._device_free_at) + self._executor.step_seconds
         self._outputs.append((self._device_free_at, output.SerializeToString()))
@@ -144,6 +192,18 @@ class _FakeSteps:
 
     def ended(self) -> bool:
         return False
+
+
+def _masked_token(mask: np.ndarray, token_id: int, state: list[int]) -> int:
+    """The token a constrained row samples: the text's next token where its mask allows it (free
+    text inside a JSON string), else one of the allowed tokens picked by the sequence's state."""
+    if (int(mask[token_id >> 5]) >> (token_id & 31)) & 1:
+        return token_id
+    words = np.flatnonzero(mask)  # only those unpacked: a few of 4,008 under the tiny tokenizer
+    bits = np.unpackbits(mask[words].view(np.uint8), bitorder="little").reshape(len(words), 32)
+    rows, cols = np.nonzero(bits)
+    allowed = words[rows] * 32 + cols  # in token order, as np.flatnonzero over every bit
+    return int(allowed[(state[3] + 7919 * state[2]) % len(allowed)])
 
 
 class TimedEngine(Engine):
@@ -191,12 +251,17 @@ def output_lengths(args: argparse.Namespace) -> list[int]:
     return [rng.randint(int(lo), int(hi or lo)) for _ in range(args.num_requests)]
 
 
-def generate_request(i: int, prompt: list[int], output_len: int) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
+def generate_request(
+    i: int, prompt: list[int], output_len: int, schema: dict | None = None
+) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(
         request_id=f"bench-{i}",
         token_ids=generation_pb2.TokenIds(ids=prompt),
         stopping=generation_pb2.StoppingCriteria(max_tokens=output_len, ignore_eos=True),
     )
+    if schema is not None:
+        request.structured_output.json_schema = json.dumps(schema)
+    return request
 
 
 class Digest:
@@ -229,9 +294,11 @@ async def drain_in_process(service: GenerationService, args, requests) -> Digest
     async def client(i: int, request: generation_pb2.GenerateRequest) -> None:
         prompt = list(request.token_ids.ids)
         params = validate_request(values_from_proto(request))
-        active = engine.submit(
-            request.request_id, prompt, sampling_options(params), stop_conditions(params, len(prompt), info)
-        )
+        grammar = None
+        if params.structured_outputs is not None:  # compiled once, before the timing starts
+            grammar = await engine.compile_grammar(params.structured_outputs)
+        stop = stop_conditions(params, len(prompt), info)
+        active = engine.submit(request.request_id, prompt, sampling_options(params), stop, grammar=grammar)
         async for response in service._stream(active):
             digest.add(i, response.token_ids, response.text)
 
@@ -290,7 +357,9 @@ async def run_clients(address: str, out: str, requests) -> None:
 
 
 async def bench(args, tokenizer, requests, text_ids) -> tuple[TimedEngine, FakeExecutor, Digest]:
-    executor = FakeExecutor(text_ids, len(tokenizer), [tokenizer.eos_token_id], args.step_ms / 1000)
+    # The model's logits width, as a real executor reports it (the masks are as wide as it).
+    vocab_size = max(len(tokenizer), json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+    executor = FakeExecutor(text_ids, vocab_size, [tokenizer.eos_token_id], args.step_ms / 1000)
     config = ServiceConfig(
         model=args.model,
         max_num_seqs=args.max_num_seqs,
@@ -318,20 +387,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model", default=None, help="model directory (default: the tiny model, in a temp dir)"
     )
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--input-len", default="128:1024", help="prompt lengths, LO:HI tokens")
-    parser.add_argument("--output-len", default="200", help="max_tokens: N, or LO:HI per request")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        help="a preset's requests and lengths with the throughput flags (W1-JSON: its schema on each)",
+    )
+    parser.add_argument("--num-requests", type=int, help="default 256 (a workload's own)")
+    parser.add_argument("--input-len", help="prompt lengths, LO:HI tokens (default 128:1024)")
+    parser.add_argument("--output-len", help="max_tokens: N, or LO:HI per request (default 200)")
+    parser.add_argument("--max-num-seqs", type=int, help="default 256 (a workload's: 512)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-ms", type=float, default=0.0, help="simulated device time per step")
-    parser.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed message")
+    parser.add_argument("--stream-interval", type=int, help="tokens per streamed message (default 1)")
     parser.add_argument("--grpc", action="store_true", help="stream through the public gRPC service")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the scheduler process")
     parser.add_argument("--profile-lines", type=int, default=30)
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--client-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    defaults = dict(
+        num_requests=256, input_len="128:1024", output_len="200", max_num_seqs=256, stream_interval=1
+    )
+    if args.workload:
+        preset = PRESETS[args.workload]
+        defaults.update(
+            num_requests=preset["num_prompts"],
+            input_len=preset["input_len"],
+            output_len=preset["output_len"],
+            **W1_THROUGHPUT_FLAGS,
+        )
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    schema = PRESETS[args.workload].get("structured_outputs", {}).get("json") if args.workload else None
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     with contextlib.ExitStack() as stack:
@@ -343,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(args.model)
         lengths = output_lengths(args)
         requests = [
-            generate_request(i, p, n)
+            generate_request(i, p, n, schema)
             for i, (p, n) in enumerate(zip(prompts(args, len(tokenizer)), lengths, strict=True))
         ]
         if args.client:
@@ -363,8 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu = engine.end_cpu - engine.start_cpu - executor.seconds
     mode = "gRPC public service" if args.grpc else "in-process streams"
     print(
-        f"{args.num_requests} requests x {args.output_len} tokens, prompts {args.input_len}, {mode}, "
-        f"device {args.step_ms:g} ms/step"
+        f"{args.workload or 'custom'}: {args.num_requests} requests x {args.output_len} tokens, prompts "
+        f"{args.input_len}, --max-num-seqs {args.max_num_seqs}, --stream-interval {args.stream_interval}, "
+        f"{mode}, device {args.step_ms:g} ms/step"
     )
     header = ("steps", 7), ("wall s", 8), ("steps/s", 9), ("tok/s", 9), ("CPU ms/step", 12), ("msgs", 7)
     print(" ".join(f"{name:>{width}}" for name, width in header), f"{'digest':>13}")

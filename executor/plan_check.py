@@ -204,12 +204,23 @@ def _check_masks(
         first = masked.index(seq_id)
         if masked[first : first + count] != [seq_id] * count:
             raise PlanError(f"masked_seq_ids: seq_id={seq_id}'s rows are not consecutive")
-    expected = len(masked) * mask_words(vocab_size) * 4
+    num_rows = _num_mask_rows(plan.mask_rows, len(masked), "mask_rows")
+    expected = num_rows * mask_words(vocab_size) * 4
     if len(plan.token_bitmask) != expected:
         raise PlanError(
-            f"token_bitmask: {len(plan.token_bitmask)} bytes, {len(masked)} masks of vocab_size "
+            f"token_bitmask: {len(plan.token_bitmask)} bytes, {num_rows} masks of vocab_size "
             f"{vocab_size} take {expected}"
         )
+
+
+def _num_mask_rows(rows: Sequence[int], num_masks: int, where: str) -> int:
+    """The rows a token_bitmask holds: one per mask, or with shared rows (one index per mask)
+    each distinct mask once, rows 0 to the highest index named."""
+    if not rows:
+        return num_masks
+    if len(rows) != num_masks:
+        raise PlanError(f"{where}: {len(rows)} row indexes for {num_masks} masks")
+    return max(rows) + 1
 
 
 def _check_late_masked(
@@ -253,10 +264,11 @@ def validate_masks(
     unknown = set(listed).difference(awaited)
     if unknown:
         raise PlanError(f"masks of step {step_id}: seq_id={min(unknown)} is not in its late_masked_seq_ids")
-    expected = len(listed) * mask_words(vocab_size) * 4
+    num_rows = _num_mask_rows(masks.rows, len(listed), f"masks of step {step_id}: rows")
+    expected = num_rows * mask_words(vocab_size) * 4
     if len(masks.token_bitmask) != expected:
         raise PlanError(
-            f"masks of step {step_id}: token_bitmask of {len(masks.token_bitmask)} bytes, {len(listed)} "
+            f"masks of step {step_id}: token_bitmask of {len(masks.token_bitmask)} bytes, {num_rows} "
             f"masks of vocab_size {vocab_size} take {expected}"
         )
 

@@ -25,7 +25,7 @@ A plan is validated in full against the current state before anything is applied
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -579,8 +579,7 @@ class ModelRunner:
         vocab = self.spec.vocab_size
         validate_masks(masks, pending.step_id, work.late_seq_ids, vocab)
         if masks.seq_ids:
-            shape = (len(masks.seq_ids), mask_words(vocab))
-            late = bytes_to_device(masks.token_bitmask, torch.int32, shape, self.device)
+            late = self._masks_to_device(masks.token_bitmask, len(masks.seq_ids), masks.rows)
             work.bitmask = late if work.bitmask is None else torch.cat([work.bitmask, late])
             work.masked_seq_ids += masks.seq_ids
         self._resume(pending)
@@ -1102,8 +1101,17 @@ class ModelRunner:
         masked_seq_ids entry (None without any)."""
         if not plan.masked_seq_ids:
             return None
-        shape = (len(plan.masked_seq_ids), mask_words(self.spec.vocab_size))
-        return bytes_to_device(plan.token_bitmask, torch.int32, shape, self.device)
+        return self._masks_to_device(plan.token_bitmask, len(plan.masked_seq_ids), plan.mask_rows)
+
+    def _masks_to_device(self, packed: bytes, num_masks: int, rows: Sequence[int]) -> torch.Tensor:
+        """Packed masks (validated) on the device, one row per mask: with shared rows
+        (StepPlan.mask_rows, StepMasks.rows) each distinct row is copied once, then gathered
+        there."""
+        words = mask_words(self.spec.vocab_size)
+        if not rows:
+            return bytes_to_device(packed, torch.int32, (num_masks, words), self.device)
+        distinct = bytes_to_device(packed, torch.int32, (len(packed) // (4 * words), words), self.device)
+        return distinct[to_device(list(rows), torch.int64, self.device)]
 
     def _token_masks(
         self, masked_seq_ids: list[SeqId], sampling: list[RequestState], bitmask: torch.Tensor | None

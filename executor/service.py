@@ -175,6 +175,7 @@ def attach_response(
         draft_model=runner.draft_model_dir,
         num_speculative_tokens=runner.num_speculative_tokens,
         accepts_late_masks=True,
+        accepts_shared_mask_rows=True,
     )
 
 

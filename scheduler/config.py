@@ -37,6 +37,10 @@ class SchedulerConfig:
             arrived (the executor says on attach whether it takes them: AttachResponse
             .accepts_late_masks). Off: it is planned only with no token in flight (every other
             plan). See scheduler/core.py.
+        shared_mask_rows: structured outputs: each distinct mask of a plan (or of its late masks)
+            is sent once, and each request names its row (StepPlan.mask_rows, StepMasks.rows;
+            the executor says on attach whether it takes them: AttachResponse
+            .accepts_shared_mask_rows). Off: one row per request.
     """
 
     block_size: int = 16
@@ -51,6 +55,7 @@ class SchedulerConfig:
     num_cpu_offload_blocks: int = 0
     speculative: SpeculativeConfig | None = None
     late_masks: bool = False
+    shared_mask_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in (

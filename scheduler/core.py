@@ -124,7 +124,9 @@ class StepPlan:
     each. It is not part of the wire message.
 
     ``masked_seq_ids`` / ``token_bitmask``: the constrained requests among them and their packed
-    next-token masks, one int32 row each (structured outputs; empty without any).
+    next-token masks, one int32 row each (structured outputs; empty without any); with
+    ``config.shared_mask_rows``, ``mask_rows`` (when not empty) names each one's row, and the
+    bitmask holds each distinct mask once (``share_rows``).
     ``late_masked_seq_ids``: the constrained requests among them whose masks follow the plan
     (``Scheduler.fill_late_masks``), their previous token being in flight.
     """
@@ -142,6 +144,7 @@ class StepPlan:
     sampling_seq_ids: list[SeqId] = field(default_factory=list)
     masked_seq_ids: list[SeqId] = field(default_factory=list)
     token_bitmask: np.ndarray | None = None
+    mask_rows: list[int] = field(default_factory=list)
     late_masked_seq_ids: list[SeqId] = field(default_factory=list)
 
     @property
@@ -165,11 +168,13 @@ class StepPlan:
 @dataclass(slots=True)
 class LateMasks:
     """The masks behind plan ``step_id`` (pagedserve.v1.StepMasks): one int32 row per seq id, a
-    subset of the plan's late_masked_seq_ids (the requests still constrained and live)."""
+    subset of the plan's late_masked_seq_ids (the requests still constrained and live); or, when
+    ``rows`` is not empty, each distinct row once and ``rows[i]`` the one of ``seq_ids[i]``."""
 
     step_id: int
     seq_ids: list[SeqId]
     token_bitmask: np.ndarray
+    rows: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -650,7 +655,7 @@ class Scheduler:
             )
         else:
             plan.masked_seq_ids = [r.seq_id for r in constrained]
-            plan.token_bitmask = self._fill(grammars)
+            plan.token_bitmask, plan.mask_rows = self._fill(grammars)
         self._record_mask_time(start)
 
     def fill_late_masks(self, plan: StepPlan) -> LateMasks | None:
@@ -671,15 +676,18 @@ class Scheduler:
         grammars = [r.grammar for r in live]
         if not grammars:
             return LateMasks(plan.step_id, [], np.zeros((0, 0), dtype=np.int32))
-        masks = LateMasks(plan.step_id, [r.seq_id for r in live], self._fill(grammars))
+        masks = LateMasks(plan.step_id, [r.seq_id for r in live], *self._fill(grammars))
         self._record_mask_time(start)
         return masks
 
-    def _fill(self, grammars: list) -> np.ndarray:
-        """One mask row per grammar (xgrammar's batch matcher from 16 rows: its threads)."""
+    def _fill(self, grammars: list) -> tuple[np.ndarray, list[int]]:
+        """One mask row per grammar (xgrammar's batch matcher from 16 rows: its threads), and no
+        row index; with ``config.shared_mask_rows``, each distinct row once and each grammar's
+        row index (``share_rows``; none when no two are the same)."""
         if self._batch_matcher is None and len(grammars) >= 16:
             self._batch_matcher = batch_matcher()
-        return fill_bitmasks(grammars, grammars[0].vocab_size, self._batch_matcher)
+        vocab_size = grammars[0].vocab_size
+        return fill_bitmasks(grammars, vocab_size, self._batch_matcher, self.config.shared_mask_rows)
 
     def _record_mask_time(self, start: float) -> None:
         self.mask_seconds.append(time.perf_counter() - start)

@@ -128,6 +128,7 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
     if plan.masked_seq_ids:  # structured outputs: one packed row per constrained sampling request
         message.masked_seq_ids.extend(plan.masked_seq_ids)
         message.token_bitmask = plan.token_bitmask.astype("<i4", copy=False).tobytes()
+        message.mask_rows.extend(plan.mask_rows)  # shared rows: each request's (none: one each)
     if plan.late_masked_seq_ids:  # their masks follow, once the step before is in (StepMasks)
         message.late_masked_seq_ids.extend(plan.late_masked_seq_ids)
     # One per running request every step: add() in place, and no empty block list to convert,

@@ -172,14 +172,16 @@ class ReplicaHost(Protocol):
 
 
 def masks_to_proto(masks: LateMasks) -> executor_pb2.StepPlan:
-    """The Step stream's message for late masks: a StepPlan carrying only its StepMasks."""
-    return executor_pb2.StepPlan(
-        masks=executor_pb2.StepMasks(
-            step_id=masks.step_id,
-            seq_ids=masks.seq_ids,
-            token_bitmask=masks.token_bitmask.astype("<i4", copy=False).tobytes(),
-        )
-    )
+    """The Step stream's message for late masks: a StepPlan carrying only its StepMasks, filled in
+    place (`StepPlan(masks=StepMasks(...))` copies the submessage the slow way: 9 ms for 512 rows of
+    a 128,256-token vocabulary, four times the rest of this message's cost)."""
+    message = executor_pb2.StepPlan()
+    out = message.masks
+    out.step_id = masks.step_id
+    out.seq_ids.extend(masks.seq_ids)
+    out.token_bitmask = masks.token_bitmask.astype("<i4", copy=False).tobytes()
+    out.rows.extend(masks.rows)
+    return message
 
 
 def _within(own: int, executor_limit: int) -> int:
@@ -428,6 +430,7 @@ class ExecutorReplica:
                 num_cpu_offload_blocks=info.num_cpu_offload_blocks if config.enable_prefix_caching else 0,
                 speculative=config.speculative_config,
                 late_masks=reply.accepts_late_masks,
+                shared_mask_rows=reply.accepts_shared_mask_rows,
             )
         )
         self._heartbeats = True

@@ -40,6 +40,7 @@
 #              64/128/256 x prefix caching on/off at utilization 0.90; table, tune.json, tune.png
 #   w1-json    W1 and W1-JSON (a JSON schema on every request) with the throughput flags, one after
 #              the other, + python -m benchmarks.structured_masks (mask time per plan, 512 requests)
+#              and benchmarks.hotpath --workload W1 / W1-JSON (the scheduler's CPU per step, this CPU)
 #   latency    issue 33, small-batch decode: python -m benchmarks.small_m --sweep (bf16 cuBLAS vs FP8
 #              _scaled_mm vs the weight-only kernel at M = 1..64, fraction of the copy bandwidth: sets
 #              WEIGHT_ONLY_MAX_M), benchmarks.decode_profile (graph-step kernel time by kind vs the
@@ -301,4 +302,6 @@ if wants w1-json; then  # issue 31: structured outputs' cost, W1 against W1-JSON
   bench w1-json-on 300 --workload W1-JSON "${json_args[@]}"
   run w1-json-masks 300 python3 -m benchmarks.structured_masks --model "$MODEL" --requests 512 --steps 300 \
     --result-file "$OUT/w1-json-masks.json"
+  run w1-json-hotpath-off 200 python3 -m benchmarks.hotpath --model "$MODEL" --workload W1
+  run w1-json-hotpath-on 200 python3 -m benchmarks.hotpath --model "$MODEL" --workload W1-JSON
 fi

@@ -129,11 +129,11 @@ def _hotpath(tiny_model_dir, *flags: str) -> str:
     return result.stdout.strip().splitlines()[-1].split()[-1]  # the digest of all tokens and text
 
 
-@pytest.mark.parametrize("grpc_flag", [[], ["--grpc"]])
+@pytest.mark.parametrize("grpc_flag", [[], ["--grpc"], ["--workload=W1-JSON"]])
 def test_hotpath_bench_runs(tiny_model_dir, grpc_flag):
-    """`python -m benchmarks.hotpath` stays runnable (a benchmark: nothing about speed here),
-    and through the real gRPC service messages of 4 tokens carry the same tokens and text as
-    messages of one (its digest covers both)."""
+    """`python -m benchmarks.hotpath` stays runnable (a benchmark: nothing about speed here), with
+    W1-JSON's schema too (its late masks), and through the real gRPC service messages of 4 tokens
+    carry the same tokens and text as messages of one (its digest covers both)."""
     digest = _hotpath(tiny_model_dir, *grpc_flag)
     if grpc_flag:
         assert _hotpath(tiny_model_dir, *grpc_flag, "--stream-interval=4") == digest

@@ -184,6 +184,48 @@ def test_bounded_strings_hold_no_control_characters(compiler):
         jsonschema.validate(json.loads(text), schema)
 
 
+def test_masks_past_the_tokenizer_are_zero_and_the_same_as_over_the_logits_width(compiler):
+    """A model whose logits are wider than its tokenizer (the llama-8b shape's dummy tokenizer:
+    512 tokens under 128,256): the matchers know only the tokenizer's tokens (xgrammar would take
+    each padding id for a special token and scan them all per token), and the masks, padded with
+    zero columns, are those of a matcher over the whole width, step after step."""
+    import xgrammar as xgr
+
+    from pagedserve.bench.workloads import W1_JSON_SCHEMA
+    from pagedserve.scheduler.structured import fill_bitmasks
+
+    tokenizer, _ = compiler
+    eos = tokenizer.eos_token_id
+    pool = GrammarCompilerPool(tokenizer, 1000, [eos])
+    spec = validate_request(
+        {"prompt": "x", "structured_outputs": {"json": W1_JSON_SCHEMA}}
+    ).structured_outputs
+    grammar = pool.grammar_blocking(spec)
+    assert pool.grammar_vocab_size == 512 and grammar.grammar_vocab_size == 512
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=1000, stop_token_ids=[eos])
+    whole = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(constraint_ebnf(spec)))
+    rng = np.random.default_rng(0)
+    for _ in range(120):
+        mask, _ = fill_bitmasks([grammar], 1000)
+        expected = np.empty((1, 32), dtype=np.int32)
+        whole.fill_next_token_bitmask(expected, 0)
+        assert mask.shape == (1, 32) and np.array_equal(mask, expected) and not mask[:, 16:].any()
+        token = int(rng.choice(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))))
+        assert grammar.accept(token) and whole.accept_token(token)
+    pool.close()
+
+
+def test_widened_masks_forbid_the_bits_past_the_tokenizer_in_its_last_word():
+    from pagedserve.scheduler.structured import widen_bitmask
+
+    wide = widen_bitmask(np.full((2, 2), -1, dtype=np.int32), 40, 100)
+    assert wide.shape == (2, 4) and (wide[:, 0] == -1).all() and (wide[:, 1] == 0xFF).all()
+    assert not wide[:, 2:].any()
+    same = widen_bitmask(np.full((1, 4), -1, dtype=np.int32), 100, 128)  # as many words: cleared too
+    assert same.tolist() == [[-1, -1, -1, 0xF]]
+    assert widen_bitmask(np.full((1, 4), -1, dtype=np.int32), 100, 100).tolist() == [[-1] * 4]
+
+
 def test_matcher_accepts_rolls_back_and_terminates(compiler):
     tokenizer, pool = compiler
     grammar = pool.grammar_blocking(StructuredOutputs("choice", ("ab",)))
@@ -195,6 +237,10 @@ def test_matcher_accepts_rolls_back_and_terminates(compiler):
     for token in ids:
         assert grammar.accept(token)
     assert not grammar.is_terminated
+    assert grammar.accept(tokenizer.eos_token_id) and grammar.is_terminated
+    assert grammar.matcher.is_terminated()  # what is_terminated keeps (not asked per token)
+    grammar.rollback(1)  # the stop token taken back
+    assert not grammar.is_terminated and not grammar.matcher.is_terminated()
     assert grammar.accept(tokenizer.eos_token_id) and grammar.is_terminated
     with pytest.raises(ValueError):
         grammar.rollback(99)
@@ -242,6 +288,7 @@ class FakeGrammar:
     """A grammar that allows only token 7, for the core's bookkeeping."""
 
     vocab_size = 64
+    grammar_vocab_size = 64  # the matcher's (the tokenizer's tokens): all of them here
     is_terminated = False
     failed = False
 
@@ -277,10 +324,15 @@ def test_a_constrained_request_never_samples_with_a_token_in_flight():
     assert third.sampling_seq_ids == [1, 2] and third.masked_seq_ids == [2]
 
 
-def _late_core() -> Scheduler:
+def _late_core(shared_mask_rows: bool = False) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
-            block_size=4, num_gpu_blocks=16, max_model_len=32, max_num_batched_tokens=64, late_masks=True
+            block_size=4,
+            num_gpu_blocks=16,
+            max_model_len=32,
+            max_num_batched_tokens=64,
+            late_masks=True,
+            shared_mask_rows=shared_mask_rows,
         )
     )
 
@@ -327,6 +379,47 @@ def test_a_late_masked_request_that_finished_is_left_out_and_its_token_discarded
     assert core.process_output(second.step_id, [2], [11]) == []  # discarded
     assert request.output_token_ids == [7] and grammar.accepted == [7]
     assert core.schedule().removed_seq_ids == [2]
+
+
+def test_shared_rows_send_each_distinct_mask_once_and_only_where_exact(monkeypatch):
+    from pagedserve.scheduler import structured
+
+    rows = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8]], dtype=np.int32)
+    distinct, index = structured.share_rows(rows)
+    assert index == [0, 1, 0, 0, 1] and np.array_equal(distinct, rows[:2])
+    assert structured.share_rows(rows[:2])[1] == [] and structured.share_rows(rows[:1])[1] == []
+    odd = rows[:, :3].copy()  # an odd number of words: fingerprinted as 32-bit words
+    assert structured.share_rows(odd)[1] == [0, 1, 0, 0, 1]
+    # Different rows with one fingerprint: nothing is shared (the grouping is checked exactly).
+    monkeypatch.setattr(structured, "_fingerprint_weights", lambda width, dtype: np.zeros(width, dtype))
+    distinct, index = structured.share_rows(rows)
+    assert index == [] and distinct is rows
+    assert structured.share_rows(rows[[0, 2]])[1] == [0, 0]
+
+
+def test_with_shared_rows_the_plan_and_its_late_masks_carry_each_distinct_mask_once():
+    """Two constrained requests in the same grammar state (the fake's one mask): one row, named
+    by both, in the plan and behind the next one, and on the wire."""
+    from pagedserve.scheduler.replica import masks_to_proto
+
+    core = _late_core(shared_mask_rows=True)
+    grammars = [FakeGrammar(), FakeGrammar()]
+    for seq_id, grammar in zip((1, 2), grammars, strict=True):
+        core.add_request(Request(SeqId(seq_id), [4, 5], 6, SamplingOptions(), grammar=grammar))
+    first = core.schedule()
+    assert first.masked_seq_ids == [1, 2] and first.mask_rows == [0, 0]
+    assert first.token_bitmask.shape == (1, 2) and first.token_bitmask[0, 0] == 1 << 7
+    second = core.schedule()
+    core.process_output(first.step_id, [1, 2], [7, 7])
+    masks = core.fill_late_masks(second)
+    assert masks.seq_ids == [1, 2] and masks.rows == [0, 0] and masks.token_bitmask.shape == (1, 2)
+    message = masks_to_proto(masks).masks
+    assert list(message.rows) == [0, 0] and len(message.token_bitmask) == 8
+    unshared = _late_core()
+    unshared.add_request(Request(SeqId(1), [4, 5], 6, SamplingOptions(), grammar=FakeGrammar()))
+    unshared.add_request(Request(SeqId(2), [4, 5], 6, SamplingOptions(), grammar=FakeGrammar()))
+    plan = unshared.schedule()  # an executor that does not take shared rows: one row each
+    assert plan.mask_rows == [] and plan.token_bitmask.shape == (2, 2)
 
 
 def test_a_plan_without_constrained_requests_carries_no_mask():
@@ -408,6 +501,27 @@ def test_plan_check_takes_late_masks_for_sampling_rows_and_their_masks_for_them_
         validate_masks(late, 4, [1], 96)
 
 
+def test_plan_check_takes_shared_mask_rows_one_per_mask_within_the_bitmask():
+    validate_plan(_plan(masked_seq_ids=[1], token_bitmask=bytes(8), mask_rows=[0]), {}, _limits())
+    with pytest.raises(PlanError, match="mask_rows: 2 row indexes for 1 masks"):
+        validate_plan(_plan(masked_seq_ids=[1], token_bitmask=bytes(8), mask_rows=[0, 0]), {}, _limits())
+    with pytest.raises(PlanError, match="token_bitmask: 8 bytes, 2 masks"):
+        validate_plan(_plan(masked_seq_ids=[1], token_bitmask=bytes(8), mask_rows=[1]), {}, _limits())
+    shared = executor_pb2.StepMasks(step_id=4, seq_ids=[1, 3], token_bitmask=bytes(8), rows=[0, 0])
+    validate_masks(shared, 4, [1, 3], 64)
+    with pytest.raises(PlanError, match="rows: 1 row indexes for 2 masks"):
+        validate_masks(
+            executor_pb2.StepMasks(step_id=4, seq_ids=[1, 3], token_bitmask=bytes(8), rows=[0]), 4, [1, 3], 64
+        )
+    with pytest.raises(PlanError, match="8 bytes, 2 masks of vocab_size 64 take 16"):
+        validate_masks(
+            executor_pb2.StepMasks(step_id=4, seq_ids=[1, 3], token_bitmask=bytes(8), rows=[0, 1]),
+            4,
+            [1, 3],
+            64,
+        )
+
+
 @pytest.fixture(scope="module")
 def runner(tiny_model_dir):
     config = ExecutorConfig(
@@ -458,6 +572,19 @@ def test_runner_samples_a_late_masked_step_once_its_masks_arrive(runner):
     out = runner.finish(second)
     assert dict(zip(out.seq_ids, out.token_ids, strict=True)) == {1: allowed, 2: greedy[2]}
     runner.execute(_decode([1, 2], 3))  # the next step reads the masked token: it runs
+
+
+def test_runner_expands_shared_mask_rows_to_each_request(runner):
+    """One mask sent for two late-masked requests (StepMasks.rows): both sample within it."""
+    runner.reset()
+    runner.finish(runner.launch(_prefill(1)))
+    second = runner.launch(_decode([1, 2], 2, late_masked_seq_ids=[1, 2]))
+    mask = _mask(512, [[42]]).numpy().tobytes()
+    runner.apply_masks(
+        second, executor_pb2.StepMasks(step_id=2, seq_ids=[1, 2], token_bitmask=mask, rows=[0, 0])
+    )
+    out = runner.finish(second)
+    assert dict(zip(out.seq_ids, out.token_ids, strict=True)) == {1: 42, 2: 42}
 
 
 def test_runner_reset_samples_a_step_whose_masks_never_came(runner):
