@@ -40,7 +40,9 @@
 #              64/128/256 x prefix caching on/off at utilization 0.90; table, tune.json, tune.png
 #   w1-json    W1 and W1-JSON (a JSON schema on every request) with the throughput flags, one after
 #              the other, + python -m benchmarks.structured_masks (mask time per plan, 512 requests)
-#              and benchmarks.hotpath --workload W1 / W1-JSON (the scheduler's CPU per step, this CPU)
+#              and benchmarks.hotpath --workload W1 / W1-JSON (the scheduler's CPU per step, this CPU);
+#              on the shape with a 128,000-token tokenizer (dummy weights): the masks' cost depends on
+#              the vocabulary, and the shape's own tokenizer has 512 tokens
 #   latency    issue 33, small-batch decode: python -m benchmarks.small_m --sweep (bf16 cuBLAS vs FP8
 #              _scaled_mm vs the weight-only kernel at M = 1..64, fraction of the copy bandwidth: sets
 #              WEIGHT_ONLY_MAX_M), benchmarks.decode_profile (graph-step kernel time by kind vs the
@@ -296,12 +298,19 @@ for trace in "$OUT"/w1*trace*.jsonl; do  # where each W1 pass's GPU time went
   [ -f "$trace" ] && { echo "=== $trace"; python3 -m pagedserve.executor.step_trace "$trace" | sed -n 1,8p; python3 -m pagedserve.executor.step_trace "$trace" | tail -n 1; }
 done
 if wants w1-json; then  # issue 31: structured outputs' cost, W1 against W1-JSON in one run
-  json_args=(--num-warmups 8 --executor-args "$W1_EXECUTOR_FLAGS" --scheduler-args "$W1_SCHEDULER_FLAGS")
+  json_args=(--num-warmups 8 --executor-args "$W1_EXECUTOR_FLAGS --load-format dummy" --scheduler-args "$W1_SCHEDULER_FLAGS")
   [ -n "${QUICK:-}" ] && json_args=(--num-prompts 8 --input-len 16:64 --output-len 4:16 --executor-args "--device cpu")
-  bench w1-json-off 300 --workload W1 "${json_args[@]}"
-  bench w1-json-on 300 --workload W1-JSON "${json_args[@]}"
-  run w1-json-masks 300 python3 -m benchmarks.structured_masks --model "$MODEL" --requests 512 --steps 300 \
-    --result-file "$OUT/w1-json-masks.json"
-  run w1-json-hotpath-off 200 python3 -m benchmarks.hotpath --model "$MODEL" --workload W1
-  run w1-json-hotpath-on 200 python3 -m benchmarks.hotpath --model "$MODEL" --workload W1-JSON
+  (
+    if [ -z "${QUICK:-}" ]; then  # a real model's vocabulary (the QUICK model keeps its own)
+      MODEL="$MODEL-tok128k"
+      [ -f "$MODEL/tokenizer.json" ] || python3 -m pagedserve.cli make-model --shape "$SHAPE" --no-weights \
+        --tokenizer-vocab-size 128000 "$MODEL"
+    fi
+    bench w1-json-off 300 --workload W1 "${json_args[@]}"
+    bench w1-json-on 300 --workload W1-JSON "${json_args[@]}"
+    run w1-json-masks 300 python3 -m benchmarks.structured_masks --model "$MODEL" --requests 512 --steps 300 \
+      --result-file "$OUT/w1-json-masks.json"
+    run w1-json-hotpath-off 200 python3 -m benchmarks.hotpath --model "$MODEL" --workload W1
+    run w1-json-hotpath-on 200 python3 -m benchmarks.hotpath --model "$MODEL" --workload W1-JSON
+  )
 fi

@@ -477,6 +477,8 @@ def test_make_model_refuses_to_overwrite_weights_or_a_file(tmp_path, capsys):
         (["--shape", "tiny", str(existing)], "already holds weights"),
         (["--shape", "tiny", str(a_file)], "is not a directory"),
         (["--shape", "llama-8b-mini", "--device", "tpu", str(tmp_path / "new")], "argument --device"),
+        (["--shape", "llama-8b", "--tokenizer-vocab-size", "200000", str(tmp_path / "new")], "vocab_size"),
+        (["--shape", "tiny", "--tokenizer-vocab-size", "1000", str(tmp_path / "new")], "benchmark shapes"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             make_model(argv)
@@ -484,6 +486,24 @@ def test_make_model_refuses_to_overwrite_weights_or_a_file(tmp_path, capsys):
         assert message in capsys.readouterr().err
     assert (existing / "model-00001-of-00002.safetensors").read_bytes() == b"real weights"
     assert not (tmp_path / "new").exists()
+
+
+def test_make_model_trains_a_real_size_tokenizer_on_python_sources(tmp_path, monkeypatch):
+    """--tokenizer-vocab-size above the built-in corpus's reach: learnt on this machine's Python
+    sources (here a 2 MB share of them), every token id below the shape's vocab_size."""
+    from transformers import AutoTokenizer
+
+    from pagedserve import model_shapes
+
+    monkeypatch.setattr(model_shapes, "LARGE_TOKENIZER_TRAIN_BYTES", 2 << 20)
+    argv = ["--shape", "llama-8b", "--no-weights", "--tokenizer-vocab-size", "3000", str(tmp_path / "m")]
+    assert model_shapes.main(argv) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert len(tokenizer) == 3000  # the built-in corpus yields ~600
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["vocab_size"] == 128256 and config["eos_token_id"] == tokenizer.eos_token_id
+    text = "def f(x):\n    return x + 1\n"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
 def test_scaled_down_shape_loads_in_transformers(tmp_path):

@@ -8,6 +8,7 @@ the same code path as a real model.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,9 @@ class TinyModelSpec:
     perturb_vectors: bool = False
 
 
-def train_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer (any UTF-8 text round-trips) with <s>, </s> and <unk>."""
+def train_tokenizer(vocab_size: int, texts: Iterable[str] | None = None):
+    """A byte-level BPE tokenizer (any UTF-8 text round-trips) with <s>, </s> and <unk>, learnt on
+    `texts` (default: the small built-in corpus, which yields at most ~600 tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -67,7 +69,7 @@ def train_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS.splitlines() * 4, trainer=trainer)
+    tokenizer.train_from_iterator(CORPUS.splitlines() * 4 if texts is None else texts, trainer=trainer)
     return tokenizer
 
 
