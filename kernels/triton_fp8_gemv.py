@@ -41,7 +41,7 @@ flight per program on top of the occupancy. `acc_2d` keeps a [BLOCK_N, BLOCK_K] 
 accumulator per row and reduces it across threads once, after the loop (registers instead of a
 warp shuffle per step); without it each step is reduced to [BLOCK_N] (fewer registers). The same
 body serves 16-bit weights (no scale): `linear_16bit`, which `executor.quantization` dispatches
-to at M <= its bf16 threshold (off by default) instead of cuBLAS. Configurations: `GEMV_TABLE`
+to at M <= its bf16 threshold (one row by default) instead of cuBLAS. Configurations: `GEMV_TABLE`
 (measured shapes, pasted from `benchmarks/small_m.py --sweep`) and `GEMV_DEFAULTS` (by weight
 width and M) for any other shape.
 """
@@ -149,15 +149,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _splits(fixed: int | None, tiles: int, steps: int, programs_per_sm: int, device: torch.device) -> int:
+    """How many programs share each of `tiles` output tiles' `steps` K steps: `fixed` (at most one
+    per step) if set, else enough for `programs_per_sm` programs per SM, each with at least
+    `_MIN_K_STEPS_PER_SPLIT` steps, at most `_MAX_SPLIT_K` (shapes only: graph-safe)."""
+    if fixed is not None:
+        return max(1, min(fixed, steps))
+    wanted = triton.cdiv(programs_per_sm * _num_sms(device), tiles)
+    return max(1, min(wanted, steps // _MIN_K_STEPS_PER_SPLIT, _MAX_SPLIT_K))
+
+
 def _split_k(config: GemvConfig, m: int, n: int, k: int, device: torch.device) -> int:
-    """How many programs share each output tile's K: enough for `_PROGRAMS_PER_SM` programs per
-    SM, each with at least `_MIN_K_STEPS_PER_SPLIT` loop steps (shapes only: graph-safe)."""
-    if config.split_k is not None:
-        return max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
+    """The tiled kernel's K split (`_splits`, `_PROGRAMS_PER_SM` programs per SM)."""
     tiles = triton.cdiv(n, config.block_n) * triton.cdiv(m, config.block_m)
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), tiles)
-    most = max(1, triton.cdiv(k, config.block_k) // _MIN_K_STEPS_PER_SPLIT)
-    return max(1, min(wanted, most, _MAX_SPLIT_K))
+    return _splits(config.split_k, tiles, triton.cdiv(k, config.block_k), _PROGRAMS_PER_SM, device)
 
 
 @triton.jit
@@ -234,7 +239,7 @@ def _split_k_reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
-    HAS_SCALE: tl.constexpr = True,
+    HAS_SCALE: tl.constexpr,
 ):
     """out[m, n] = sum over splits of partial[s, m, n], times scale[n] (+ bias[n]), in a fixed order."""
     m = tl.program_id(1).to(tl.int64)
@@ -282,9 +287,7 @@ def weight_only_linear(
         return out if bias is None else out.add_(bias)
     config = config or config_for(m)
     assert isinstance(config, GemvConfig)
-    split_k = _split_k(config, m, n, k, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(k, k_per_split)  # rounding up each split may leave fewer of them
+    split_k, k_per_split = _k_ranges(k, _split_k(config, m, n, k, x.device), config.block_k)
     partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(n, config.block_n), split_k, triton.cdiv(m, config.block_m))
     _weight_only_kernel[grid](
@@ -295,12 +298,28 @@ def weight_only_linear(
         DOT_F32=_dot_in_fp32(x.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split_k > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_k_reduce_kernel[(triton.cdiv(n, block), m)](
-            partial, weight_scale, weight_scale if bias is None else bias, out, m, n, out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-        )  # fmt: skip
+        _sum_splits(partial, weight_scale, bias, out)
     return out
+
+
+def _k_ranges(k: int, split_k: int, block_k: int) -> tuple[int, int]:
+    """(splits, K per split) for `split_k` splits of K in whole block_k steps: rounding each
+    split up may leave fewer of them."""
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
+def _sum_splits(
+    partial: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """out = (the float32 partial sums [splits, M, N] summed in order) * scale (+ bias)."""
+    split_k, m, n = partial.shape
+    block = min(1024, triton.next_power_of_2(n))
+    placeholder = partial if scale is None else scale  # a pointer for the arguments left unread
+    _split_k_reduce_kernel[(triton.cdiv(n, block), m)](
+        partial, placeholder, placeholder if bias is None else bias, out, m, n, out.stride(0),
+        SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, HAS_SCALE=scale is not None, num_warps=4,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -443,13 +462,9 @@ def gemv_config_for(m: int, n: int, k: int, weight_dtype: torch.dtype) -> SplitK
 
 
 def _gemv_split_k(config: SplitKGemvConfig, n: int, k: int, device: torch.device) -> int:
-    """Programs along K: the configuration's, else enough for `_GEMV_PROGRAMS_PER_SM` programs
-    per SM, each with at least `_MIN_K_STEPS_PER_SPLIT` loop steps (shapes only: graph-safe)."""
-    steps = triton.cdiv(k, config.block_k)
-    if config.split_k is not None:
-        return max(1, min(config.split_k, steps))
-    wanted = triton.cdiv(_GEMV_PROGRAMS_PER_SM * _num_sms(device), triton.cdiv(n, config.block_n))
-    return max(1, min(wanted, steps // _MIN_K_STEPS_PER_SPLIT, _MAX_SPLIT_K))
+    """The GEMV's K split (`_splits`, `_GEMV_PROGRAMS_PER_SM` programs per SM)."""
+    tiles, steps = triton.cdiv(n, config.block_n), triton.cdiv(k, config.block_k)
+    return _splits(config.split_k, tiles, steps, _GEMV_PROGRAMS_PER_SM, device)
 
 
 @triton.jit
@@ -614,9 +629,7 @@ def gemv(
         out.zero_()
         return out if bias is None else out.add_(bias)
     config = config or gemv_config_for(m, n, k, weight.dtype)
-    split_k = _gemv_split_k(config, n, k, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(k, k_per_split)  # rounding up each split may leave fewer of them
+    split_k, k_per_split = _k_ranges(k, _gemv_split_k(config, n, k, x.device), config.block_k)
     partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     scale = weight if weight_scale is None else weight_scale  # a placeholder pointer without scales
     bias_arg = scale if bias is None else bias
@@ -627,11 +640,7 @@ def gemv(
         NUM_STAGES=config.num_stages, ACC_2D=config.acc_2d, num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     if split_k > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _split_k_reduce_kernel[(triton.cdiv(n, block), m)](
-            partial, scale, bias_arg, out, m, n, out.stride(0), SPLIT_K=split_k,
-            HAS_BIAS=bias is not None, BLOCK=block, HAS_SCALE=weight_scale is not None, num_warps=4,
-        )  # fmt: skip
+        _sum_splits(partial, weight_scale, bias, out)
     return out
 
 
