@@ -65,6 +65,9 @@ _FP8 = torch.float8_e4m3fn
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Read once: @triton.jit chose the interpreter or the compiler at import time as well.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Programs of a persistent launch (`MoeConfig.persistent`) under the interpreter: few, so that each
+# loops over several tiles.
+_INTERPRETED_PROGRAMS = 3
 # FP8 weights run with FP8 activations from this many assignment rows (tokens x top_k) up, widened
 # weights below (see the module docstring). The H200 run of 2026-12-02 (benchmarks/results/
 # 2026-12-02-h200-s4) found FP8 activations faster at every size it timed, from 64 tokens at top-8
@@ -79,7 +82,13 @@ class MoeConfig:
     reduction per step, row blocks per column block in the launch order, warps, pipeline depth;
     tma_weights: weight tiles through a TMA descriptor instead of pointer loads (Hopper's copy
     engine; CUDA only, where the weights' strides allow it, else ignored): the prefill defaults'
-    choice where the H200 sweep found it faster, a `benchmarks.moe --sweep` option elsewhere."""
+    choice where the H200 sweep found it faster, a `benchmarks.moe --sweep` option elsewhere.
+    persistent: one program per SM, each looping over tiles (in the same grouped order) instead of
+    one program per tile of the bound; flatten: with persistent, Triton fuses the tile loop with the
+    reduction loop, so a tile's first loads are issued during the previous tile's epilogue (the
+    prologue and the epilogue are a large part of a 128-row tile whose reduction is 768 deep: 12
+    steps of 64 in the down GEMM). Both unmeasured on the GPU as of 2026-12-05
+    (`benchmarks.moe --ab` times them)."""
 
     block_m: int
     block_n: int
@@ -88,6 +97,8 @@ class MoeConfig:
     num_warps: int
     num_stages: int
     tma_weights: bool = False
+    persistent: bool = False
+    flatten: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -133,14 +144,23 @@ def choose_config(
 
 
 # --------------------------------------------------------------------------------------------- #
-# Sorting assignments into expert blocks (three small Triton kernels, graph-capturable)
+# Sorting assignments into expert blocks (two small Triton kernels, graph-capturable)
 # --------------------------------------------------------------------------------------------- #
 
-# Assignments per program of the counting and scattering kernels: the scatter ranks a chunk's
-# assignments against each other in a [chunk, chunk] comparison (16K lanes).
-_ALIGN_CHUNK = 128
-# Chunks per step of each expert's prefix sum over the chunks' counts.
-_SCAN_CHUNKS = 1024
+# Assignments per program of both sorting kernels at most (a power of two). At 8,192 tokens x top-8
+# that is 128 programs each, one per SM of an H200. The scatter's loop over 128 of them is ~1,430
+# instructions a warp (4 warps; SASS of triton 3.6 for sm_90), so a program takes ~4 x 1,430 x 4 / 4
+# issue slots ~ 5.7K cycles, ~3 us: the whole scatter is ~2.9M warp instructions, against ~6.8M for
+# the three kernels before it (1,672 a warp of 8 for each 128 assignments in the old scatter alone).
+_ALIGN_CHUNK = 512
+# ... and at least: the histogram's lanes then hold no copies of each other's elements at 4 warps
+# (128 lanes), a layout whose histogram Triton divides by the copy count.
+_ALIGN_MIN_CHUNK = 256
+# The scatter ranks this many assignments at a time, each against the others ([128, 128] lanes).
+_ALIGN_RANK = 128
+# Rows of the [chunks, experts] count table that the scatter reads per step (128 rows at 8,192
+# tokens: two steps).
+_ALIGN_TABLE_ROWS = 64
 
 
 def _max_sorted_rows(assignments: int, num_experts: int, block_m: int) -> int:
@@ -150,38 +170,23 @@ def _max_sorted_rows(assignments: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _align_count_kernel(
-    topk_ids_ptr, counts_ptr, assignments, num_chunks, num_experts, CHUNK: tl.constexpr,
-    EXPERTS: tl.constexpr,
-):  # fmt: skip
-    """counts[e, chunk]: how many of this chunk's assignments go to expert e."""
+def _align_histogram_kernel(
+    topk_ids_ptr, counts_ptr, assignments, CHUNK: tl.constexpr, EXPERTS: tl.constexpr
+):
+    """counts[chunk, e]: how many of this chunk's assignments go to expert e (EXPERTS >= 32 bins,
+    a power of two, as Triton's warp histogram needs; bins past the experts stay 0)."""
     chunk = tl.program_id(0)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    experts = tl.load(topk_ids_ptr + offs, mask=offs < assignments, other=-1).to(tl.int32)
-    lanes = tl.arange(0, EXPERTS)
-    counts = tl.sum((experts[:, None] == lanes[None, :]).to(tl.int32), axis=0)
-    tl.store(counts_ptr + lanes * num_chunks + chunk, counts, mask=lanes < num_experts)
-
-
-@triton.jit
-def _align_scan_kernel(counts_ptr, totals_ptr, num_chunks, CHUNKS: tl.constexpr):
-    """One program per expert e: counts[e, c] becomes the number of e's assignments in chunks
-    before c; totals[e] all of them."""
-    row = counts_ptr + tl.program_id(0) * num_chunks
-    total = 0
-    for c0 in range(0, num_chunks, CHUNKS):
-        offs = c0 + tl.arange(0, CHUNKS)
-        counts = tl.load(row + offs, mask=offs < num_chunks, other=0)
-        tl.store(row + offs, tl.cumsum(counts, axis=0) - counts + total, mask=offs < num_chunks)
-        total += tl.sum(counts, axis=0)
-    tl.store(totals_ptr + tl.program_id(0), total)
+    valid = offs < assignments
+    experts = tl.load(topk_ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    counts = tl.histogram(experts, EXPERTS, mask=valid)
+    tl.store(counts_ptr + chunk * EXPERTS + tl.arange(0, EXPERTS), counts)
 
 
 @triton.jit
 def _align_scatter_kernel(
     topk_ids_ptr,
     counts_ptr,
-    totals_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
     num_rows_ptr,
@@ -190,50 +195,74 @@ def _align_scatter_kernel(
     num_experts,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
+    RANK: tl.constexpr,
     EXPERTS: tl.constexpr,
+    TABLE_ROWS: tl.constexpr,
 ):
-    """Each assignment of this chunk to its row: its expert's start + the expert's assignments in
-    earlier chunks + those earlier in this chunk (token order within an expert). Each expert's
-    segment starts at the sum of the earlier experts' totals rounded up to BLOCK_M. The first row
-    of each block (always an assignment: padding only ends a segment) writes the block's expert;
-    program p writes the padding rows (the sentinel) of experts p, p + chunks, ...; program 0 the
-    number of rows."""
+    """Each assignment of this chunk to its row: its expert's segment start (the earlier experts'
+    totals, each rounded up to BLOCK_M) + the expert's assignments in earlier chunks (both from the
+    whole [chunks, EXPERTS] count table, which every program reads: 128 x 128 ints at 8,192 tokens,
+    less than a launch of a prefix sum costs) + those earlier in this chunk (token order within an
+    expert), RANK assignments at a time. The first row of each block (always an assignment:
+    padding only ends a segment) writes the block's expert; program c writes the padding rows (the
+    sentinel) of experts c, c + chunks, ...; program 0 the number of rows."""
     chunk = tl.program_id(0)
     lanes_e = tl.arange(0, EXPERTS)
-    totals = tl.load(totals_ptr + lanes_e, mask=lanes_e < num_experts, other=0)
+    totals = tl.zeros([EXPERTS], dtype=tl.int32)
+    before = tl.zeros([EXPERTS], dtype=tl.int32)  # each expert's assignments in earlier chunks
+    for c0 in range(0, num_chunks, TABLE_ROWS):
+        table_chunks = c0 + tl.arange(0, TABLE_ROWS)
+        table = tl.load(
+            counts_ptr + table_chunks[:, None] * EXPERTS + lanes_e[None, :],
+            mask=(table_chunks < num_chunks)[:, None],
+            other=0,
+        )
+        totals += tl.sum(table, axis=0)
+        before += tl.sum(tl.where((table_chunks < chunk)[:, None], table, 0), axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    lanes = tl.arange(0, CHUNK)
-    offs = chunk * CHUNK + lanes
-    valid = offs < assignments
-    experts = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
-    earlier = (experts[:, None] == experts[None, :]) & (lanes[None, :] < lanes[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    expert = tl.where(valid, experts, 0)
-    in_expert = tl.load(counts_ptr + expert * num_chunks + chunk, mask=valid, other=0) + rank
-    own = experts[:, None] == lanes_e[None, :]  # the start of each assignment's expert, gathered
-    rows = tl.sum(tl.where(own, starts[None, :], 0), axis=1) + in_expert
-    tl.store(sorted_ids_ptr + rows, offs, mask=valid)
-    tl.store(block_experts_ptr + rows // BLOCK_M, experts, mask=valid & (in_expert % BLOCK_M == 0))
+    starts = tl.cumsum(padded, axis=0) - padded
+    next_rows = starts + before  # each expert's row for its next assignment in this chunk
+    lanes = tl.arange(0, RANK)
+    for r0 in range(0, CHUNK, RANK):
+        offs = chunk * CHUNK + r0 + lanes
+        valid = offs < assignments
+        experts = tl.load(topk_ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+        earlier = (experts[:, None] == experts[None, :]) & (lanes[None, :] < lanes[:, None])
+        base = tl.gather(next_rows, tl.where(valid, experts, 0), axis=0)
+        rows = base + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(sorted_ids_ptr + rows, offs, mask=valid)
+        # segment starts are multiples of BLOCK_M: a row that starts a block starts one of its expert's
+        tl.store(block_experts_ptr + rows // BLOCK_M, experts, mask=valid & (rows % BLOCK_M == 0))
+        next_rows += tl.histogram(experts, EXPERTS, mask=valid)
     if chunk == 0:
         tl.store(num_rows_ptr, tl.sum(padded, axis=0))
     if BLOCK_M > 1:
         pad_lanes = tl.arange(0, BLOCK_M)
         for e in range(chunk, num_experts, num_chunks):
-            total = tl.load(totals_ptr + e)
+            total = tl.sum(tl.where(lanes_e == e, totals, 0), axis=0)
             segment = tl.sum(tl.where(lanes_e == e, starts, 0), axis=0)
             pads = total + pad_lanes  # rows of e's segment past its assignments
             end = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-            tl.store(sorted_ids_ptr + segment + pads, assignments, mask=pads < end)
+            tl.store(sorted_ids_ptr + segment + pads, tl.zeros_like(pads) + assignments, mask=pads < end)
+
+
+def _align_chunk(assignments: int) -> int:
+    return max(_ALIGN_MIN_CHUNK, min(_ALIGN_CHUNK, triton.next_power_of_2(max(1, assignments))))
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """Assignments sorted by expert and padded into blocks of block_m rows of one expert.
 
-    Three launches (count per chunk, a prefix sum per expert, scatter), no host synchronisation;
-    the sizes are bounds from the shapes (`_max_sorted_rows`) and the real row count stays on the
-    device, where the GEMM programs past it exit before reading anything.
+    Two launches (a histogram per chunk of assignments, then a scatter per chunk), no host
+    synchronisation; the sizes are bounds from the shapes (`_max_sorted_rows`) and the real row
+    count stays on the device, where the GEMM programs past it exit before reading anything. The
+    three launches before (a count per chunk of 128, a prefix sum per expert over the chunks, a
+    scatter per chunk of 128) took 25-49 us at 8,192 tokens on the H200 (benchmarks/results/
+    2026-12-03-h200*, 2026-12-04-h200), mostly launches and chains of dependent loads: their math
+    is ~2M warp instructions, ~2 us spread over the GPU. Here the count is Triton's warp histogram
+    and each scatter program redoes the prefix sum from the 128 x 128 table, which costs less than a
+    launch; the scatter ranks 128 assignments at a time as before. Unmeasured on the GPU as of
+    2026-12-05 (`benchmarks.moe --ab` times it against main's three launches).
 
     Returns:
         sorted_ids: [max rows] int32, assignment indices (token * top_k + slot), grouped by expert
@@ -247,20 +276,19 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     assignments = flat.numel()
     device = flat.device
     max_rows = _max_sorted_rows(assignments, num_experts, block_m)
-    chunks = max(1, triton.cdiv(assignments, _ALIGN_CHUNK))
-    experts = triton.next_power_of_2(num_experts)  # lanes of the per-expert vectors
-    counts = torch.empty((num_experts, chunks), dtype=torch.int32, device=device)
-    totals = torch.empty(num_experts, dtype=torch.int32, device=device)
+    chunk = _align_chunk(assignments)
+    chunks = max(1, triton.cdiv(assignments, chunk))
+    experts = max(32, triton.next_power_of_2(num_experts))  # histogram bins: >= a warp's lanes
+    counts = torch.empty((chunks, experts), dtype=torch.int32, device=device)
     sorted_ids = torch.empty(max(1, max_rows), dtype=torch.int32, device=device)
     block_experts = torch.empty(max(1, triton.cdiv(max_rows, block_m)), dtype=torch.int32, device=device)
     num_rows = torch.empty(1, dtype=torch.int32, device=device)
-    sizes = dict(assignments=assignments, num_chunks=chunks, num_experts=num_experts)
-    _align_count_kernel[(chunks,)](flat, counts, **sizes, CHUNK=_ALIGN_CHUNK, EXPERTS=experts, num_warps=8)
-    scan_chunks = min(_SCAN_CHUNKS, triton.next_power_of_2(chunks))
-    _align_scan_kernel[(num_experts,)](counts, totals, chunks, CHUNKS=scan_chunks, num_warps=4)
+    _align_histogram_kernel[(chunks,)](flat, counts, assignments, CHUNK=chunk, EXPERTS=experts, num_warps=4)
+    table_rows = min(_ALIGN_TABLE_ROWS, triton.next_power_of_2(chunks))
     _align_scatter_kernel[(chunks,)](
-        flat, counts, totals, sorted_ids, block_experts, num_rows, **sizes,
-        BLOCK_M=block_m, CHUNK=_ALIGN_CHUNK, EXPERTS=experts, num_warps=8,
+        flat, counts, sorted_ids, block_experts, num_rows, assignments, chunks, num_experts,
+        BLOCK_M=block_m, CHUNK=chunk, RANK=min(_ALIGN_RANK, chunk), EXPERTS=experts, TABLE_ROWS=table_rows,
+        num_warps=4,
     )  # fmt: skip
     return sorted_ids, block_experts, num_rows
 
@@ -271,20 +299,113 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
 
 
 @triton.jit
+def _grouped_tile(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of launch-order tile number `tile`: GROUP_M row blocks per column
+    block, so that consecutive tiles share weight tiles in L2."""
+    in_group = GROUP_M * blocks_n
+    first_m = (tile // in_group) * GROUP_M
+    group_size = tl.minimum(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_group) % group_size
+    pid_n = (tile % in_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
 def _program_tile(
     num_rows_ptr, max_rows, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
 ):
     """(row block, column block) of this program in grouped order, and whether it has rows."""
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(max_rows, BLOCK_M)
-    blocks_n = tl.cdiv(n, BLOCK_N)
-    in_group = GROUP_M * blocks_n
-    first_m = (pid // in_group) * GROUP_M
-    group_size = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_size
-    pid_n = (pid % in_group) // group_size
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(max_rows, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP_M)
     live = pid_m * BLOCK_M < tl.load(num_rows_ptr)
     return pid_m, pid_n, live
+
+
+@triton.jit
+def _gate_up_tile(
+    pid_m,
+    pid_n,
+    a_ptr,
+    w_ptr,
+    w_desc,
+    out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    assignments,
+    inter,
+    hidden,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_se,
+    stride_sn,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+    W_FP8: tl.constexpr,
+    A_FP8: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One tile of `_gate_up_kernel` (row block pid_m, column block pid_n)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + offs_m)
+    valid = ids < assignments
+    tokens = tl.where(valid, ids // TOP_K, 0).to(tl.int64)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    w_n = (offs_n % inter).to(tl.int64)  # the tail's columns wrap: weight loads need no mask
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + tokens[:, None] * stride_am + offs_k[None, :] * stride_ak
+    g_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n0 = pid_n * BLOCK_N
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < hidden - k0)[None, :], other=0.0)
+        if W_TMA:
+            g = w_desc.load([expert.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+            u = w_desc.load([expert.to(tl.int32), inter + n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            k_mask = offs_k < hidden - k0
+            g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
+        if DOT_FP32:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        elif W_FP8 and not A_FP8:  # widened to x's dtype: exact
+            g, u = g.to(out_ptr.dtype.element_ty), u.to(out_ptr.dtype.element_ty)
+        acc_g = tl.dot(a, g, acc=acc_g, input_precision=DOT_PREC)
+        acc_u = tl.dot(a, u, acc=acc_u, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ak
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    if W_FP8:
+        s_ptrs = w_scale_ptr + expert * stride_se + w_n * stride_sn
+        acc_g *= tl.load(s_ptrs)[None, :]
+        acc_u *= tl.load(s_ptrs + inter * stride_sn)[None, :]
+    if A_FP8:
+        row_scale = tl.load(a_scale_ptr + tokens, mask=valid, other=0.0)[:, None]
+        acc_g *= row_scale
+        acc_u *= row_scale
+    hidden_act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    o_ptrs = out_ptr + ids.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, hidden_act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["max_rows", "assignments"])
@@ -322,6 +443,8 @@ def _gate_up_kernel(
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """silu(x w_gate^T) * (x w_up^T) for BLOCK_M sorted assignment rows (one expert) x BLOCK_N
     intermediate columns, written in the output dtype at the assignments' rows.
@@ -331,59 +454,106 @@ def _gate_up_kernel(
     rows n, up rows inter + n. W_FP8: e4m3 weights with w_scale [experts, 2 * inter] per row,
     widened to x's dtype unless A_FP8 (then both operands are e4m3). W_TMA: w13's tiles come
     through w_desc (a [1, BLOCK_N, BLOCK_K] descriptor of w13; rows past the end read zeros).
+    PERSISTENT: each program loops over the real tiles (num_rows' row blocks, no program for the
+    bound's empty ones) in the same grouped order, num_programs apart; FLATTEN lets Triton fuse
+    that loop with the reduction's so the next tile's first loads are in flight during this one's
+    epilogue (`tl.range(flatten=True)`). Otherwise one tile per program.
     """
-    pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, inter, BLOCK_M, BLOCK_N, GROUP_M)
-    if live:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        ids = tl.load(sorted_ids_ptr + offs_m)
-        valid = ids < assignments
-        tokens = tl.where(valid, ids // TOP_K, 0).to(tl.int64)
-        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < inter
-        w_n = (offs_n % inter).to(tl.int64)  # the tail's columns wrap: weight loads need no mask
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + tokens[:, None] * stride_am + offs_k[None, :] * stride_ak
-        g_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        u_ptrs = g_ptrs + inter * stride_wn
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        n0 = pid_n * BLOCK_N
-        for k0 in range(0, hidden, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < hidden - k0)[None, :], other=0.0)
-            if W_TMA:
-                g = w_desc.load([expert.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K).T
-                u = w_desc.load([expert.to(tl.int32), inter + n0, k0]).reshape(BLOCK_N, BLOCK_K).T
-            elif EVEN_K:
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                k_mask = offs_k < hidden - k0
-                g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
-            if DOT_FP32:
-                a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-            elif W_FP8 and not A_FP8:  # widened to x's dtype: exact
-                g, u = g.to(out_ptr.dtype.element_ty), u.to(out_ptr.dtype.element_ty)
-            acc_g = tl.dot(a, g, acc=acc_g, input_precision=DOT_PREC)
-            acc_u = tl.dot(a, u, acc=acc_u, input_precision=DOT_PREC)
-            a_ptrs += BLOCK_K * stride_ak
-            g_ptrs += BLOCK_K * stride_wk
-            u_ptrs += BLOCK_K * stride_wk
-        if W_FP8:
-            s_ptrs = w_scale_ptr + expert * stride_se + w_n * stride_sn
-            acc_g *= tl.load(s_ptrs)[None, :]
-            acc_u *= tl.load(s_ptrs + inter * stride_sn)[None, :]
-        if A_FP8:
-            row_scale = tl.load(a_scale_ptr + tokens, mask=valid, other=0.0)[:, None]
-            acc_g *= row_scale
-            acc_u *= row_scale
-        hidden_act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        o_ptrs = out_ptr + ids.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(o_ptrs, hidden_act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    if PERSISTENT:
+        blocks_m = tl.load(num_rows_ptr) // BLOCK_M
+        blocks_n = tl.cdiv(inter, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), blocks_m * blocks_n, tl.num_programs(0), flatten=FLATTEN):
+            pid_m, pid_n = _grouped_tile(tile, blocks_m, blocks_n, GROUP_M)
+            _gate_up_tile(
+                pid_m, pid_n, a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ids_ptr,
+                block_experts_ptr, assignments, inter, hidden, stride_am, stride_ak, stride_we, stride_wn,
+                stride_wk, stride_om, stride_on, stride_se, stride_sn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, inter, BLOCK_M, BLOCK_N, GROUP_M)
+        if live:
+            _gate_up_tile(
+                pid_m, pid_n, a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ids_ptr,
+                block_experts_ptr, assignments, inter, hidden, stride_am, stride_ak, stride_we, stride_wn,
+                stride_wk, stride_om, stride_on, stride_se, stride_sn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
+            )  # fmt: skip
+
+
+@triton.jit
+def _down_tile(
+    pid_m,
+    pid_n,
+    a_ptr,
+    w_ptr,
+    w_desc,
+    out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    topk_weights_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    assignments,
+    hidden,
+    inter,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_se,
+    stride_sn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+    W_FP8: tl.constexpr,
+    A_FP8: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One tile of `_down_kernel` (row block pid_m, column block pid_n)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + offs_m)
+    valid = ids < assignments
+    rows = tl.where(valid, ids, 0).to(tl.int64)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    w_n = (offs_n % hidden).to(tl.int64)  # as in `_gate_up_tile`
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
+        if W_TMA:
+            w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(offs_k < inter - k0)[:, None], other=0.0)
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        elif W_FP8 and not A_FP8:
+            w = w.to(out_ptr.dtype.element_ty)
+        acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if W_FP8:
+        acc *= tl.load(w_scale_ptr + expert * stride_se + w_n * stride_sn)[None, :]
+    if A_FP8:
+        acc *= tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
+    acc *= tl.load(topk_weights_ptr + rows, mask=valid, other=0.0)[:, None]
+    o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["max_rows", "assignments"])
@@ -421,53 +591,37 @@ def _down_kernel(
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     """(h w_down^T) * routing weight for BLOCK_M sorted assignment rows x BLOCK_N hidden columns,
     written at the assignments' rows of out [tokens * top_k, hidden].
 
     a: the intermediate h [tokens * top_k, inter] (row = assignment; A_FP8: its per-row FP8
     quantization with a_scale [tokens * top_k]); w: w2 [experts, hidden, inter]; W_FP8 as in
-    `_gate_up_kernel`; topk_weights: [tokens * top_k] float32; W_TMA: w2's tiles through w_desc.
+    `_gate_up_kernel`; topk_weights: [tokens * top_k] float32; W_TMA: w2's tiles through w_desc;
+    PERSISTENT and FLATTEN as in `_gate_up_kernel`.
     """
-    pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, hidden, BLOCK_M, BLOCK_N, GROUP_M)
-    if live:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        ids = tl.load(sorted_ids_ptr + offs_m)
-        valid = ids < assignments
-        rows = tl.where(valid, ids, 0).to(tl.int64)
-        expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hidden
-        w_n = (offs_n % hidden).to(tl.int64)  # as in `_gate_up_kernel`
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        w_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
-            if W_TMA:
-                w = w_desc.load([expert.to(tl.int32), pid_n * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K).T
-            elif EVEN_K:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=(offs_k < inter - k0)[:, None], other=0.0)
-            if DOT_FP32:
-                a, w = a.to(tl.float32), w.to(tl.float32)
-            elif W_FP8 and not A_FP8:
-                w = w.to(out_ptr.dtype.element_ty)
-            acc = tl.dot(a, w, acc=acc, input_precision=DOT_PREC)
-            a_ptrs += BLOCK_K * stride_ak
-            w_ptrs += BLOCK_K * stride_wk
-        if W_FP8:
-            acc *= tl.load(w_scale_ptr + expert * stride_se + w_n * stride_sn)[None, :]
-        if A_FP8:
-            acc *= tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
-        acc *= tl.load(topk_weights_ptr + rows, mask=valid, other=0.0)[:, None]
-        o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :] * stride_on
-        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    if PERSISTENT:
+        blocks_m = tl.load(num_rows_ptr) // BLOCK_M
+        blocks_n = tl.cdiv(hidden, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), blocks_m * blocks_n, tl.num_programs(0), flatten=FLATTEN):
+            pid_m, pid_n = _grouped_tile(tile, blocks_m, blocks_n, GROUP_M)
+            _down_tile(
+                pid_m, pid_n, a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, topk_weights_ptr,
+                sorted_ids_ptr, block_experts_ptr, assignments, hidden, inter, stride_am, stride_ak,
+                stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
+            )  # fmt: skip
+    else:
+        pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, hidden, BLOCK_M, BLOCK_N, GROUP_M)
+        if live:
+            _down_tile(
+                pid_m, pid_n, a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, topk_weights_ptr,
+                sorted_ids_ptr, block_experts_ptr, assignments, hidden, inter, stride_am, stride_ak,
+                stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_se, stride_sn, BLOCK_M,
+                BLOCK_N, BLOCK_K, EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -512,6 +666,22 @@ def _uses_tma(w: torch.Tensor, cfg: MoeConfig) -> bool:
         return False
     size = w.element_size()
     return w.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in w.stride()[:2])
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grid(cfg: MoeConfig, max_rows: int, n: int, device: torch.device) -> tuple[int]:
+    """One program per tile of the bound (max_rows x n), or with cfg.persistent one per SM (at most
+    one per tile); the interpreter takes `_INTERPRETED_PROGRAMS`, so that each loops over several
+    tiles in the tests."""
+    tiles = triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if not cfg.persistent:
+        return (tiles,)
+    programs = _sm_count(device.index) if device.type == "cuda" else _INTERPRETED_PROGRAMS
+    return (max(1, min(tiles, programs)),)
 
 
 def _weight_descriptor(w: torch.Tensor, cfg: MoeConfig):
@@ -588,14 +758,14 @@ def fused_moe(
     sorted_ids, block_experts, num_rows = align(topk_ids, num_experts, gate_up_config.block_m)
     cfg = gate_up_config
     max_rows = sorted_ids.shape[0]
-    grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
-    _gate_up_kernel[grid](
+    _gate_up_kernel[_grid(cfg, max_rows, inter, x.device)](
         a, w13, _weight_descriptor(w13, cfg), hidden_act, a_scale, w13_scale if w_fp8 else w13, sorted_ids,
         block_experts, num_rows, max_rows, rows, inter, hidden, *a.stride(), *w13.stride(),
         *hidden_act.stride(), *(w13_scale.stride() if w_fp8 else (0, 0)),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=_uses_tma(w13, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
         DOT_FP32=dot_fp32, DOT_PREC=precision,
+        PERSISTENT=cfg.persistent, FLATTEN=cfg.persistent and cfg.flatten,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -608,14 +778,14 @@ def fused_moe(
         h, h_scale = fp8.quantize_per_token(hidden_act)
     # top_k rows per token, summed below; with one row per token the kernel writes the output
     down = out if top_k == 1 else torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(max_rows, cfg.block_m) * triton.cdiv(hidden, cfg.block_n),)
-    _down_kernel[grid](
+    _down_kernel[_grid(cfg, max_rows, hidden, x.device)](
         h, w2, _weight_descriptor(w2, cfg), down, h_scale, w2_scale if w_fp8 else w2, flat_weights,
         sorted_ids, block_experts, num_rows, max_rows, rows, hidden, inter, *h.stride(), *w2.stride(),
         *down.stride(), *(w2_scale.stride() if w_fp8 else (0, 0)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=inter % cfg.block_k == 0, W_TMA=_uses_tma(w2, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
         DOT_FP32=dot_fp32, DOT_PREC=precision,
+        PERSISTENT=cfg.persistent, FLATTEN=cfg.persistent and cfg.flatten,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if top_k > 1:

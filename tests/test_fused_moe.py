@@ -100,7 +100,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 # --------------------------------------------------------------------------------------------- #
-# Sorting into expert blocks (`align`: three Triton kernels)
+# Sorting into expert blocks (`align`: two Triton kernels)
 # --------------------------------------------------------------------------------------------- #
 
 
@@ -153,10 +153,11 @@ def test_align_matches_reference(
     num_tokens: int, num_experts: int, top_k: int, block_m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Random routings (distinct experts per token, a quarter of the experts idle), several chunks
-    of assignments (the 128-assignment chunks' counts carry over; so do the per-expert prefix
-    sums' steps, here of 2 chunks instead of 1,024), int32 and int64 ids: exactly the reference's
-    order, blocks and row count."""
-    monkeypatch.setattr(tm, "_SCAN_CHUNKS", 2)
+    of assignments (chunks of 256 here instead of up to 4,096: an expert's assignments in earlier
+    chunks carry over; the scatter reads the count table 2 chunks a step instead of 32), int32 and
+    int64 ids: exactly the reference's order, blocks and row count."""
+    monkeypatch.setattr(tm, "_ALIGN_CHUNK", tm._ALIGN_MIN_CHUNK)
+    monkeypatch.setattr(tm, "_ALIGN_TABLE_ROWS", 2)
     gen = torch.Generator().manual_seed(num_tokens + num_experts)
     active = max(top_k, num_experts - num_experts // 4)
     experts = torch.randperm(num_experts, generator=gen)[:active]
@@ -216,6 +217,25 @@ def test_fused_moe_tile_configs(block_m: int, block_n: int, block_k: int, group_
     gate_up = tm.MoeConfig(block_m, block_n, block_k, group_m, 4, 2)
     down = tm.MoeConfig(48 - block_m, block_k, block_n, 1, 4, 2)
     got = tm.fused_moe(**args, gate_up_config=gate_up, down_config=down)
+    assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["bf16", "fp8-widened"])
+@pytest.mark.parametrize("flatten", [False, True])
+def test_fused_moe_persistent_programs(mode: str, flatten: bool) -> None:
+    """persistent: a few programs loop over all real tiles (under the interpreter 3 programs, each
+    many tiles: several row blocks per expert, partial column blocks, a grouped order that does not
+    divide the row blocks), with weights by pointer in gate_up and through TMA in down; the same
+    result as one program per tile. flatten only changes what the compiler does with the loop."""
+    args = make_moe(23, 6, 2, 72, 48, torch.bfloat16, fp8_weights=mode != "bf16", seed=11)
+    persistent = dict(persistent=True, flatten=flatten)
+    gate_up = tm.MoeConfig(16, 32, 32, 3, 4, 2, **persistent)
+    down = tm.MoeConfig(16, 32, 32, 2, 4, 2, tma_weights=True, **persistent)
+    device = args["x"].device
+    programs = tm._sm_count(device.index) if device.type == "cuda" else tm._INTERPRETED_PROGRAMS
+    assert tm._grid(gate_up, 1000, 48, device) == (min(63 * 2, programs),)  # 63 row blocks x 2
+    got = tm.fused_moe(**args, fp8_activations=False, gate_up_config=gate_up, down_config=down)
     assert_close(got, reference_moe(args), TOLERANCE[torch.bfloat16])
 
 
