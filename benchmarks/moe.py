@@ -3,6 +3,7 @@
 
     python -m benchmarks.moe [--result-file bench-results/moe.json] [--tokens 64,512,8192] [--quick]
                              [--sweep [--sweep-budget-s 240] [--sweep-gemms gate_up,down]]
+                             [--ab [--baseline PATH] [--ab-rounds 7]]
 
 For each number of tokens and each mode (bf16 weights; FP8 weights widened to bf16; FP8 weights
 with FP8 activations per token), with random routing (softmax over random logits, top-8):
@@ -27,14 +28,27 @@ with FP8 activations per token), with random routing (softmax over random logits
    other GEMM keeping its default, and prints the best per case next to the default
    (`--sweep-budget-s` bounds it; settings left out are reported; `--sweep-gemms` picks the GEMMs).
 
+6. `--ab`: the layer (bf16, `--tokens`, default 8,192) as a replayed graph for several variants in
+   one process, interleaved over `--ab-rounds` rounds (each round times every variant once, in a
+   rotated order, so that clock and thermal drift fall on all alike): the dense anchor, a baseline
+   module (`--baseline PATH`, e.g. main's `kernels/triton_moe.py` from before a change, loaded
+   under its own name) with its own defaults, and `AB_VARIANTS` of this tree's kernels. Prints the
+   median and range per variant, the ratio to the dense anchor (median of the per-round ratios),
+   the gain against the baseline, each one's stage breakdown, and the fastest variant with the
+   `choose_config` line that makes it the default.
+
 A line per case shows progress; a markdown table comes last; the JSON holds everything.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import importlib.util
 import json
+import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -115,6 +129,24 @@ DOWN_SWEEP = [
     tm.MoeConfig(128, 256, 64, 8, 8, 3, tma_weights=True),
     tm.MoeConfig(128, 128, 128, 8, 8, 3, tma_weights=True),
 ]
+
+
+# --ab variants of this tree's kernels: name -> (gate_up, down) changes to the prefill defaults
+# (`dataclasses.replace` keywords; None keeps a GEMM's default). The persistent and flattened
+# launches compile for sm_90 with triton 3.6 without spills (gate_up 250/255 registers, down
+# 236/229; checked on the CPU); their speed is what the A/B decides.
+AB_VARIANTS: dict[str, tuple[dict | None, dict | None]] = {
+    "new align": (None, None),
+    "+ down persistent": (None, dict(persistent=True)),
+    "+ down persistent flat": (None, dict(persistent=True, flatten=True)),
+    "+ down 128x128 s4 persistent flat": (
+        None,
+        dict(block_n=128, num_stages=4, persistent=True, flatten=True),
+    ),
+    "+ both persistent": (dict(persistent=True), dict(persistent=True)),
+    "+ both persistent flat": (dict(persistent=True, flatten=True), dict(persistent=True, flatten=True)),
+}
+AB_ROUNDS = 7
 
 
 def log(msg: str) -> None:
@@ -335,6 +367,95 @@ def sweep(
     return found
 
 
+def load_baseline(path: str):
+    """A copy of `kernels/triton_moe.py` (another revision) as its own module."""
+    spec = importlib.util.spec_from_file_location("triton_moe_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def ab_variants(rows: int) -> dict[str, dict]:
+    """`AB_VARIANTS` as fused_moe keyword arguments (gate_up_config / down_config)."""
+    defaults = default_configs(rows, "bf16")
+    out = {}
+    for name, changes in AB_VARIANTS.items():
+        configs = {}
+        for which, change in zip(("gate_up", "down"), changes, strict=True):
+            configs[f"{which}_config"] = dataclasses.replace(defaults[which], **(change or {}))
+        out[name] = configs
+    return out
+
+
+def ab(layer: Layer, tokens: int, baseline_path: str | None, rounds: int) -> dict:
+    """The --ab comparison (module docstring, 6.)."""
+    device = layer.w13.device
+    x = torch.randn(tokens, HIDDEN, device=device, dtype=DTYPE)
+    weights, ids = routing(tokens, device)
+    args = layer.args("bf16", x, weights, ids)
+    fns: dict[str, Callable[[], object]] = {"dense bf16 (cuBLAS)": dense_anchor(tokens, device)}
+    checks: dict[str, tuple[float, bool]] = {}
+    if baseline_path:
+        fns["baseline"] = functools.partial(load_baseline(baseline_path).fused_moe, **args)
+    variants = ab_variants(tokens * TOP_K)
+    for name, configs in variants.items():
+        fns[name] = functools.partial(tm.fused_moe, **args, **configs)
+    graphs = {}
+    for name, fn in fns.items():
+        start = time.time()
+        try:
+            if not name.startswith("dense"):
+                checks[name] = check("bf16", fn(), args)
+            graphs[name] = as_graph(fn)
+        except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
+            log(f"ab {name}: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        err = checks.get(name, (0.0,))[0]
+        log(f"ab {name}: compiled and captured in {time.time() - start:.0f} s, err {err:.1e}")
+    names = list(graphs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(bench(graphs[name], quick=True))
+    dense = times[names[0]]
+    rows = []
+    for name in names:
+        us = times[name]
+        ratio = statistics.median(d / t for d, t in zip(dense, us, strict=True))
+        rows.append(dict(name=name, median_us=statistics.median(us), min_us=min(us), max_us=max(us),
+                         vs_dense=ratio, ok=checks.get(name, (0.0, True))[1]))  # fmt: skip
+    base = next((r["median_us"] for r in rows if r["name"] == "baseline"), None)
+    log("")
+    log(f"| variant ({tokens} tokens, bf16, graph replays) | median us | range us | TFLOP/s | x dense | "
+        "vs baseline | ok |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|")
+    for r in rows:
+        gain = "-" if base is None or r["name"].startswith("dense") else f"{base - r['median_us']:+.1f} us"
+        log(f"| {r['name']} | {r['median_us']:.1f} | {r['min_us']:.1f}-{r['max_us']:.1f} | "
+            f"{flops(tokens) / r['median_us'] / 1e6:.1f} | {r['vs_dense']:.3f} | {gain} | "
+            f"{'yes' if r['ok'] else 'NO'} |")  # fmt: skip
+    log(f"{rounds} rounds, each timing every variant once (do_bench, quick); x dense: median of the "
+        f"per-round ratios; goal x dense >= {DENSE_GOAL.get(tokens, '-')}.")  # fmt: skip
+    log("")
+    stages = {}
+    for name in names[1:]:
+        stages[name] = breakdown(fns[name])
+        log(f"{name}:")
+        log(breakdown_line(stages[name], statistics.median(times[name])))
+    ours = [r for r in rows if r["name"] in variants and r["ok"]]
+    best = min(ours, key=lambda r: r["median_us"]) if ours else None
+    if best is not None:
+        configs = variants[best["name"]]
+        log("")
+        log(f"fastest of this tree's variants: {best['name']} ({best['median_us']:.1f} us, "
+            f"x{best['vs_dense']:.3f} of dense). As the bf16 prefill default, in choose_config:")  # fmt: skip
+        for which in ("gate_up", "down"):
+            log(f"  {which}: {configs[f'{which}_config']}")
+    return dict(tokens=tokens, rounds=rounds, times_us=times, rows=rows, stages=stages,
+                best=None if best is None else best["name"])  # fmt: skip
+
+
 def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -386,6 +507,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other tile configs")
     parser.add_argument("--sweep-budget-s", type=float, default=240.0, help="seconds the sweep may take")
     parser.add_argument("--sweep-gemms", default="gate_up,down", help="the GEMMs to sweep, comma-separated")
+    parser.add_argument("--ab", action="store_true", help="interleaved A/B of AB_VARIANTS (bf16, one size)")
+    parser.add_argument("--baseline", help="--ab: a kernels/triton_moe.py of another revision to time too")
+    parser.add_argument("--ab-rounds", type=int, default=AB_ROUNDS, help="--ab: rounds of timings")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
     device = torch.device("cuda")
@@ -403,6 +527,14 @@ def main() -> None:
     start = time.time()
     layer = Layer(device)
     tokens = [int(t) for t in args.tokens.split(",")]
+    if args.ab:
+        results["ab"] = ab(layer, tokens[-1], args.baseline, args.ab_rounds)  # the largest by default
+        results["wall_s"] = time.time() - start
+        path = Path(args.result_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2))
+        log(f"wrote {path} ({results['wall_s']:.0f} s)")
+        return
     modes = args.modes.split(",")
     cases = [(t, m) for t in tokens for m in modes]
     for index, (t, mode) in enumerate(cases):
