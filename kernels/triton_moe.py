@@ -153,9 +153,13 @@ def choose_config(
 # issue slots ~ 5.7K cycles, ~3 us: the whole scatter is ~2.9M warp instructions, against ~6.8M for
 # the three kernels before it (1,672 a warp of 8 for each 128 assignments in the old scatter alone).
 _ALIGN_CHUNK = 512
-# ... and at least: the histogram's lanes then hold no copies of each other's elements at 4 warps
-# (128 lanes), a layout whose histogram Triton divides by the copy count.
-_ALIGN_MIN_CHUNK = 256
+# ... and at least: one assignment per lane of the histogram at 4 warps (lanes holding copies of
+# each other's elements make Triton divide the histogram by the copy count), and one step of the
+# scatter's ranking.
+_ALIGN_MIN_CHUNK = 128
+# Programs that a chunk size between the two aims at: at decode sizes (512 assignments) 4 programs
+# of 128 rather than one that ranks 4 x 128 and writes every expert's padding alone.
+_ALIGN_PROGRAMS = 128
 # The scatter ranks this many assignments at a time, each against the others ([128, 128] lanes).
 _ALIGN_RANK = 128
 # Rows of the [chunks, experts] count table that the scatter reads per step (128 rows at 8,192
@@ -247,7 +251,8 @@ def _align_scatter_kernel(
 
 
 def _align_chunk(assignments: int) -> int:
-    return max(_ALIGN_MIN_CHUNK, min(_ALIGN_CHUNK, triton.next_power_of_2(max(1, assignments))))
+    per_program = triton.next_power_of_2(triton.cdiv(max(1, assignments), _ALIGN_PROGRAMS))
+    return max(_ALIGN_MIN_CHUNK, min(_ALIGN_CHUNK, per_program))
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:

@@ -153,8 +153,8 @@ def test_align_matches_reference(
     num_tokens: int, num_experts: int, top_k: int, block_m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Random routings (distinct experts per token, a quarter of the experts idle), several chunks
-    of assignments (chunks of 256 here instead of up to 4,096: an expert's assignments in earlier
-    chunks carry over; the scatter reads the count table 2 chunks a step instead of 32), int32 and
+    of assignments (chunks of 128 here instead of up to 512: an expert's assignments in earlier
+    chunks carry over; the scatter reads the count table 2 chunks a step instead of 64), int32 and
     int64 ids: exactly the reference's order, blocks and row count."""
     monkeypatch.setattr(tm, "_ALIGN_CHUNK", tm._ALIGN_MIN_CHUNK)
     monkeypatch.setattr(tm, "_ALIGN_TABLE_ROWS", 2)
