@@ -8,9 +8,9 @@ every (token, expert) assignment is one row of two grouped GEMMs:
 
 1. `align` sorts the assignments by expert into blocks of BLOCK_M rows that each belong to one
    expert (`moe_align_block_size` in vLLM): an expert's rows are padded to a multiple of BLOCK_M
-   with a sentinel id (= num_tokens * top_k), experts without a token get no block. Three small
-   Triton kernels (count per chunk of assignments, a prefix sum per expert, scatter) with no
-   host synchronisation, so CUDA graphs capture them; sizes are upper bounds from the shapes
+   with a sentinel id (= num_tokens * top_k), experts without a token get no block. Two small
+   Triton kernels (a histogram per chunk of assignments, a scatter per chunk) with no host
+   synchronisation, so CUDA graphs capture them; sizes are upper bounds from the shapes
    (`_max_sorted_rows`); the real count stays on the device and programs past it exit. (A torch
    version took two dozen launches, a radix sort among them.)
 2. `_gate_up_kernel`: each program one block of BLOCK_M sorted rows x BLOCK_N columns of its
