@@ -466,8 +466,10 @@ class Scheduler:
         `config.max_num_loaded_blocks` (scheduler.kv_tier.load_budget), the plan already loading
         some: the first tier hit of a plan always goes, so a long history is never starved."""
         budget, planned = self.config.max_num_loaded_blocks, self.kv_cache_manager.num_planned_loads
-        loads = hit.num_loads
-        return bool(budget and planned and loads) and planned + loads > budget
+        if not (budget and planned):
+            return False
+        loads = hit.num_loads  # (a hit without loads of its own never waits for the budget)
+        return loads > 0 and planned + loads > budget
 
     def _queued_head(self) -> Request | None:
         """The first of the swapped and waiting queues' heads in (priority, arrival) order."""
