@@ -444,7 +444,13 @@ class ExecutorReplica:
         )
         self._heartbeats = True
         self.state = "attached"
-        log.info("attached", executor=self.address, transport=str(self.transport), **dataclasses.asdict(info))
+        log.info(
+            "attached",
+            executor=self.address,
+            transport=str(self.transport),
+            max_num_loaded_blocks=self.scheduler.config.max_num_loaded_blocks,
+            **dataclasses.asdict(info),
+        )
         self._host.on_attached(self)
 
     def _retire_core(self) -> None:
