@@ -66,6 +66,35 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = COPY_PROBE_BYTES,
     return 2 * nbytes / seconds[len(seconds) // 2]
 
 
+# Bytes of the host-link measurement: 32 blocks of a llama-8b-shape pool, a few ms on PCIe 5.
+HOST_PROBE_BYTES = 64 << 20
+
+
+def measure_host_copy_bandwidth(
+    device: torch.device, nbytes: int = HOST_PROBE_BYTES, repeats: int = 5
+) -> float:
+    """Bytes/s of a pinned host-to-device copy of `nbytes` (the CPU tier's loads), the median of
+    `repeats`; 0.0 off CUDA. The scheduler sizes the tier's loads per plan by it
+    (scheduler.kv_tier.load_budget)."""
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)  # first touch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    seconds = []
+    for _ in range(repeats):
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    seconds.sort()
+    return nbytes / seconds[len(seconds) // 2]
+
+
 # Per graph, for what the decode-pass measurement misses: the driver's instantiated graph, the
 # capture stream's cuBLAS workspace, allocator rounding in the private pool. Measured on an H200
 # (27 graphs, max_num_seqs 256): the decode pass alone reserved 184 MiB while capture took 369 MiB

@@ -49,7 +49,12 @@ from pagedserve.executor.loader import (
 )
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.plan_check import PlanError, PlanLimits, mask_words, validate_masks, validate_plan
-from pagedserve.executor.profiling import measure_copy_bandwidth, memory_in_use, profile_cuda
+from pagedserve.executor.profiling import (
+    measure_copy_bandwidth,
+    measure_host_copy_bandwidth,
+    memory_in_use,
+    profile_cuda,
+)
 from pagedserve.executor.quantization import check_fp8_support, kv_cache_torch_dtype
 from pagedserve.executor.sampler import (
     SamplingParams,
@@ -354,6 +359,7 @@ class ModelRunner:
         # A device-to-device copy's bytes/s (read + write), measured by from_model on CUDA (0 off it):
         # with `weight_read_bytes` and `kv_bytes_per_token`, a step's read floor (AttachResponse).
         self.copy_bytes_per_s = 0.0
+        self.host_copy_bytes_per_s = 0.0  # with a CPU tier: pinned host -> device, measured at start
         self.tracer: StepTracer | None = None  # from_model sets it for --step-trace
         self.graphs: StepGraphs | None = None
         self.calibrate_kv_scales = False  # the next step sets the FP8 KV scales (eagerly)
@@ -449,6 +455,7 @@ class ModelRunner:
             layout, num_blocks, max_model_len, why=why, sliding_windows=windows,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )  # fmt: skip
+        host_copy_bytes_per_s = measure_host_copy_bandwidth(device) if num_offload else 0.0
         kv_cache = KVCache(layout, num_blocks, num_cpu_blocks, device)
         log.info(
             "executor.loaded",
@@ -488,6 +495,7 @@ class ModelRunner:
         runner.graph_reserve_bytes = graph_reserve
         runner.memory_profile = memory
         runner.copy_bytes_per_s = copy_bytes_per_s
+        runner.host_copy_bytes_per_s = host_copy_bytes_per_s
         runner.num_cpu_offload_blocks = num_offload
         if config.step_trace:
             runner.tracer = StepTracer(config.step_trace, device)

@@ -172,6 +172,7 @@ def attach_response(
         weight_read_bytes=runner.weight_read_bytes,
         kv_bytes_per_token=runner.kv_bytes_per_token,
         copy_bytes_per_s=runner.copy_bytes_per_s,
+        host_copy_bytes_per_s=runner.host_copy_bytes_per_s,
         draft_model=runner.draft_model_dir,
         num_speculative_tokens=runner.num_speculative_tokens,
         accepts_late_masks=True,

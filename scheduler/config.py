@@ -41,6 +41,9 @@ class SchedulerConfig:
             is sent once, and each request names its row (StepPlan.mask_rows, StepMasks.rows;
             the executor says on attach whether it takes them: AttachResponse
             .accepts_shared_mask_rows). Off: one row per request.
+        max_num_loaded_blocks: CPU tier: the most blocks one plan loads back to the GPU (0: no
+            limit), so that its loads hide behind its forward (scheduler.kv_tier.load_budget); a
+            plan always admits its first tier hit, however many blocks that loads.
     """
 
     block_size: int = 16
@@ -56,6 +59,7 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     late_masks: bool = False
     shared_mask_rows: bool = False
+    max_num_loaded_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -77,6 +81,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"num_cpu_offload_blocks must be in [0, num_cpu_blocks={self.num_cpu_blocks}], "
                 f"got {self.num_cpu_offload_blocks!r}"
+            )
+        if not isinstance(self.max_num_loaded_blocks, int) or self.max_num_loaded_blocks < 0:
+            raise ValueError(
+                f"max_num_loaded_blocks must be a non-negative integer, got {self.max_num_loaded_blocks!r}"
             )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(

@@ -66,8 +66,13 @@ so the executor runs the copies on its copy stream beside this step's forward, a
 first chunk is scheduled from the next plan on, whose forward waits for the copies. A request whose
 GPU hit includes a block this very plan loads (another request's) waits in the same way. A LOADING
 request leaves the waiting queue and uses none of the plan's budget, so the requests queued behind
-it are admitted in the same plan: a tier hit never delays the others, and several loads share one
-step. Order stays FCFS within a priority, priorities strict.
+it are admitted in the same plan, as long as the plan's loads stay within
+``config.max_num_loaded_blocks`` (what the host link moves during one forward: a plan's loads
+beyond it would stall the next forward, every running request with it). The first tier hit of a
+plan always goes; a head whose loads would pass the budget waits for the next plan, and those
+behind it with it, so loads are pipelined: one plan's loads run beside the forward that computes
+the chunks of the requests loaded by the plan before. Order stays FCFS within a priority,
+priorities strict.
 """
 
 from __future__ import annotations
@@ -450,9 +455,21 @@ class Scheduler:
                 num_blocks_short, keep = self._swap_in(request, step), NO_HIT
             else:
                 keep = self.kv_cache_manager.get_computed_blocks(request)
+                if self._exceeds_load_budget(keep):
+                    break  # its loads go in the next plan, and (in order) so do those behind it
                 num_blocks_short = self._admit(request, keep, step)
             if num_blocks_short and not self._preempt_lower_priority(request, num_blocks_short, keep, step):
                 break
+
+    def _exceeds_load_budget(self, hit: PrefixHit) -> bool:
+        """Whether admitting on `hit` would take the plan's tier loads past
+        `config.max_num_loaded_blocks` (scheduler.kv_tier.load_budget), the plan already loading
+        some: the first tier hit of a plan always goes, so a long history is never starved."""
+        budget, planned = self.config.max_num_loaded_blocks, self.kv_cache_manager.num_planned_loads
+        if not (budget and planned):
+            return False
+        loads = hit.num_loads  # (a hit without loads of its own never waits for the budget)
+        return loads > 0 and planned + loads > budget
 
     def _queued_head(self) -> Request | None:
         """The first of the swapped and waiting queues' heads in (priority, arrival) order."""

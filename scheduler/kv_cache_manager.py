@@ -100,6 +100,11 @@ class PrefixHit:
         the same positions, each in its own blocks)."""
         return max((sum(isinstance(b, CpuBlock) for b in table) for table in self.tables), default=0)
 
+    @property
+    def num_loads(self) -> int:
+        """Host -> GPU block copies that admitting on the hit plans: its tier blocks, all groups."""
+        return sum(isinstance(b, CpuBlock) for table in self.tables for b in table)
+
 
 NO_HIT = PrefixHit()
 
@@ -495,6 +500,11 @@ class KVCacheManager:
         self._loading_block_ids.clear()
         return moves
 
+    @property
+    def num_planned_loads(self) -> int:
+        """Host -> GPU block copies of the plan being built so far."""
+        return len(self._loads)
+
     def waits_for_loads(self, hit: PrefixHit) -> bool:
         """Whether a request admitted on `hit` in the plan being built must wait for the plan's
         loads (the executor runs them beside the plan's forward): it loads blocks from the CPU tier,
@@ -541,8 +551,7 @@ class KVCacheManager:
         if tables is not None:
             return sum(max(0, end - len(t.blocks)) for t in tables)
         if hit.tables:
-            loads = sum(isinstance(b, CpuBlock) for t in hit.tables for b in t)
-            return loads + sum(max(0, end - len(t)) for t in hit.tables)
+            return hit.num_loads + sum(max(0, end - len(t)) for t in hit.tables)
         return end * self.num_groups
 
     def _num_allocatable_blocks(self, hit: PrefixHit = NO_HIT) -> int:

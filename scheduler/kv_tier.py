@@ -22,6 +22,27 @@ from pagedserve.scheduler.block_pool import BlockHash
 TierKey = tuple[int, BlockHash]  # (KV-cache group, block hash)
 
 
+def load_budget(
+    weight_read_bytes: int, device_bytes_per_s: float, host_bytes_per_s: float, bytes_per_block: int
+) -> int:
+    """The most blocks one plan loads from the tier (`SchedulerConfig.max_num_loaded_blocks`): as
+    many as the host link moves while the device reads the weights once, the least time any forward
+    takes; 0 (no limit) where a bandwidth is unknown (off CUDA, whose executor copies inside the step).
+
+    The executor runs a plan's loads beside its forward, and the next forward waits for them. When
+    many requests are admitted at once on tier hits (the pool frees the blocks of a batch that
+    finished together), their loads in one plan outlast its forward many times over: W6 on the
+    H200 admitted ~19 turns of ~100 blocks in one plan, ~85 ms of copies beside a 7 ms decode, so
+    every running request stalled for them, and the turns' prefill chunks then ran together in one
+    step of ~5,000 tokens. Within the budget each plan's loads hide behind its forward, the requests
+    start one plan after another, and each one's chunk overlaps the next one's loads.
+    """
+    if weight_read_bytes <= 0 or device_bytes_per_s <= 0 or host_bytes_per_s <= 0 or bytes_per_block <= 0:
+        return 0
+    seconds = weight_read_bytes / device_bytes_per_s
+    return max(1, int(seconds * host_bytes_per_s // bytes_per_block))
+
+
 class CpuTier:
     """Which host block holds each cached block, in LRU order; at most `capacity` blocks."""
 

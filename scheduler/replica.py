@@ -39,6 +39,7 @@ from pagedserve.protos import executor_pb2
 from pagedserve.scheduler.block_pool import BlockHash
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.core import LateMasks, Scheduler, SchedulerStats, StepPlan
+from pagedserve.scheduler.kv_tier import load_budget
 from pagedserve.scheduler.request import Request, SeqId
 from pagedserve.scheduler.router import ExecutorLoad
 from pagedserve.scheduler.service_config import ServiceConfig
@@ -106,6 +107,7 @@ class ExecutorInfo:
     weight_read_bytes: int = 0
     kv_bytes_per_token: int = 0
     copy_bytes_per_s: float = 0.0
+    host_copy_bytes_per_s: float = 0.0  # with a CPU tier: the tier's loads per plan (load_budget)
     # Speculative decoding's draft model, as loaded by the executor ("" and 0: none).
     draft_model: str = ""
     num_speculative_tokens: int = 0
@@ -408,6 +410,7 @@ class ExecutorReplica:
             weight_read_bytes=reply.weight_read_bytes,
             kv_bytes_per_token=reply.kv_bytes_per_token,
             copy_bytes_per_s=reply.copy_bytes_per_s,
+            host_copy_bytes_per_s=reply.host_copy_bytes_per_s,
             draft_model=reply.draft_model,
             num_speculative_tokens=reply.num_speculative_tokens,
         )
@@ -431,11 +434,23 @@ class ExecutorReplica:
                 speculative=config.speculative_config,
                 late_masks=reply.accepts_late_masks,
                 shared_mask_rows=reply.accepts_shared_mask_rows,
+                max_num_loaded_blocks=load_budget(
+                    info.weight_read_bytes,
+                    info.copy_bytes_per_s,
+                    info.host_copy_bytes_per_s,
+                    info.bytes_per_block,
+                ),
             )
         )
         self._heartbeats = True
         self.state = "attached"
-        log.info("attached", executor=self.address, transport=str(self.transport), **dataclasses.asdict(info))
+        log.info(
+            "attached",
+            executor=self.address,
+            transport=str(self.transport),
+            max_num_loaded_blocks=self.scheduler.config.max_num_loaded_blocks,
+            **dataclasses.asdict(info),
+        )
         self._host.on_attached(self)
 
     def _retire_core(self) -> None:

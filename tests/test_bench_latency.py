@@ -161,7 +161,7 @@ def test_executor_reports_its_read_floor_inputs(tiny_model_dir):
     assert runner.weight_read_bytes == every - embedding.numel() * embedding.element_size()
     element = torch.empty((), dtype=runner.kv_cache.layout.dtype).element_size()
     assert runner.kv_bytes_per_token == 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element
-    assert runner.copy_bytes_per_s == 0.0
+    assert runner.copy_bytes_per_s == 0.0 and runner.host_copy_bytes_per_s == 0.0
     reply = attach_response(runner, "tiny", 1, 10.0)
     assert (reply.weight_read_bytes, reply.kv_bytes_per_token) == (
         runner.weight_read_bytes,

@@ -322,6 +322,32 @@ def test_submit_before_any_executor_attached_is_unavailable(tokenizer):
     assert engine.executor_statuses() == []
 
 
+def test_the_tiers_loads_per_plan_come_from_the_bandwidths_the_executor_reports(tokenizer, text_ids):
+    """An executor with a CPU tier reports its host link; the replica's core loads no more blocks a
+    plan than that link moves while the device reads the weights once (kv_tier.load_budget)."""
+
+    class TierExecutor(FlakyExecutor):
+        async def attach(self, scheduler_id, timeout):
+            reply = await super().attach(scheduler_id, timeout)
+            reply.num_cpu_blocks = reply.num_cpu_offload_blocks = 64
+            reply.bytes_per_block, reply.weight_read_bytes = 2 << 20, 15_009_849_344
+            reply.copy_bytes_per_s, reply.host_copy_bytes_per_s = 3.87e12, 55.3e9
+            return reply
+
+    fakes = {
+        "tier:1": TierExecutor(text_ids, len(tokenizer)),
+        "plain:1": FlakyExecutor(text_ids, len(tokenizer)),
+    }
+
+    async def scenario():
+        async with Harness(tokenizer, fakes) as h:
+            await h.until(lambda: all(s.attached for s in h.engine.executor_statuses()))
+            budgets = {a: r.scheduler.config.max_num_loaded_blocks for a, r in h.engine._replicas.items()}
+            assert budgets == {"tier:1": 102, "plain:1": 0}
+
+    asyncio.run(scenario())
+
+
 def test_attach_response_has_the_lease_timeout():
     assert "lease_timeout_ms" in executor_pb2.AttachResponse.DESCRIPTOR.fields_by_name
 

@@ -14,7 +14,7 @@ from pagedserve.protos import executor_pb2
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.core import Scheduler, StepPlan
 from pagedserve.scheduler.kv_cache_manager import CpuBlock, KVCacheManager
-from pagedserve.scheduler.kv_tier import CpuTier
+from pagedserve.scheduler.kv_tier import CpuTier, load_budget
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 
 BS = 4
@@ -206,6 +206,58 @@ def test_requests_behind_a_tier_hit_start_in_the_same_plan_and_a_twin_waits_for_
     assert [r.seq_id for r in second.new_requests] == [a.seq_id, c.seq_id] and not second.load
     assert [r.seq_id for r in second.running] == [b.seq_id]
     assert s.loading == ()
+
+
+def test_a_plans_loads_stay_within_the_load_budget_and_the_next_plan_takes_the_rest():
+    """With `max_num_loaded_blocks`, a plan admits tier hits in order while their loads fit; the
+    head whose loads would pass it waits for the next plan (and, FCFS, those behind it), whose
+    forward computes the first one's chunk beside the second one's loads. A miss before it is
+    admitted as ever; the first tier hit of a plan goes whatever it loads."""
+    s = _scheduler(num_gpu_blocks=16, num_cpu_blocks=64, max_num_batched_tokens=32, max_num_loaded_blocks=6)
+    first, second = list(range(100, 117)), list(range(400, 417))
+    _run_to_end(s, 80, first)
+    _evict_to_tier(s, second)
+    probe = _request(0, first)
+    assert s.kv_cache_manager.get_computed_blocks(probe).num_cpu_blocks == 4, "both only in the tier"
+    a, b, c, d = (
+        _request(1, first),
+        _request(2, list(range(300, 306))),
+        _request(3, second),
+        _request(4, [9] * 6),
+    )
+    for request in (a, b, c, d):
+        s.add_request(request)
+    plan = s.schedule()
+    assert s.loading == (a,) and len(plan.load) == 4
+    assert [r.seq_id for r in plan.new_requests] == [b.seq_id], "a miss behind a tier hit still starts"
+    assert c.status is RequestStatus.WAITING and d.status is RequestStatus.WAITING, "4 + 4 loads > 6"
+    s.process_output(plan.step_id, plan.sampling_seq_ids, [7] * len(plan.sampling_seq_ids))
+    plan = s.schedule()
+    assert [r.seq_id for r in plan.new_requests] == [a.seq_id, d.seq_id], "a's chunk beside c's loads"
+    assert s.loading == (c,) and len(plan.load) == 4
+    assert {gpu for _, gpu in plan.load} <= set(s.kv_cache_manager.block_ids(c.seq_id))
+
+
+def test_a_tier_hit_larger_than_the_load_budget_goes_alone():
+    s = _scheduler(num_gpu_blocks=12, num_cpu_blocks=64, max_num_loaded_blocks=1)
+    prefix = list(range(100, 117))
+    _evict_to_tier(s, prefix)
+    a, b = _request(1, prefix), _request(2, prefix + [5])
+    s.add_request(a)
+    s.add_request(b)
+    plan = s.schedule()
+    assert s.loading == (a, b) and len(plan.load) == 4, "b's hit is the blocks a loads: no load of its own"
+
+
+def test_the_load_budget_is_what_the_host_link_moves_while_the_weights_are_read():
+    # The llama-8b shape on the H200 (benchmarks/results/2026-12-04-h200): 15.01 GB of weights at
+    # 3.87 TB/s is 3.88 ms, in which a 55.3 GB/s host link moves 102 blocks of 2 MiB.
+    assert load_budget(15_009_849_344, 3.87e12, 55.3e9, 2 << 20) == 102
+    assert load_budget(1_000, 1e12, 1e9, 2 << 20) == 1, "at least one block"
+    assert load_budget(15_009_849_344, 0.0, 55.3e9, 2 << 20) == 0, "no device bandwidth: off CUDA"
+    assert load_budget(15_009_849_344, 3.87e12, 0.0, 2 << 20) == 0, "no host link measured: no tier"
+    with pytest.raises(ValueError, match="max_num_loaded_blocks"):
+        SchedulerConfig(block_size=BS, num_gpu_blocks=8, max_model_len=16, max_num_loaded_blocks=-1)
 
 
 def test_a_request_cancelled_while_loading_frees_its_blocks_and_the_load_stays_cached():

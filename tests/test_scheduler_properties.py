@@ -237,6 +237,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sliding_windows=st.sampled_from(GROUPS),
         tier_share=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
         num_speculative_tokens=st.sampled_from([0, 1, 3, 3]),
+        max_num_loaded_blocks=st.sampled_from([0, 1, 1, 2]),
     )
     def setup(
         self,
@@ -356,6 +357,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         tier = self.scheduler.kv_cache_manager.tier
         tier_slots = {slot for _, slot in tier.items()} if tier is not None else set()
         assert {cpu for _, cpu in plan.swap_out} & {cpu for cpu, _ in plan.swap_in} <= tier_slots
+        # The tier's loads stay within the budget, except a plan's first tier hit's (it goes alone).
+        if config.max_num_loaded_blocks and len(plan.load) > config.max_num_loaded_blocks:
+            loaded = {gpu for _, gpu in plan.load}
+            manager = self.scheduler.kv_cache_manager
+            assert any(
+                loaded <= {b for g in range(manager.num_groups) for b in manager.block_ids(r.seq_id, g)}
+                for r in self.scheduler.loading
+            ), "a plan's loads past the budget are one request's"
 
     def chain_hashes(self, tokens: list[int]) -> None:
         """Records the hash of every full block of a token sequence, for the content check."""
