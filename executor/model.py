@@ -44,6 +44,8 @@ from pagedserve.executor.quantization import (
     Fp8Linear,
     dense_matmul,
     fp8_matmul,
+    gemv_silu_and_mul,
+    gemv_silu_and_mul_applies,
     kv_scale_from_amax,
     rms_norm_for_fp8,
     silu_and_mul_for_fp8,
@@ -114,6 +116,8 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """y = x W^T (+ b) with uninitialised parameters (nn.Linear would initialise them randomly)."""
+
+    weight_scale = None  # as Fp8Linear's: 16-bit weights have none
 
     def __init__(self, rows: int, cols: int, bias: bool, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
@@ -246,12 +250,19 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.rotary(meta.positions, q, k)  # in place (views of the qkv output, or the normed copies)
-        if self.calibrate_kv_scales:
-            self.k_scale.copy_(kv_scale_from_amax(k))
-            self.v_scale.copy_(kv_scale_from_amax(v))
         group = self.kv_group
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping[group], self.k_scale, self.v_scale)
+        slots = meta.slot_mapping[group]
+        if self.calibrate_kv_scales or self.rotary.partial:
+            self.rotary(meta.positions, q, k)  # in place (views of the qkv output, or the normed copies)
+            if self.calibrate_kv_scales:
+                self.k_scale.copy_(kv_scale_from_amax(k))
+                self.v_scale.copy_(kv_scale_from_amax(v))
+            kernels.write_kv(k, v, k_cache, v_cache, slots, self.k_scale, self.v_scale)
+        else:  # the same in one launch
+            cos, sin = self.rotary.cos, self.rotary.sin
+            kernels.rotary_write_kv(
+                meta.positions, q, k, v, cos, sin, k_cache, v_cache, slots, self.k_scale, self.v_scale
+            )
         out = kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables[group], meta.seq_lens, meta.cu_seqlens_q, self.scale,
             k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=self.sliding_window,
@@ -283,9 +294,13 @@ class MLP(nn.Module):
         self.down_proj = _linear(hidden, inter, False, device, dtype, quantization, all_reduce)
         plain, quantizing = _ACTIVATIONS[spec.mlp_act]
         self.act = quantizing if quantization == "fp8" else plain
+        self.swiglu = spec.mlp_act == "silu"
 
     def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if self.swiglu and gemv_silu_and_mul_applies(x, gate_up.weight):  # small M: one launch
+            return self.down_proj(gemv_silu_and_mul(x, gate_up.weight, gate_up.weight_scale))
+        return self.down_proj(self.act(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

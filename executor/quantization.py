@@ -143,19 +143,52 @@ def dense_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     kernel for steps of at most `bf16_gemv_max_m()` tokens (capped at the kernel's GEMV_MAX_M)
     with 16-bit weights and activations of one dtype on CUDA (or forced, as `kernels.layers`),
     cuBLAS otherwise. By the token count only, so a captured graph keeps one path."""
+    if _on_16bit_gemv(x, weight):
+        from pagedserve.kernels import triton_fp8_gemv
+
+        return triton_fp8_gemv.linear_16bit(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _on_16bit_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`dense_matmul`'s choice of the GEMV kernel."""
     m = x.shape[0] if x.dim() == 2 else -1
-    if (
+    return (
         0 < m <= min(_bf16_gemv_max_m, _GEMV_MAX_M)
         and weight.dtype in (torch.bfloat16, torch.float16)
         and x.dtype == weight.dtype
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
         and _use_triton(x)
-    ):
-        from pagedserve.kernels import triton_fp8_gemv
+    )
 
-        return triton_fp8_gemv.linear_16bit(x, weight, bias)
-    return F.linear(x, weight, bias)
+
+def gemv_silu_and_mul_applies(x: torch.Tensor | fp8.QuantizedActivation, weight: torch.Tensor) -> bool:
+    """Whether SwiGLU's gate | up projection `weight` of a step of x's rows runs as one GEMV launch
+    that applies SiLU-and-mul in its epilogue (`gemv_silu_and_mul`): where the projection alone
+    would run on the GEMV kernel (`dense_matmul`'s and `fp8_matmul`'s choice by the token count, so
+    a captured graph keeps one path) and the kernel takes the shape without a K split. Saves the
+    activation's launch and its round trip through memory in a small-batch decode step."""
+    if isinstance(x, fp8.QuantizedActivation):
+        return False
+    from pagedserve.kernels import triton_fp8_gemv
+
+    m = x.shape[0] if x.dim() == 2 else -1
+    if weight.dtype == fp8.FP8_DTYPE:
+        on_gemv = 0 < m <= triton_fp8_gemv.FP8_GEMV_MAX_M and uses_weight_only(m) and _use_triton(x)
+    else:
+        on_gemv = _on_16bit_gemv(x, weight)
+    return on_gemv and triton_fp8_gemv.fuses_silu_and_mul(m, *weight.shape, weight.dtype, x.device)
+
+
+def gemv_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """`layers.silu_and_mul(x @ W^T)` of a gate | up weight (e4m3 with its scales, or 16-bit with
+    None) in one GEMV launch; only where `gemv_silu_and_mul_applies`."""
+    from pagedserve.kernels import triton_fp8_gemv
+
+    return triton_fp8_gemv.gemv(x, weight, weight_scale, None, x.dtype, silu_and_mul=True)
 
 
 def rms_norm_for_fp8(

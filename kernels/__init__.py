@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.kernels import reference
 
-__all__ = ["fused_moe", "paged_attention", "write_kv", "reference"]
+__all__ = ["fused_moe", "paged_attention", "rotary_write_kv", "write_kv", "reference"]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -67,4 +67,24 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
 
         triton_attention.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rotary_write_kv(
+    positions, q, key, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None
+) -> None:
+    """Rotates q and key in place (`kernels.layers.rotary_embedding`: whole rotate-half heads) and
+    writes key and value to their slots (`write_kv`). One Triton launch instead of two on CUDA: a
+    decode layer's rotary and KV write are each a few-microsecond kernel whose time is launch and
+    latency; the references one after the other otherwise."""
+    if _use_triton(key):
+        from pagedserve.kernels import triton_attention
+
+        triton_attention.rotary_write_kv(
+            positions, q, key, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale
+        )
+    else:
+        from pagedserve.kernels import layers  # it imports this module
+
+        layers.rotary_embedding_reference(positions, q, key, cos, sin)
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -11,6 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.pdl import begin as pdl_begin
+from pagedserve.kernels.triton_layers import rotate_heads
+
 # --------------------------------------------------------------------------------------------- #
 # Device helpers
 # --------------------------------------------------------------------------------------------- #
@@ -320,6 +323,13 @@ def _attend_range(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _fp8_cache_values(x, scale_ptr):
+    """x quantized for an e4m3 cache: divided by the layer's scale (IEEE division, as the reference:
+    `/` compiles to an approximate one) and saturated."""
+    return tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -448.0, 448.0)
+
+
 # --------------------------------------------------------------------------------------------- #
 # Kernels
 # --------------------------------------------------------------------------------------------- #
@@ -366,13 +376,88 @@ def write_kv_kernel(
         k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d * stride_kd, mask=dmask)
         v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d * stride_vd, mask=dmask)
         if KV_FP8:
-            # IEEE division, as the reference (`/` compiles to an approximate one)
-            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
-            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
+            k, v = _fp8_cache_values(k, k_scale_ptr), _fp8_cache_values(v, v_scale_ptr)
         k_dst = k_cache_ptr + block_id * stride_ckb + offset * stride_ckt + head * stride_ckh
         v_dst = v_cache_ptr + block_id * stride_cvb + offset * stride_cvt + head * stride_cvh
         tl.store(k_dst + d * stride_ckd, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
         tl.store(v_dst + d * stride_cvd, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def rotary_write_kv_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_table,
+    stride_ckb,
+    stride_ckt,
+    stride_ckh,
+    stride_cvb,
+    stride_cvt,
+    stride_cvh,
+    num_q_heads,
+    num_kv_heads,
+    PAGE_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Grid (token, head block), as `triton_layers._rotary_kernel`'s: the first head blocks rotate
+    q's heads in place; the others rotate k's in place and store those keys and the values at the
+    token's cache slot (none for padding, slot < 0), quantized as `write_kv_kernel` does for e4m3
+    caches. Heads are whole rotate-half rows (head_dim = 2 * HALF, rows contiguous)."""
+    pdl_begin(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cols = tl.arange(0, HALF_PAD)
+    cos = tl.load(cos_ptr + position * stride_table + cols, mask=cols < HALF, other=0.0)
+    sin = tl.load(sin_ptr + position * stride_table + cols, mask=cols < HALF, other=0.0)
+    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    if head_block < q_blocks:
+        rotate_heads(
+            q_ptr + token * stride_qt, stride_qh, head_block * BLOCK_H, num_q_heads, cos, sin,
+            HALF, HALF_PAD, BLOCK_H,
+        )  # fmt: skip
+    else:
+        first_head = (head_block - q_blocks) * BLOCK_H
+        k1, k2 = rotate_heads(
+            k_ptr + token * stride_kt, stride_kh, first_head, num_kv_heads, cos, sin, HALF, HALF_PAD, BLOCK_H
+        )
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            heads = (first_head + tl.arange(0, BLOCK_H)).to(tl.int64)
+            mask = (heads < num_kv_heads)[:, None] & (cols < HALF)[None, :]
+            v_first = v_ptr + token * stride_vt + heads[:, None] * stride_vh + cols[None, :]
+            v1 = tl.load(v_first, mask=mask, other=0.0)
+            v2 = tl.load(v_first + HALF, mask=mask, other=0.0)
+            if KV_FP8:
+                k1, k2 = _fp8_cache_values(k1, k_scale_ptr), _fp8_cache_values(k2, k_scale_ptr)
+                v1, v2 = _fp8_cache_values(v1, v_scale_ptr), _fp8_cache_values(v2, v_scale_ptr)
+            block_id = slot // PAGE_SIZE
+            offset = slot % PAGE_SIZE
+            k_dst = k_cache_ptr + block_id * stride_ckb + offset * stride_ckt + heads[:, None] * stride_ckh
+            v_dst = v_cache_ptr + block_id * stride_cvb + offset * stride_cvt + heads[:, None] * stride_cvh
+            tl.store(k_dst + cols[None, :], k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_dst + HALF + cols[None, :], k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst + cols[None, :], v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst + HALF + cols[None, :], v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 # Integer arguments that change from step to step are not specialised: Triton would otherwise
@@ -432,6 +517,7 @@ def decode_kernel(
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One decode token x one KV head group x one context partition (split).
 
@@ -448,6 +534,7 @@ def decode_kernel(
     window's start depends on the sequence length, so SINGLE_TILE loads its block ids after it.
     SOFT_CAP: see `_attend_block`.
     """
+    pdl_begin(USE_PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -568,6 +655,7 @@ def merge_kernel(
     D_PAD: tl.constexpr,
     S_PAD: tl.constexpr,
     BY_SEQ: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Merges the split partials of one grid row (as in `decode_kernel`) x one query head into its
     output row.
@@ -578,6 +666,7 @@ def merge_kernel(
     previous launch, so ".cg" loads (L2) are as good as any. Split 0 always has keys, so the max is
     finite and the denominator positive.
     """
+    pdl_begin(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     q_head = tl.program_id(1)
     token = row

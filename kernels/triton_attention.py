@@ -112,11 +112,14 @@ from pagedserve.kernels.attention_jit import (
     WIDEN_TO_Q_DTYPE,
     decode_kernel,
     merge_kernel,
+    rotary_write_kv_kernel,
     varlen_kernel,
     write_kv_kernel,
 )
+from pagedserve.kernels.pdl import launch_args as pdl_launch_args
+from pagedserve.kernels.triton_layers import check_rotary
 
-__all__ = ["paged_attention", "write_kv", "DecodeConfig", "PrefillConfig", "ScoreOptions"]
+__all__ = ["paged_attention", "rotary_write_kv", "write_kv", "DecodeConfig", "PrefillConfig", "ScoreOptions"]
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -760,6 +763,7 @@ def _launch_decode(
         block_tables.stride(0),
         **plan.meta,
         KV_FP8=_fp8_mode(k_cache, q.dtype, FP8_DECODE_WIDEN),
+        **pdl_launch_args(q.device),
     )
     _launch_merge(plan, out, part, cu_seqlens_q)
 
@@ -770,7 +774,14 @@ def _launch_merge(
     """Merges a split decode launch's partials into `out` (nothing to do unsplit)."""
     if plan.part_rows:
         merge_kernel[plan.grid[0], out.shape[1]](
-            out, part, cu_seqlens_q, plan.num_splits, plan.part_rows, *out.stride(), **plan.merge_meta
+            out,
+            part,
+            cu_seqlens_q,
+            plan.num_splits,
+            plan.part_rows,
+            *out.stride(),
+            **plan.merge_meta,
+            **pdl_launch_args(out.device),
         )
 
 
@@ -879,3 +890,38 @@ def write_kv(
         KV_FP8=k_cache.dtype == _FP8,
         num_warps=1,
     )
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """`kernels.layers.rotary_embedding` then `write_kv` in one launch; see `kernels.rotary_write_kv`."""
+    launch = check_rotary(positions, q, key, cos, sin)
+    assert key.shape == value.shape and value.stride(2) == 1, "value: as key, head rows contiguous"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and key.shape[1:] == k_cache.shape[2:]
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache head rows must be contiguous"
+    assert slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
+    assert slot_mapping.stride(0) == 1 or slot_mapping.numel() <= 1
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    rotary_write_kv_kernel[(num_tokens, launch.head_blocks)](
+        positions, q, key, value, cos, sin, k_cache, v_cache, slot_mapping,
+        *_kv_scales(k_cache, k_scale, v_scale, key.device),
+        q.stride(0), q.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), num_q_heads, key.shape[1],
+        PAGE_SIZE=k_cache.shape[1], HALF=head_dim // 2, HALF_PAD=launch.half_pad, BLOCK_H=launch.block_h,
+        KV_FP8=k_cache.dtype == _FP8, **pdl_launch_args(q.device), num_warps=launch.num_warps,
+        enable_fp_fusion=False,
+    )  # fmt: skip

@@ -57,6 +57,9 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.fp8 import FP8_DTYPE
+from pagedserve.kernels.pdl import begin as pdl_begin
+from pagedserve.kernels.pdl import pdl_enabled
+from pagedserve.kernels.triton_layers import silu_and_mul_values
 
 __all__ = [
     "FP8_GEMV_MAX_M",
@@ -64,6 +67,7 @@ __all__ = [
     "GemvConfig",
     "SplitKGemvConfig",
     "config_for",
+    "fuses_silu_and_mul",
     "gemv",
     "gemv_config_for",
     "linear_16bit",
@@ -334,6 +338,10 @@ GEMV_MAX_M = 4
 # against 0.33, gate_up 0.85 / 0.72 / 0.45 against 0.56-0.60, down 0.84 / 0.69 / 0.46 against
 # 0.48-0.52, LM head 1.03 / 0.82 / 0.48 against 0.64-0.69.
 FP8_GEMV_MAX_M = 2
+# With PDL (`kernels.pdl`), the GEMV asks L2 for its weights before it waits for the previous
+# kernel, so that the weight stream starts during that kernel's tail; PAGEDSERVE_GEMV_PREFETCH=0
+# turns the prefetch off (comparisons).
+_PREFETCH_WEIGHTS = os.environ.get("PAGEDSERVE_GEMV_PREFETCH", "1") != "0"
 # With split_k=None, splits are added while the grid has fewer than this many programs per SM
 # (each one already keeps (num_stages - 1) tiles in flight; a split costs a second launch).
 _GEMV_PROGRAMS_PER_SM = 2
@@ -486,9 +494,11 @@ def _gemv_row_step(acc, x_row_ptr, rk, k_mask, w, EVEN_K: tl.constexpr, ACC_2D: 
 def _gemv_row_out(
     acc, row, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_2D: tl.constexpr,
+    GLU: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One activation row's outputs: float32 partial sums of this split, or the scaled (+ bias)
-    result in the output's dtype."""
+    result in the output's dtype; with GLU, the program's rows are (gate, up) pairs of the
+    output columns rn (`_gemv_rows`), and silu(gate) * up is stored."""
     if ACC_2D:
         y = tl.sum(acc, axis=1)
     else:
@@ -500,7 +510,44 @@ def _gemv_row_out(
             y = y * scale
         if HAS_BIAS:
             y += bias
+        if GLU:  # each product rounded to the dtype first, as the projection's output would be
+            y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            y = silu_and_mul_values(gate, up, out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_om + rn, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_rows(pid_n, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """(weight rows, output columns, column mask) of program pid_n. With GLU (a gate | up weight
+    of N rows, N / 2 outputs) the program's BLOCK_N rows interleave the gate and up rows of
+    BLOCK_N / 2 output columns, so that its epilogue holds both halves of each output. Rows past
+    the matrix re-read its last row of their half (loads unmasked; stores masked)."""
+    if GLU:
+        outputs = N // 2
+        first = pid_n.to(tl.int64) * (BLOCK_N // 2)
+        pair = tl.arange(0, BLOCK_N)
+        rows = tl.minimum(first + pair // 2, outputs - 1) + (pair % 2) * outputs
+        rn = first + tl.arange(0, BLOCK_N // 2)
+    else:
+        outputs = N
+        rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(rn, N - 1)
+    return rows, rn, rn < outputs
+
+
+@triton.jit
+def _prefetch_l2(w_rows, k_begin, k_per_split, K, LINE: tl.constexpr, LINES: tl.constexpr):
+    """Asks L2 for the program's weight rows (k_begin .. + k_per_split of each), one 128-byte line
+    per request, LINES lines of each row at a time: issued before the PDL wait, the weight stream
+    starts while the previous kernel finishes (`kernels.pdl`)."""
+    lines = tl.arange(0, LINES) * LINE
+    for k0 in range(0, k_per_split, LINES * LINE):
+        rk = tl.minimum(k_begin + k0 + lines, K - 1)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [w_rows + rk[None, :]],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -527,16 +574,23 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     ACC_2D: tl.constexpr,
+    GLU: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PREFETCH_LINE: tl.constexpr,
 ):
     """Program (n block, k split): y[r, n] = sum over its K range of w[n, k] * x[r, k] for the
     ROWS (= M, 1..4) activation rows. EVEN_K: every split covers whole BLOCK_K steps inside K (no
-    masks in the loop). Rows of W past N re-read row N - 1 (loads unmasked; stores masked)."""
+    masks in the loop). GLU: silu(gate) * up of a gate | up weight (`_gemv_rows`; no split).
+    USE_PDL (`kernels.pdl`): with PREFETCH_LINE (weight elements per 128-byte line; 0: off) the
+    weights, which no kernel writes, are prefetched into L2 before the wait; all else is read after."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    w_rows = w_ptr + tl.minimum(rn, N - 1)[:, None] * stride_wn
+    rows, rn, n_mask = _gemv_rows(pid_n, N, BLOCK_N, GLU)
+    w_rows = w_ptr + rows[:, None] * stride_wn
     k_begin = pid_k.to(tl.int64) * k_per_split
+    if USE_PDL and PREFETCH_LINE > 0:
+        _prefetch_l2(w_rows, k_begin, k_per_split, K, PREFETCH_LINE, 16)  # 16 x 8 rows: a request a thread
+    pdl_begin(USE_PDL)
     if ACC_2D:
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
@@ -565,27 +619,27 @@ def _gemv_kernel(
     bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if not SPLIT:
         if HAS_SCALE:
-            scale = tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
+            scale = tl.load(scale_ptr + rows)
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            bias = tl.load(bias_ptr + rows).to(tl.float32)
     _gemv_row_out(
         acc0, 0, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
-        SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D,
+        SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
     )  # fmt: skip
     if ROWS > 1:
         _gemv_row_out(
             acc1, 1, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
-            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D,
+            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
         )  # fmt: skip
     if ROWS > 2:
         _gemv_row_out(
             acc2, 2, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
-            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D,
+            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
         )  # fmt: skip
     if ROWS > 3:
         _gemv_row_out(
             acc3, 3, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
-            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D,
+            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
         )  # fmt: skip
 
 
@@ -596,6 +650,8 @@ def gemv(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     config: SplitKGemvConfig | None = None,
+    *,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale[:, None])^T (+ bias) for M <= GEMV_MAX_M rows.
 
@@ -605,6 +661,9 @@ def gemv(
             (bf16/fp16) with `weight_scale` None.
         bias: optional [N].
         config: overrides `gemv_config_for`'s (benchmarks, tests).
+        silu_and_mul: weight is a gate | up projection (N even, no bias) and the result is
+            `kernels.layers.silu_and_mul(y)`, [M, N / 2], made in the kernel's epilogue: no round
+            trip of y through memory, no second launch. Only where `fuses_silu_and_mul` says so.
 
     The grid and the split-K workspace depend on the shapes only (graph-safe); no host syncs.
     """
@@ -622,7 +681,9 @@ def gemv(
         assert weight.dtype in (torch.bfloat16, torch.float16), f"weight dtype {weight.dtype}"
         assert weight_scale is None, "16-bit weights take no scale"
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if silu_and_mul:
+        assert bias is None and fuses_silu_and_mul(m, n, k, weight.dtype, x.device, config)
+    out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
@@ -633,15 +694,36 @@ def gemv(
     partial = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     scale = weight if weight_scale is None else weight_scale  # a placeholder pointer without scales
     bias_arg = scale if bias is None else bias
+    use_pdl = pdl_enabled(x.device)
+    prefetch_line = 128 // weight.element_size() if use_pdl and _PREFETCH_WEIGHTS else 0
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         x, weight, scale, bias_arg, out, partial, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         k_per_split, ROWS=m, HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         SPLIT=split_k > 1, EVEN_K=k % k_per_split == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NUM_STAGES=config.num_stages, ACC_2D=config.acc_2d, num_warps=config.num_warps, num_stages=1,
+        NUM_STAGES=config.num_stages, ACC_2D=config.acc_2d, GLU=silu_and_mul, USE_PDL=use_pdl,
+        PREFETCH_LINE=prefetch_line, launch_pdl=use_pdl, num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     if split_k > 1:
         _sum_splits(partial, weight_scale, bias, out)
     return out
+
+
+def fuses_silu_and_mul(
+    m: int,
+    n: int,
+    k: int,
+    weight_dtype: torch.dtype,
+    device: torch.device,
+    config: SplitKGemvConfig | None = None,
+) -> bool:
+    """Whether `gemv(..., silu_and_mul=True)` takes an [N, K] gate | up weight at M rows: the
+    epilogue needs whole sums, so only where the GEMV runs without a K split (the llama-8b gate_up
+    at M = 1 and 2 runs 1,792-3,584 programs: never split)."""
+    if not 0 < m <= GEMV_MAX_M or n % 2 or k == 0:
+        return False
+    config = config or gemv_config_for(m, n, k, weight_dtype)
+    split_k, _ = _k_ranges(k, _gemv_split_k(config, n, k, device), config.block_k)
+    return split_k == 1 and config.block_n >= 2
 
 
 def linear_16bit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,9 +17,14 @@ zero tokens launch nothing. Token offsets are computed in 64 bits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from pagedserve.kernels.pdl import begin as pdl_begin
+from pagedserve.kernels.pdl import launch_args as pdl_launch_args
 
 __all__ = ["rms_norm", "rotary_embedding", "silu_and_mul"]
 
@@ -83,8 +88,10 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Normalises one row; with a residual, first stores the sum x + residual (rounded) and uses it."""
+    pdl_begin(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -96,7 +103,7 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     row_ptr,
     stride_head,
     first_head,
@@ -107,16 +114,30 @@ def _rotate_heads(
     HALF_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Rotates heads [first_head, first_head + BLOCK_H) of one token in place (rotate-half layout)."""
+    """Rotates heads [first_head, first_head + BLOCK_H) of one token in place (rotate-half layout);
+    returns the rotated halves."""
     heads = first_head + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, HALF_PAD)
     mask = (heads < num_heads)[:, None] & (cols < HALF)[None, :]
     first = row_ptr + heads[:, None] * stride_head + cols[None, :]
-    x1 = tl.load(first, mask=mask, other=0.0)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    x1, x2 = rotate_half(
+        tl.load(first, mask=mask, other=0.0), tl.load(first + HALF, mask=mask, other=0.0), cos, sin
+    )
+    tl.store(first, x1, mask=mask)
+    tl.store(first + HALF, x2, mask=mask)
+    return x1, x2
+
+
+@triton.jit
+def rotate_half(x1, x2, cos, sin):
+    """The rotated halves [BLOCK_H, HALF_PAD] of heads whose first and second halves are x1 and
+    x2, in float32 and rounded back to their dtype (compiled without FMA contraction: see the
+    module docstring)."""
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(first, (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype), mask=mask)
-    tl.store(first + HALF, (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype), mask=mask)
+    return (
+        (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype),
+        (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype),
+    )
 
 
 @triton.jit
@@ -146,7 +167,7 @@ def _rotary_kernel(
     sin = tl.load(sin_ptr + position * stride_table + cols, mask=cols < HALF, other=0.0)
     q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
     if head_block < q_blocks:
-        _rotate_heads(
+        rotate_heads(
             q_ptr + token * stride_qt,
             stride_qh,
             head_block * BLOCK_H,
@@ -158,7 +179,7 @@ def _rotary_kernel(
             BLOCK_H,
         )
     else:
-        _rotate_heads(
+        rotate_heads(
             k_ptr + token * stride_kt,
             stride_kh,
             (head_block - q_blocks) * BLOCK_H,
@@ -172,16 +193,26 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, intermediate, BLOCK: tl.constexpr):
+def silu_and_mul_values(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up of float32 values that hold `dtype` ones, rounded as `F.silu(gate) * up` in
+    `dtype` rounds: torch's silu formula in float32 rounded to the dtype, then the product rounded.
+    `_silu_and_mul_kernel` and the GEMV's SiLU-and-mul epilogue (`triton_fp8_gemv`) share it."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    return (act.to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_out, intermediate, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
     """out[t, j] = silu(x[t, j]) * x[t, intermediate + j] for one token and BLOCK columns."""
+    pdl_begin(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
-    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + token * stride_x + intermediate + cols, mask=mask, other=0.0)
-    # torch's silu formula, in float32, rounded to the dtype before the multiply as F.silu(gate) * up is.
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    out = act.to(tl.float32) * up.to(tl.float32)
+    out = silu_and_mul_values(gate.to(tl.float32), up.to(tl.float32), up.dtype)
     tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -243,15 +274,34 @@ def _launch_rms_norm(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        **pdl_launch_args(x.device),
         num_warps=_num_warps(block),
         enable_fp_fusion=False,
     )
 
 
-def rotary_embedding(
+@dataclass(frozen=True)
+class RotaryLaunch:
+    """How `_rotary_kernel` (and `attention_jit.rotary_write_kv_kernel`) cut a token's heads:
+    BLOCK_H heads of HALF_PAD columns per program, q's head blocks first, then k's."""
+
+    half_pad: int
+    block_h: int
+    head_blocks: int
+    num_warps: int
+
+    @staticmethod
+    def of(num_q_heads: int, num_kv_heads: int, half: int) -> RotaryLaunch:
+        half_pad = triton.next_power_of_2(half)
+        block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _TILE_ELEMENTS // half_pad))
+        head_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h)
+        return RotaryLaunch(half_pad, block_h, head_blocks, _num_warps(block_h * half_pad))
+
+
+def check_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> None:
-    """See `kernels.layers.rotary_embedding`."""
+) -> RotaryLaunch:
+    """Checks the arguments of a rotary launch and returns its cut of the heads."""
     assert q.dim() == 3 and k.dim() == 3 and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2]
     assert q.dtype == k.dtype and q.dtype in _SUPPORTED_DTYPES
     assert q.stride(2) == 1 and k.stride(2) == 1, "q/k head rows must be contiguous"
@@ -260,13 +310,18 @@ def rotary_embedding(
     assert head_dim % 2 == 0 and cos.shape[1] == half and cos.shape == sin.shape
     assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(1) == 1
     assert positions.shape == (num_tokens,) and (positions.stride(0) == 1 or num_tokens <= 1)
+    return RotaryLaunch.of(num_q_heads, k.shape[1], half)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """See `kernels.layers.rotary_embedding`."""
+    launch = check_rotary(positions, q, k, cos, sin)
+    num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
-    num_kv_heads = k.shape[1]
-    half_pad = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _TILE_ELEMENTS // half_pad))
-    head_blocks = triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_kv_heads, block_h)
-    _rotary_kernel[(num_tokens, head_blocks)](
+    _rotary_kernel[(num_tokens, launch.head_blocks)](
         positions,
         q,
         k,
@@ -278,11 +333,11 @@ def rotary_embedding(
         k.stride(1),
         cos.stride(0),
         num_q_heads,
-        num_kv_heads,
-        HALF=half,
-        HALF_PAD=half_pad,
-        BLOCK_H=block_h,
-        num_warps=_num_warps(block_h * half_pad),
+        k.shape[1],
+        HALF=head_dim // 2,
+        HALF_PAD=launch.half_pad,
+        BLOCK_H=launch.block_h,
+        num_warps=launch.num_warps,
         enable_fp_fusion=False,
     )
 
@@ -303,6 +358,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             out.stride(0),
             intermediate,
             BLOCK=block,
+            **pdl_launch_args(x.device),
             num_warps=_num_warps(block),
             enable_fp_fusion=False,
         )

@@ -50,7 +50,10 @@
 #              (512-token prompts, 256 outputs; ITL/TPOT beside the read floor) per LATENCY_VARIANTS
 #              (default "bf16: fp8:--quantization,fp8": NAME:FLAGS, commas for spaces; add e.g.
 #              "fp8-kv8:--quantization,fp8,--kv-cache-dtype,fp8"); LATENCY_PROMPTS requests per pass (32);
-#              PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M=M in the environment overrides the FP8 threshold
+#              PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M=M in the environment overrides the FP8 threshold;
+#              LATENCY_SWEEP=0 skips the small_m sweep; LATENCY_PDL="1 0" runs the profiles and
+#              passes with and without programmatic dependent launch (PAGEDSERVE_PDL), each with a
+#              step trace (the GPU's idle time between steps)
 #   spec       issue 30, speculative decoding: W7 on the built-in model (SPEC_MODEL) at --max-concurrency
 #              1,4,16 without speculation, with ngram (k 4, lookup 4..2) and with draft_model (SPEC_DRAFT,
 #              default src/pagedserve/models/default_draft; k 4): output tok/s per request, executor steps
@@ -170,17 +173,25 @@ if wants latency; then  # issue 33 (QUICK: the same on the CPU, tiny shapes, the
     lat_sm=(env TRITON_INTERPRET=1 "${lat_sm[@]}" --device cpu --quick)
     lat_dp=(--device cpu --batches 1,2 --context 32 --steps 4 --replays 2)
   fi
-  run small-m 400 "${lat_sm[@]}" --result-file "$OUT/small-m.json"
-  for quant in bf16 fp8; do
-    qflag=() && [ "$quant" = fp8 ] && qflag=(--quantization fp8)
-    run "decode-profile-$quant" 200 python3 -m benchmarks.decode_profile "${qflag[@]}" "${lat_dp[@]}" \
-      --result-file "$OUT/decode-profile-$quant.json"
+  [ "${LATENCY_SWEEP:-1}" = 0 ] || run small-m 400 "${lat_sm[@]}" --result-file "$OUT/small-m.json"
+  for pdl in ${LATENCY_PDL:-1}; do  # PAGEDSERVE_PDL values: "1 0" compares with and without PDL
+    export PAGEDSERVE_PDL=$pdl
+    tag="" && [ "${LATENCY_PDL:-1}" != 1 ] && tag="-pdl$pdl"
+    for quant in bf16 fp8; do
+      qflag=() && [ "$quant" = fp8 ] && qflag=(--quantization fp8)
+      run "decode-profile-$quant$tag" 200 python3 -m benchmarks.decode_profile "${qflag[@]}" "${lat_dp[@]}" \
+        --result-file "$OUT/decode-profile-$quant$tag.json"
+    done
+    for variant in ${LATENCY_VARIANTS:-bf16: fp8:--quantization,fp8}; do
+      variant=${variant//,/ }  # "fp8-kv8:--quantization,fp8,--kv-cache-dtype,fp8": commas for spaces
+      bench "latency-${variant%%:*}$tag" 420 --num-prompts "$lat_prompts" "${lat_len[@]}" --request-rate inf \
+        --num-warmups "$lat_warm" --max-concurrency "$lat_conc" \
+        --executor-args "$fp8_executor ${variant#*:} --step-trace $OUT/latency-${variant%%:*}$tag-trace.jsonl"
+      run "latency-${variant%%:*}$tag-steps" 60 python3 -m pagedserve.executor.step_trace \
+        "$OUT/latency-${variant%%:*}$tag-trace.jsonl"
+    done
   done
-  for variant in ${LATENCY_VARIANTS:-bf16: fp8:--quantization,fp8}; do
-    variant=${variant//,/ }  # "fp8-kv8:--quantization,fp8,--kv-cache-dtype,fp8": commas for spaces
-    bench "latency-${variant%%:*}" 420 --num-prompts "$lat_prompts" "${lat_len[@]}" --request-rate inf \
-      --num-warmups "$lat_warm" --max-concurrency "$lat_conc" --executor-args "$fp8_executor ${variant#*:}"
-  done
+  unset PAGEDSERVE_PDL
 fi
 if wants spec; then  # issue 30 (QUICK: the same passes on the CPU, a few short requests)
   root=$(cd "$(dirname "$0")/.." && pwd)
