@@ -70,7 +70,7 @@ _STAGING = {
     "int64_to_device": ("runner", "step_inputs", "spec_decode"),
     "to_device": ("spec_decode", "sampler"),
 }
-_GRAPH_METHODS = ("_fill", "run", "run_next", "propose")
+_GRAPH_METHODS = ("_fill", "run", "run_next", "propose", "accept")
 
 
 def _count_staging(runner: ModelRunner, counts: collections.Counter, inside: list[bool]) -> None:
@@ -149,6 +149,10 @@ def _through_graph_layouts(runner: ModelRunner, k: int) -> None:
             graphs.prepare_proposals(k, PROPOSAL_GRAPH_MAX_SEQS)
             graphs._propose = lambda size, num_passes: None
             graphs.propose = graphs.propose_uncaptured
+            graphs.prepare_acceptance(runner.graphs.logits)
+            graphs._accept = lambda size: None
+            graphs._accepted[:, -1] = 1  # what the skipped bodies leave: a count of 1 (no proposal kept)
+            graphs.accept = graphs.accept_uncaptured
         setattr(runner, attr, graphs)
 
 
