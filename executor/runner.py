@@ -942,9 +942,8 @@ class ModelRunner:
             masks = self._verify_masks(work.masked_seq_ids, work.verified, work.bitmask)
             rows = None if logits is None else logits[num_sampled:]
             self._verify(rows, work.verified, pending, work.drafted, masks)
-        if not work.sampling and not work.verified and self.device.type == "cuda" and pending.prompt_spans:
-            pending.done = torch.cuda.Event()
-            pending.done.record()
+        if not work.sampling and not work.verified and pending.prompt_spans:
+            self._record_done(pending)
 
     def _draft_rest(self, scheduled: list[_Scheduled], verified: list[_Scheduled]) -> HostBatch | None:
         """The batch of a step's requests whose tokens the draft still has to run over for their
@@ -1171,9 +1170,7 @@ class ModelRunner:
         pending.spec_token_ids, pending.spec_counts = host[:, :-1], host[:, -1]
         if logprobs is not None:
             pending.spec_logprobs = to_host(logprobs)
-        if self.device.type == "cuda":
-            pending.done = torch.cuda.Event()
-            pending.done.record()
+        self._record_done(pending)
 
     def _verified(self, counts: torch.Tensor) -> None:
         """Hook: a verification's token counts are on the device (tensor parallelism sends them to
@@ -1272,8 +1269,13 @@ class ModelRunner:
         pending.wants_logprobs = [st.sampling.return_logprobs for st in sampling]
         pending.token_ids = to_host(result.token_ids)
         pending.logprobs = None if result.logprobs is None else to_host(result.logprobs)
+        self._record_done(pending)
+
+    def _record_done(self, pending: PendingStep) -> None:
+        """Marks the end of a launched step's device work (CUDA). A blocking event: a thread that
+        waits for it (the service's step watcher, `finish`) sleeps instead of spinning a core."""
         if self.device.type == "cuda":
-            pending.done = torch.cuda.Event()
+            pending.done = torch.cuda.Event(blocking=True)
             pending.done.record()
 
     def _feed(self, sample_rows: torch.Tensor, token_ids: torch.Tensor) -> None:
