@@ -4,12 +4,14 @@ At one request the executor's step is bound by the host: the GPU work of the bui
 draft is a fraction of a millisecond, and with speculation nothing is planned ahead, so each step's
 host time is on the critical path. This measures, per verification step, the host's time in
 `ModelRunner.launch` (all of it: plan, staging, proposal passes, the target's forward, acceptance),
-in the proposal phase (`_draft_proposals`) and the share of it inside the draft's eager forward
-passes (on the CPU that is compute; the rest is staging, sampling and bookkeeping: the host cost per
-pass reported), in `finish` (on CUDA it includes waiting for the device), and the wall time of the
-whole step. Then, over a few more steps, untimed: what each launch does on the host, as counts per
-step: torch operations dispatched outside graph replays (each a kernel launch or a view on CUDA),
-host -> device and device -> host copies (CUDA), and calls of the staging helpers.
+in the proposal phase of the general path (`_draft_proposals`; 0 where the step replays the
+proposal, target and acceptance graphs alone, `_verify_in_graphs`: greedy, one request, with
+graphs) and the share of it inside the draft's eager forward passes (on the CPU that is compute;
+the rest is staging, sampling and bookkeeping: the host cost per pass reported), in `finish` (on
+CUDA it includes waiting for the device), and the wall time of the whole step. Then, over a few
+more steps, untimed: what each launch does on the host, as counts per step: torch operations
+dispatched outside graph replays (each a kernel launch or a view on CUDA), host -> device and
+device -> host copies (CUDA), and calls of the staging helpers.
 Times are the main thread's CPU time (`time.thread_time`, torch on one thread): on a shared machine
 wall time mostly measures the neighbours.
 

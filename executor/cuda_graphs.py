@@ -147,6 +147,7 @@ class StepGraphs:
         self._decode_cu_seqlens = torch.arange(self.max_decode + 1, dtype=torch.int32, device=device)
         self._decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._no_batch = _empty_batch(slots.num_groups)  # what a capture fills: padding alone
         # Draft proposals (`capture_proposals`): the proposals, and one graph per decode size of the
         # k + 1 passes (each row's limit is a static field, staged with pass 0's inputs).
         self._proposals = torch.zeros((self.max_decode, 0), dtype=torch.int64, device=device)
@@ -214,10 +215,8 @@ class StepGraphs:
         never read, so a step costs the host O(its tokens), not the fields' capacities (the
         largest mixed graph's, 8,192 tokens by default: ~260 KB zero-padded and packed per fill
         before). One non-blocking copy moves the buffer; on the CPU it is written in place."""
-        empty = np.zeros(0, dtype=np.int64)
-        get = (lambda name: empty) if batch is None else (lambda name: getattr(batch, name))
-        t = len(get("positions"))
-        s = len(get("rows"))
+        b = self._no_batch if batch is None else batch
+        t, s = len(b.positions), len(b.rows)
         pad_tokens = num_tokens - t
         if mixed:
             pad_seqs = self.num_seq_slots - s  # >= num_pad_seqs
@@ -227,38 +226,31 @@ class StepGraphs:
             q_lens = np.zeros(pad_seqs, dtype=np.int64)
             q_lens[pad_seqs - spread :] = pad_tokens // spread
             q_lens[pad_seqs - spread : pad_seqs - spread + pad_tokens % spread] += 1
-            head_cu = np.zeros(1, dtype=np.int64) if batch is None else batch.cu_seqlens
-            cu = np.concatenate((head_cu, t + np.cumsum(q_lens)))
-            seq_lens = np.concatenate((get("seq_lens"), q_lens))
-        else:
+            seq_lens_pad, cu_pad = q_lens, t + np.cumsum(q_lens)
+        else:  # a decode graph reads no cu_seqlens (`_forward`)
             pad_seqs = num_tokens - s
-            cu, seq_lens = empty, np.concatenate((get("seq_lens"), np.ones(pad_seqs, dtype=np.int64)))
-        num_sampled = len(get("logits_indices"))
-        num_rows = s + pad_seqs - num_sampled  # logits rows past the sampled ones
+            seq_lens_pad, cu_pad = 1, None
+        num_rows = s + pad_seqs - len(b.logits_indices)  # logits rows past the sampled ones
         pad_row = self.slots.pad_row
-        slot_mapping = get("slot_mapping") if batch is not None else np.zeros((self.slots.num_groups, 0))
-        # Per field: its values, then a padding value (or array) and how many entries it fills.
-        fields = {
-            "host_ids": (get("host_ids"), 0, pad_tokens),
-            "feed_slots": (get("feed_slots"), -1, pad_tokens),
-            "positions": (get("positions"), 0, pad_tokens),
-            "seq_lens": (seq_lens, 0, 0),
-            "rows": (get("rows"), pad_row, pad_seqs),
-            "cu_seqlens": (cu, 0, 0),
-            "logits_indices": (get("logits_indices"), 0, num_rows),
-            "sample_rows": (get("sample_rows"), pad_row, num_rows),
-        }
-        if limits is not None:
-            fields["limits"] = (limits, -1, s + pad_seqs - len(limits))
         on_cpu = self._static.device.type == "cpu"
         if on_cpu:  # (tests: the graphs' layout uncaptured) poisoned where not written, so that a
             self._static.fill_(_POISON)  # graph reading past its fill fails there too
         host = self._static if on_cpu else torch.empty(self._static.shape, dtype=torch.int64, pin_memory=True)
-        view = host.numpy()
-        for name, (head, pad, num_pad) in fields.items():
-            _write(view, self._offsets[name], head, pad, num_pad)
-        for group, row in enumerate(slot_mapping):  # one row of token_capacity per KV-cache group
-            _write(view, self._offsets["slot_mapping"] + group * self._token_capacity, row, -1, pad_tokens)
+        view, at = host.numpy(), self._offsets
+        # Per field: its values, then a padding value (or array) and how many entries it fills.
+        _write(view, at["host_ids"], b.host_ids, 0, pad_tokens)
+        _write(view, at["feed_slots"], b.feed_slots, -1, pad_tokens)
+        _write(view, at["positions"], b.positions, 0, pad_tokens)
+        _write(view, at["seq_lens"], b.seq_lens, seq_lens_pad, pad_seqs)
+        _write(view, at["rows"], b.rows, pad_row, pad_seqs)
+        if cu_pad is not None:
+            _write(view, at["cu_seqlens"], b.cu_seqlens, cu_pad, len(cu_pad))
+        _write(view, at["logits_indices"], b.logits_indices, 0, num_rows)
+        _write(view, at["sample_rows"], b.sample_rows, pad_row, num_rows)
+        if limits is not None:
+            _write(view, at["limits"], limits, -1, s + pad_seqs - len(limits))
+        for group, row in enumerate(b.slot_mapping):  # one row of token_capacity per KV-cache group
+            _write(view, at["slot_mapping"] + group * self._token_capacity, row, -1, pad_tokens)
         if not on_cpu:
             self._static.copy_(host, non_blocking=True)
 
@@ -530,8 +522,20 @@ class StepGraphs:
         return self._logits[:num_sampled], self._field("sample_rows", num_sampled)
 
 
-def _write(view: np.ndarray, offset: int, head: np.ndarray, pad: int, num_pad: int) -> None:
-    """Writes `head`, then `num_pad` entries of `pad`, into `view` from `offset`."""
+def _empty_batch(num_groups: int) -> HostBatch:
+    """A batch of no sequence (`_fill` pads it whole)."""
+    empty = np.zeros(0, dtype=np.int64)
+    return HostBatch(
+        rows=empty, seq_lens=empty, cu_seqlens=np.zeros(1, dtype=np.int64), positions=empty,
+        slot_mapping=np.zeros((num_groups, 0), dtype=np.int64), host_ids=empty, feed_slots=empty,
+        logits_indices=empty, sample_rows=empty, width=1,
+    )  # fmt: skip
+
+
+def _write(view: np.ndarray, offset: int, head: np.ndarray, pad: int | np.ndarray, num_pad: int) -> None:
+    """Writes `head`, then `num_pad` entries of `pad` (a value, or an array of num_pad values), into
+    `view` from `offset`."""
     end = offset + len(head)
     view[offset:end] = head
-    view[end : end + num_pad] = pad
+    if num_pad:
+        view[end : end + num_pad] = pad
