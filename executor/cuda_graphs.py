@@ -386,6 +386,7 @@ class StepGraphs:
                 self._accept(size)
             self._acceptance_graphs[size] = graph
         torch.cuda.synchronize(device)
+        log.info("executor.acceptance_graphs", sizes=sorted(self._acceptance_graphs))
 
     def prepare_acceptance(self, logits: torch.Tensor) -> None:
         """Sets the acceptance graphs' sizes and buffers up (`capture_acceptance` captures them;
