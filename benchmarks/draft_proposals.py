@@ -4,12 +4,14 @@ At one request the executor's step is bound by the host: the GPU work of the bui
 draft is a fraction of a millisecond, and with speculation nothing is planned ahead, so each step's
 host time is on the critical path. This measures, per verification step, the host's time in
 `ModelRunner.launch` (all of it: plan, staging, proposal passes, the target's forward, acceptance),
-in the proposal phase (`_draft_proposals`) and the share of it inside the draft's eager forward
-passes (on the CPU that is compute; the rest is staging, sampling and bookkeeping: the host cost per
-pass reported), in `finish` (on CUDA it includes waiting for the device), and the wall time of the
-whole step. Then, over a few more steps, untimed: what each launch does on the host, as counts per
-step: torch operations dispatched outside graph replays (each a kernel launch or a view on CUDA),
-host -> device and device -> host copies (CUDA), and calls of the staging helpers.
+in the proposal phase of the general path (`_draft_proposals`; 0 where the step replays the
+proposal, target and acceptance graphs alone, `_verify_in_graphs`: greedy, one request, with
+graphs) and the share of it inside the draft's eager forward passes (on the CPU that is compute;
+the rest is staging, sampling and bookkeeping: the host cost per pass reported), in `finish` (on
+CUDA it includes waiting for the device), and the wall time of the whole step. Then, over a few
+more steps, untimed: what each launch does on the host, as counts per step: torch operations
+dispatched outside graph replays (each a kernel launch or a view on CUDA), host -> device and
+device -> host copies (CUDA), and calls of the staging helpers.
 Times are the main thread's CPU time (`time.thread_time`, torch on one thread): on a shared machine
 wall time mostly measures the neighbours.
 
@@ -70,7 +72,7 @@ _STAGING = {
     "int64_to_device": ("runner", "step_inputs", "spec_decode"),
     "to_device": ("spec_decode", "sampler"),
 }
-_GRAPH_METHODS = ("_fill", "run", "run_next", "propose")
+_GRAPH_METHODS = ("_fill", "run", "run_next", "propose", "accept")
 
 
 def _count_staging(runner: ModelRunner, counts: collections.Counter, inside: list[bool]) -> None:
@@ -149,6 +151,10 @@ def _through_graph_layouts(runner: ModelRunner, k: int) -> None:
             graphs.prepare_proposals(k, PROPOSAL_GRAPH_MAX_SEQS)
             graphs._propose = lambda size, num_passes: None
             graphs.propose = graphs.propose_uncaptured
+            graphs.prepare_acceptance(runner.graphs.logits)
+            graphs._accept = lambda size: None
+            graphs._accepted[:, -1] = 1  # what the skipped bodies leave: a count of 1 (no proposal kept)
+            graphs.accept = graphs.accept_uncaptured
         setattr(runner, attr, graphs)
 
 

@@ -33,7 +33,10 @@ the previous one's proposal (the last only writes the KV of the last proposal). 
 staged from the host (`run`); a later pass rewrites its decode graph's per-token fields from device
 tensors (`run_next`, `step_inputs.next_pass_inputs`) and replays it again. For greedy requests the
 k + 1 passes, with their argmax, are also captured as one *proposal* graph per small decode size
-(`capture_proposals`, `propose`): one replay per step.
+(`capture_proposals`, `propose`): one replay per step; and their greedy acceptance, read from the
+target's logits after its mixed graph (a step of verifications alone, k proposals each), as one
+*acceptance* graph per size (`capture_acceptance`, `accept`): the step's tokens and counts, and the
+feed of each sequence's last token, without a kernel launched one by one from the host.
 
 The Triton kernels choose grids and splits from tensor *shapes* only, and a graph's block tables
 always have the full `max_blocks_per_seq` columns, so every launch parameter is fixed at capture.
@@ -50,6 +53,7 @@ import structlog
 import torch
 
 from pagedserve.executor.model import AttentionMetadata, CausalLM
+from pagedserve.executor.spec_decode import accept_greedy
 from pagedserve.executor.step_inputs import DecodePassInputs, HostBatch, RequestSlots, next_pass_inputs
 from pagedserve.executor.transfer import aligned_length
 
@@ -59,6 +63,10 @@ log = structlog.get_logger(__name__)
 # batches (W7 on the H200: 0.81x of no speculation at 16 requests before them), where the host cost
 # of k separate passes weighs most; larger batches replay one decode graph per pass.
 PROPOSAL_GRAPH_MAX_SEQS = 32
+
+# Device-side input ids of a graph step (`StepGraphs._set_token_ids`): (batch rows, ids), or the
+# [S, k] proposals of S sequences of k + 1 tokens each.
+TokenIds = tuple[torch.Tensor, torch.Tensor] | torch.Tensor
 
 # What the CPU's static inputs hold where a fill wrote nothing: no token id, slot, row or position.
 _POISON = 1 << 40
@@ -139,11 +147,18 @@ class StepGraphs:
         self._decode_cu_seqlens = torch.arange(self.max_decode + 1, dtype=torch.int32, device=device)
         self._decode_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._no_batch = _empty_batch(slots.num_groups)  # what a capture fills: padding alone
         # Draft proposals (`capture_proposals`): the proposals, and one graph per decode size of the
         # k + 1 passes (each row's limit is a static field, staged with pass 0's inputs).
         self._proposals = torch.zeros((self.max_decode, 0), dtype=torch.int64, device=device)
         self._proposal_sizes: list[int] = []
         self._proposal_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Greedy acceptance (`capture_acceptance`): the target's logits it reads, its [size, k + 2]
+        # output (the k + 1 tokens, then the count) and one graph per size.
+        self._accept_logits: torch.Tensor | None = None
+        self._accepted = torch.zeros((self.max_decode, 0), dtype=torch.int64, device=device)
+        self._acceptance_sizes: list[int] = []
+        self._acceptance_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.device_bytes = 0  # device memory the graphs, their pool and static buffers took
         self.capture_seconds = 0.0
@@ -151,6 +166,11 @@ class StepGraphs:
     @property
     def num_graphs(self) -> int:
         return len(self.decode_sizes) + len(self.mixed_sizes)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The float32 buffer every graph writes its logits rows into (a fixed address)."""
+        return self._logits
 
     def _rows(self, name: str) -> int:
         """Rows of a field: one per KV-cache group for the slot mapping, else one."""
@@ -195,10 +215,8 @@ class StepGraphs:
         never read, so a step costs the host O(its tokens), not the fields' capacities (the
         largest mixed graph's, 8,192 tokens by default: ~260 KB zero-padded and packed per fill
         before). One non-blocking copy moves the buffer; on the CPU it is written in place."""
-        empty = np.zeros(0, dtype=np.int64)
-        get = (lambda name: empty) if batch is None else (lambda name: getattr(batch, name))
-        t = len(get("positions"))
-        s = len(get("rows"))
+        b = self._no_batch if batch is None else batch
+        t, s = len(b.positions), len(b.rows)
         pad_tokens = num_tokens - t
         if mixed:
             pad_seqs = self.num_seq_slots - s  # >= num_pad_seqs
@@ -208,38 +226,31 @@ class StepGraphs:
             q_lens = np.zeros(pad_seqs, dtype=np.int64)
             q_lens[pad_seqs - spread :] = pad_tokens // spread
             q_lens[pad_seqs - spread : pad_seqs - spread + pad_tokens % spread] += 1
-            head_cu = np.zeros(1, dtype=np.int64) if batch is None else batch.cu_seqlens
-            cu = np.concatenate((head_cu, t + np.cumsum(q_lens)))
-            seq_lens = np.concatenate((get("seq_lens"), q_lens))
-        else:
+            seq_lens_pad, cu_pad = q_lens, t + np.cumsum(q_lens)
+        else:  # a decode graph reads no cu_seqlens (`_forward`)
             pad_seqs = num_tokens - s
-            cu, seq_lens = empty, np.concatenate((get("seq_lens"), np.ones(pad_seqs, dtype=np.int64)))
-        num_sampled = len(get("logits_indices"))
-        num_rows = s + pad_seqs - num_sampled  # logits rows past the sampled ones
+            seq_lens_pad, cu_pad = 1, None
+        num_rows = s + pad_seqs - len(b.logits_indices)  # logits rows past the sampled ones
         pad_row = self.slots.pad_row
-        slot_mapping = get("slot_mapping") if batch is not None else np.zeros((self.slots.num_groups, 0))
-        # Per field: its values, then a padding value (or array) and how many entries it fills.
-        fields = {
-            "host_ids": (get("host_ids"), 0, pad_tokens),
-            "feed_slots": (get("feed_slots"), -1, pad_tokens),
-            "positions": (get("positions"), 0, pad_tokens),
-            "seq_lens": (seq_lens, 0, 0),
-            "rows": (get("rows"), pad_row, pad_seqs),
-            "cu_seqlens": (cu, 0, 0),
-            "logits_indices": (get("logits_indices"), 0, num_rows),
-            "sample_rows": (get("sample_rows"), pad_row, num_rows),
-        }
-        if limits is not None:
-            fields["limits"] = (limits, -1, s + pad_seqs - len(limits))
         on_cpu = self._static.device.type == "cpu"
         if on_cpu:  # (tests: the graphs' layout uncaptured) poisoned where not written, so that a
             self._static.fill_(_POISON)  # graph reading past its fill fails there too
         host = self._static if on_cpu else torch.empty(self._static.shape, dtype=torch.int64, pin_memory=True)
-        view = host.numpy()
-        for name, (head, pad, num_pad) in fields.items():
-            _write(view, self._offsets[name], head, pad, num_pad)
-        for group, row in enumerate(slot_mapping):  # one row of token_capacity per KV-cache group
-            _write(view, self._offsets["slot_mapping"] + group * self._token_capacity, row, -1, pad_tokens)
+        view, at = host.numpy(), self._offsets
+        # Per field: its values, then a padding value (or array) and how many entries it fills.
+        _write(view, at["host_ids"], b.host_ids, 0, pad_tokens)
+        _write(view, at["feed_slots"], b.feed_slots, -1, pad_tokens)
+        _write(view, at["positions"], b.positions, 0, pad_tokens)
+        _write(view, at["seq_lens"], b.seq_lens, seq_lens_pad, pad_seqs)
+        _write(view, at["rows"], b.rows, pad_row, pad_seqs)
+        if cu_pad is not None:
+            _write(view, at["cu_seqlens"], b.cu_seqlens, cu_pad, len(cu_pad))
+        _write(view, at["logits_indices"], b.logits_indices, 0, num_rows)
+        _write(view, at["sample_rows"], b.sample_rows, pad_row, num_rows)
+        if limits is not None:
+            _write(view, at["limits"], limits, -1, s + pad_seqs - len(limits))
+        for group, row in enumerate(b.slot_mapping):  # one row of token_capacity per KV-cache group
+            _write(view, at["slot_mapping"] + group * self._token_capacity, row, -1, pad_tokens)
         if not on_cpu:
             self._static.copy_(host, non_blocking=True)
 
@@ -358,6 +369,70 @@ class StepGraphs:
         self._set_token_ids(token_ids)
         return size
 
+    @torch.inference_mode()
+    def capture_acceptance(self, logits: torch.Tensor) -> None:
+        """Captures, for each proposal graph size whose verification rows fit in `logits` (the
+        target's `StepGraphs.logits`), the greedy acceptance of its proposals (after
+        `capture_proposals`, in its memory pool)."""
+        device = self._static.device
+        self.prepare_acceptance(logits)
+        for size in reversed(self._acceptance_sizes):
+            # Every row padding: the warm-up feeds the pad row alone (`_accept`).
+            self._fill(None, size, False, np.zeros(0, dtype=np.int64))
+            self._accept(size)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._accept(size)
+            self._acceptance_graphs[size] = graph
+        torch.cuda.synchronize(device)
+        log.info("executor.acceptance_graphs", sizes=sorted(self._acceptance_graphs))
+
+    def prepare_acceptance(self, logits: torch.Tensor) -> None:
+        """Sets the acceptance graphs' sizes and buffers up (`capture_acceptance` captures them;
+        tests run `accept_uncaptured` after this alone), after `prepare_proposals`."""
+        k = self._proposals.shape[1]
+        self._accept_logits = logits
+        self._acceptance_sizes = [s for s in self._proposal_sizes if s * (k + 1) <= len(logits)]
+        device = self._static.device
+        self._accepted = torch.zeros((self.max_decode, k + 2), dtype=torch.int64, device=device)
+
+    def _accept(self, size: int) -> None:
+        """The captured acceptance, after a `propose` of `size` rows and the target's mixed graph
+        over their k + 1 tokens each (its first size * (k + 1) logits rows): the emitted tokens and
+        counts into `_accepted`, each sequence's last token fed to its slot (`rows`, as staged with
+        the proposals). A padding row (limit -1) writes the pad row's own token back to it, so the
+        rows that share the pad row all write one value."""
+        assert self._accept_logits is not None
+        k = self._proposals.shape[1]
+        logits = self._accept_logits[: size * (k + 1)]
+        tokens, counts, last = accept_greedy(logits, self._proposals[:size])
+        self._accepted[:size, : k + 1] = tokens
+        self._accepted[:size, k + 1] = counts
+        rows = self._field("rows", size)
+        kept = self.slots.last_token.index_select(0, rows)
+        self.slots.store_sampled(rows, torch.where(self._field("limits", size) >= 0, last, kept))
+
+    def can_accept(self, num_rows: int, num_passes: int) -> bool:
+        """Whether an acceptance graph takes `num_rows` sequences of `num_passes` proposals."""
+        return (
+            num_passes == self._proposals.shape[1] and self._decode_size(num_rows) in self._acceptance_sizes
+        )
+
+    def accept(self, num_rows: int) -> torch.Tensor:
+        """Replays the acceptance graph for the last `propose` (`num_rows` sequences) and the
+        target's graph after it: returns [S, k + 2] each sequence's k + 1 tokens (the first
+        counts[i] emitted), then its count, on the device, in a buffer the next step overwrites."""
+        self._acceptance_graphs[self._decode_size(num_rows)].replay()
+        return self._accepted[:num_rows]
+
+    @torch.inference_mode()
+    def accept_uncaptured(self, num_rows: int) -> torch.Tensor:
+        """Computes what `accept` replays, without a graph (tests on the CPU). A copy: on the CPU
+        the output is not copied to the host, and a launched step's must outlive the next step."""
+        self._accept(self._decode_size(num_rows))
+        return self._accepted[:num_rows].clone()
+
     def run_next(self, ids: torch.Tensor, inputs: DecodePassInputs) -> torch.Tensor:
         """Replays the decode graph of the previous `run` (a decode batch of S sequences) with its
         rows' input ids, positions, slots and lengths taken from device tensors [S] (a draft
@@ -409,9 +484,7 @@ class StepGraphs:
     def can_run(self, batch: HostBatch) -> bool:
         return self._plan(batch) is not None
 
-    def run(
-        self, batch: HostBatch, token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: HostBatch, token_ids: TokenIds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replays the graph for `batch`: returns its float32 logits [sampled rows, vocab] and the
         slots of those rows (on the device, for `RequestSlots.store_sampled`). `token_ids`: (batch
         rows, ids) on the device, the input ids of rows whose host id is a placeholder (a draft
@@ -424,7 +497,7 @@ class StepGraphs:
 
     @torch.inference_mode()
     def run_uncaptured(
-        self, batch: HostBatch, token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, batch: HostBatch, token_ids: TokenIds | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Computes what `run` replays, padding included, without a graph (tests run it on the CPU)."""
         num_tokens, mixed = self._plan(batch)
@@ -433,10 +506,15 @@ class StepGraphs:
         self._forward(num_tokens, mixed)
         return self._outputs(batch)
 
-    def _set_token_ids(self, token_ids: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def _set_token_ids(self, token_ids: TokenIds | None) -> None:
         """Writes device-side input ids into the static host-id field (after `_fill`'s copy, on the
-        same stream); their feed slots are -1, so the graph reads them as host ids."""
-        if token_ids is not None:
+        same stream); their feed slots are -1, so the graph reads them as host ids. `token_ids`:
+        (batch rows, ids); or [S, k] proposals of a batch of S sequences of k + 1 tokens each (a
+        verification's last token, then its proposals), written without an index (one kernel)."""
+        if isinstance(token_ids, torch.Tensor):
+            num, k = token_ids.shape
+            self._field("host_ids", num * (k + 1)).view(num, k + 1)[:, 1:].copy_(token_ids)
+        elif token_ids is not None:
             rows, ids = token_ids
             self._field("host_ids", self._token_capacity).index_copy_(0, rows, ids)  # (one kernel)
 
@@ -445,8 +523,20 @@ class StepGraphs:
         return self._logits[:num_sampled], self._field("sample_rows", num_sampled)
 
 
-def _write(view: np.ndarray, offset: int, head: np.ndarray, pad: int, num_pad: int) -> None:
-    """Writes `head`, then `num_pad` entries of `pad`, into `view` from `offset`."""
+def _empty_batch(num_groups: int) -> HostBatch:
+    """A batch of no sequence (`_fill` pads it whole)."""
+    empty = np.zeros(0, dtype=np.int64)
+    return HostBatch(
+        rows=empty, seq_lens=empty, cu_seqlens=np.zeros(1, dtype=np.int64), positions=empty,
+        slot_mapping=np.zeros((num_groups, 0), dtype=np.int64), host_ids=empty, feed_slots=empty,
+        logits_indices=empty, sample_rows=empty, width=1,
+    )  # fmt: skip
+
+
+def _write(view: np.ndarray, offset: int, head: np.ndarray, pad: int | np.ndarray, num_pad: int) -> None:
+    """Writes `head`, then `num_pad` entries of `pad` (a value, or an array of num_pad values), into
+    `view` from `offset`."""
     end = offset + len(head)
     view[offset:end] = head
-    view[end : end + num_pad] = pad
+    if num_pad:
+        view[end : end + num_pad] = pad

@@ -192,6 +192,8 @@ def _check_masks(
     """Structured outputs: one mask row per listed request, each of which samples in this step;
     a verified request (speculative decoding) has num_draft_tokens + 1 rows in a row, one per
     position it samples at."""
+    if not plan.masked_seq_ids and not plan.mask_rows and not plan.token_bitmask:
+        return  # (most plans: nothing to check)
     masked = list(plan.masked_seq_ids)
     rows = Counter(masked)
     for seq_id, count in rows.items():

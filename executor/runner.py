@@ -282,6 +282,20 @@ class _Scheduled:
         return st.num_computed + self.num_new - self.num_draft == st.num_tokens
 
 
+def _argmax_matched(s: _Scheduled, k: int) -> bool:
+    """Whether a verified request's acceptance is plain argmax matching of k draft-model proposals
+    (`spec_decode.accept_greedy`): greedy, no logprobs, no token banned at any of its rows (a ban
+    lifts as tokens are generated: none at its first row, none after)."""
+    st, p = s.state, s.state.sampling
+    return (
+        s.from_draft_model
+        and s.num_draft == k
+        and p.greedy
+        and not p.return_logprobs
+        and not p.banned_ids(st.num_tokens - st.num_prompt)
+    )
+
+
 def _verify_layout(verified: list[_Scheduled]) -> VerifyLayout:
     """The verification rows of a step's verified requests (in their order, d_i + 1 each)."""
     num_drafts = np.array([s.num_draft for s in verified], dtype=np.int64)
@@ -490,8 +504,9 @@ class ModelRunner:
             assert config.speculative_config is not None and config.speculative_config.model is not None
             runner.draft_model_dir = config.speculative_config.model
             runner.num_speculative_tokens = config.speculative_config.num_speculative_tokens
-            if runner.draft_graphs is not None:
+            if runner.draft_graphs is not None and runner.graphs is not None:
                 runner.draft_graphs.capture_proposals(runner.num_speculative_tokens, PROPOSAL_GRAPH_MAX_SEQS)
+                runner.draft_graphs.capture_acceptance(runner.graphs.logits)
         runner.graph_reserve_bytes = graph_reserve
         runner.memory_profile = memory
         runner.copy_bytes_per_s = copy_bytes_per_s
@@ -808,6 +823,8 @@ class ModelRunner:
         if verified:
             pending.order = [s.state.seq_id for s in scheduled if s.samples]
         spec_rows = self._spec_rows(scheduled, batch) if verified else np.zeros(0, dtype=np.int64)
+        if verified and self._verify_in_graphs(scheduled, verified, batch, spec_rows, pending, plan):
+            return
         prompt_rows, prompt_targets = self._prompt_logprob_rows(scheduled, batch, pending)
         calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
         drafted = None
@@ -875,6 +892,53 @@ class ModelRunner:
             return
         self._sample_step(work, pending)
 
+    def _verify_in_graphs(
+        self,
+        scheduled: list[_Scheduled],
+        verified: list[_Scheduled],
+        batch: HostBatch,
+        spec_rows: np.ndarray,
+        pending: PendingStep,
+        plan: executor_pb2.StepPlan,
+    ) -> bool:
+        """A greedy draft-model step of verifications alone, k proposals each, where the graphs
+        hold it: the proposal graph, the target's mixed graph (the proposals written into its input
+        ids) and the acceptance graph (tokens, counts, the feed), staged by their two fills alone.
+        The general path (`_draft_proposals`, `_verify`) launches ~60 torch operations a step from
+        the host besides (index tensors, acceptance kernels, views): on the H200 a one-request step
+        was bound by them. Returns False, having done nothing, where this does not apply."""
+        k, graphs, draft_graphs = self.num_speculative_tokens, self.graphs, self.draft_graphs
+        if (
+            graphs is None
+            or draft_graphs is None
+            or self.calibrate_kv_scales
+            or len(verified) != len(scheduled)
+            or plan.masked_seq_ids
+            or plan.late_masked_seq_ids
+            or not draft_graphs.can_accept(len(verified), k)
+            or not all(_argmax_matched(s, k) for s in verified)
+        ):
+            return False
+        # The target graph's logits rows are the verification rows alone, their sample rows unused.
+        graph_batch = replace(
+            batch, logits_indices=spec_rows, sample_rows=np.full(len(spec_rows), self.slots.pad_row)
+        )
+        if not graphs.can_run(graph_batch):
+            return False
+        states = [s.state for s in verified]
+        first = decode_batch(batch, spec_rows[:: k + 1], batch.rows, self.block_size)  # pass 0
+        proposals = draft_graphs.propose(first, None, first.positions + k)
+        for st in states:
+            st.num_computed += k + 1
+        if pending.trace is not None:
+            self.tracer.forward_starts(pending.trace, batch, True)
+        graphs.run(graph_batch, proposals)
+        self.stats.graph_steps += 1
+        emitted = draft_graphs.accept(len(states))
+        self._verified(emitted[:, -1])
+        self._copy_verified(pending, [(st, k) for st in states], emitted)
+        return True
+
     def _sample_step(self, work: _StepSampling, pending: PendingStep) -> None:
         """Queues the sampler (within the masks) and the verification of a launched step."""
         logits, num_sampled = work.logits, work.num_sampled
@@ -886,9 +950,8 @@ class ModelRunner:
             masks = self._verify_masks(work.masked_seq_ids, work.verified, work.bitmask)
             rows = None if logits is None else logits[num_sampled:]
             self._verify(rows, work.verified, pending, work.drafted, masks)
-        if not work.sampling and not work.verified and self.device.type == "cuda" and pending.prompt_spans:
-            pending.done = torch.cuda.Event()
-            pending.done.record()
+        if not work.sampling and not work.verified and pending.prompt_spans:
+            self._record_done(pending)
 
     def _draft_rest(self, scheduled: list[_Scheduled], verified: list[_Scheduled]) -> HostBatch | None:
         """The batch of a step's requests whose tokens the draft still has to run over for their
@@ -1090,15 +1153,32 @@ class ModelRunner:
             )
         self._feed(slots, result.last_token)
         self._verified(result.counts)
-        pending.spec = [(st, s.num_draft) for st, s in zip(states, verified, strict=True)]
-        # One copy to the host: the emitted tokens with each row's count in a last column.
-        emitted = to_host(torch.cat([result.token_ids, result.counts[:, None]], dim=1))
-        pending.spec_token_ids, pending.spec_counts = emitted[:, :-1], emitted[:, -1]
-        if any(st.sampling.return_logprobs for st in states) and result.logprobs is not None:
-            pending.spec_logprobs = to_host(result.logprobs)
-        if self.device.type == "cuda":
-            pending.done = torch.cuda.Event()
-            pending.done.record()
+        logprobs = None
+        if any(st.sampling.return_logprobs for st in states):
+            logprobs = result.logprobs
+        self._copy_verified(
+            pending,
+            [(st, s.num_draft) for st, s in zip(states, verified, strict=True)],
+            torch.cat([result.token_ids, result.counts[:, None]], dim=1),
+            logprobs,
+        )
+
+    def _copy_verified(
+        self,
+        pending: PendingStep,
+        spec: list[tuple[RequestState, int]],
+        emitted: torch.Tensor,
+        logprobs: torch.Tensor | None = None,
+    ) -> None:
+        """Starts copying a verification's results to the host: `emitted` [S, K + 2], each verified
+        request's tokens and its count in the last column (one copy), and its [S, K + 1] logprobs
+        (None: none asked); `spec`: the requests and their proposal counts."""
+        pending.spec = spec
+        host = to_host(emitted)
+        pending.spec_token_ids, pending.spec_counts = host[:, :-1], host[:, -1]
+        if logprobs is not None:
+            pending.spec_logprobs = to_host(logprobs)
+        self._record_done(pending)
 
     def _verified(self, counts: torch.Tensor) -> None:
         """Hook: a verification's token counts are on the device (tensor parallelism sends them to
@@ -1197,8 +1277,13 @@ class ModelRunner:
         pending.wants_logprobs = [st.sampling.return_logprobs for st in sampling]
         pending.token_ids = to_host(result.token_ids)
         pending.logprobs = None if result.logprobs is None else to_host(result.logprobs)
+        self._record_done(pending)
+
+    def _record_done(self, pending: PendingStep) -> None:
+        """Marks the end of a launched step's device work (CUDA). A blocking event: a thread that
+        waits for it (the service's step watcher, `finish`) sleeps instead of spinning a core."""
         if self.device.type == "cuda":
-            pending.done = torch.cuda.Event()
+            pending.done = torch.cuda.Event(blocking=True)
             pending.done.record()
 
     def _feed(self, sample_rows: torch.Tensor, token_ids: torch.Tensor) -> None:

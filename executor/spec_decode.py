@@ -147,6 +147,30 @@ def _gather_emitted(
     return VerifyOutput(padded, num_accepted + 1, last, lp)
 
 
+def accept_greedy(
+    logits: torch.Tensor, proposals: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of S sequences of k proposals each, their k + 1 rows back to back: what
+    `verify_point_mass` computes for greedy rows with no ban, mask or logprob (each row's token is
+    its argmax, a proposal is accepted while it equals it, and an accepted proposal is the argmax,
+    so the emitted run is the argmax of every row up to the first rejection), in a fixed number of
+    kernels on fixed shapes, so a CUDA graph can hold it (`StepGraphs.capture_acceptance`).
+
+    Args:
+        logits: [S * (k + 1), vocab] the verification rows.
+        proposals: [S, k] int64.
+
+    Returns:
+        [S, k + 1] tokens (the first counts[i] of row i are emitted), [S] counts (accepted + 1),
+        [S] the last emitted token (the next step's input).
+    """
+    num, k = proposals.shape
+    target = logits.argmax(dim=-1).view(num, k + 1)
+    num_accepted = (target[:, :k] == proposals).cumprod(dim=1).sum(dim=1)  # (bool: int64)
+    last = target.gather(1, num_accepted[:, None]).squeeze(1)
+    return target, num_accepted + 1, last
+
+
 def verify_point_mass(
     logits: torch.Tensor,
     draft_ids: torch.Tensor,

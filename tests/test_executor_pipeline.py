@@ -219,6 +219,8 @@ def test_steps_through_padded_graph_layouts_match_hf(
 
 
 class _Event:
+    device = None  # (as an unrecorded CUDA event's: the service's step watcher makes none current)
+
     def __init__(self) -> None:
         self.fired = threading.Event()
 

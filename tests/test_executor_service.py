@@ -7,6 +7,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -273,3 +274,114 @@ def test_python_m_executor_serves_and_stops_on_sigterm(tiny_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- the step loop's wake: a watcher thread on the step's event, no polling ---------------------
+
+
+class _FakeEvent:
+    """Stands for a step's CUDA event: `synchronize` blocks until the test calls `complete`."""
+
+    device = None  # (as an unrecorded CUDA event's: no device is made current to wait for it)
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.waits = 0
+
+    def complete(self) -> None:
+        self._done.set()
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        self._done.wait()
+
+
+class _Lease:
+    def touch(self, epoch: int) -> None:
+        pass
+
+
+def _reader():
+    """A _PlanReader over a queue the test feeds (None ends the stream)."""
+    from pagedserve.executor import service
+
+    incoming: queue.Queue = queue.Queue()
+    reader = service._PlanReader(iter(incoming.get, None), 1, _Lease())
+    return reader, incoming
+
+
+def _pending(step_id: int, done: _FakeEvent | None):
+    from pagedserve.executor.runner import PendingStep
+
+    return PendingStep(step_id, time.perf_counter(), done=done)
+
+
+def _next_in_thread(reader, pending) -> queue.Queue:
+    """Calls reader.next(pending) on a thread; its result arrives in the returned queue."""
+    result: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: result.put(reader.next(pending)), daemon=True).start()
+    return result
+
+
+def test_the_loop_wakes_on_the_steps_event_and_on_a_plan_whichever_comes_first():
+    """With a step in flight, `next` blocks (no poll) until its event completes (the watcher
+    thread's wake: _STEP_DONE) or a plan arrives (the plan); a wake of a step whose output went
+    out already is ignored; the end of the stream still ends it; `close` ends the watcher."""
+    from pagedserve.executor import service
+
+    reader, incoming = _reader()
+    first = _pending(1, _FakeEvent())
+    result = _next_in_thread(reader, first)
+    time.sleep(0.05)
+    assert result.empty()  # still running: nothing to return
+    first.done.complete()
+    assert result.get(timeout=5) is service._STEP_DONE
+    # A plan arrives while step 2 runs: the plan first; step 2's wake is for the call after.
+    second = _pending(2, _FakeEvent())
+    result = _next_in_thread(reader, second)
+    time.sleep(0.05)
+    plan = executor_pb2.StepPlan(step_id=3)
+    incoming.put(plan)
+    assert result.get(timeout=5) == plan
+    assert second.done.waits == 1
+    # Step 3 launched, step 2's output sent by the loop (it finished meanwhile): its late wake is
+    # not step 3's end.
+    second.done.complete()
+    third = _pending(3, _FakeEvent())
+    result = _next_in_thread(reader, third)
+    time.sleep(0.05)
+    assert result.empty()
+    reader.wake()  # (shutting down: the loop looks, then asks about the same step again)
+    assert result.get(timeout=5) is service._WAKE
+    result = _next_in_thread(reader, third)
+    third.done.complete()
+    assert result.get(timeout=5) is service._STEP_DONE
+    assert third.done.waits == 1  # watched once, however often `next` is asked about it
+    incoming.put(None)
+    assert reader.next(None) is service._END
+    reader.close()
+    watchers = [t for t in threading.enumerate() if t.name == "executor-step-watcher"]
+    for t in watchers:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in watchers)
+
+
+def test_a_step_with_nothing_to_wait_for_is_done_at_once_unless_a_plan_is_queued():
+    """The CPU path (`done` None: launch ran the step to its end): `next` returns a plan already
+    queued, else _STEP_DONE at once, without waiting, and starts no watcher."""
+    from pagedserve.executor import service
+
+    reader, incoming = _reader()
+    step = _pending(1, None)
+    start = time.perf_counter()
+    assert reader.next(step) is service._STEP_DONE
+    assert time.perf_counter() - start < 0.05
+    plan = executor_pb2.StepPlan(step_id=2)
+    incoming.put(plan)
+    deadline = time.monotonic() + 5
+    while reader._plans.empty() and time.monotonic() < deadline:  # the reader thread's put
+        time.sleep(0.001)
+    assert reader.next(step) == plan
+    assert reader._watched is None
+    incoming.put(None)
+    assert reader.next(None) is service._END

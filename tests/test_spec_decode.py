@@ -16,6 +16,7 @@ from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.executor.sampler import SamplingParams
 from pagedserve.executor.spec_decode import (
     VerifyLayout,
+    accept_greedy,
     processed_probs,
     verify_draft_model,
     verify_point_mass,
@@ -345,6 +346,25 @@ def test_greedy_acceptance_is_argmax_matching():
     assert out.counts.tolist() == [4] and out.token_ids[0].tolist() == [1, 0, 2, 0]
 
 
+def test_graphable_greedy_acceptance_equals_the_general_rule():
+    """`accept_greedy` (fixed shapes, for the acceptance graphs) emits what `verify_point_mass`
+    emits for greedy rows, over many random proposal runs, every one rejected at some position
+    or none."""
+    torch.manual_seed(4)
+    num, k, vocab = 64, 4, 6  # a small vocabulary: many proposals right
+    logits = torch.randn(num * (k + 1), vocab)
+    proposals = torch.randint(0, vocab, (num, k))
+    proposals[::3] = logits.argmax(dim=-1).view(num, k + 1)[::3, :k]  # every third one all right
+    tokens, counts, last = accept_greedy(logits, proposals)
+    layout = VerifyLayout(np.full(num, k), np.arange(num) * (k + 1))
+    rows = torch.cat([proposals, torch.full((num, 1), -1)], dim=1).reshape(-1)
+    want = verify_point_mass(logits, rows, [SamplingParams(temperature=0)] * num, [9] * num, layout)
+    assert counts.tolist() == want.counts.tolist() and last.tolist() == want.last_token.tolist()
+    for i, count in enumerate(counts.tolist()):
+        assert tokens[i, :count].tolist() == want.token_ids[i, :count].tolist()
+    assert counts[::3].tolist() == [k + 1] * len(counts[::3]) and 1 in counts.tolist()
+
+
 def test_seeded_point_mass_verification_repeats_the_samplers_tokens():
     """A seeded row draws the sampler's per-(seed, position) noise, so what it emits is what the
     sampler alone emits at those positions: the same tokens with and without speculation."""
@@ -393,17 +413,17 @@ BLOCK = 16
 
 
 def _verify_through(
-    runner, hf_model, drafts_for, num_steps: int, d: int | dict[int, int] = 3, sampling=None
+    runner, hf_model, drafts_for, num_steps: int, d: int | dict[int, int] = 3, sampling=None, num_seqs=2
 ) -> tuple[dict, int]:
-    """Drives a runner by hand: two prompts, then steps that each verify `d` proposals per request
-    (or d[seq_id]; `drafts_for(seq_id, tokens so far)`: their ids, or None for a draft model's),
-    trimming and growing the tables as the protocol says. Greedy (unless `sampling`, a
-    pb.Sampling): the outputs must equal Hugging Face's. Returns each request's outputs and how
-    many tokens the verifications accepted."""
+    """Drives a runner by hand: two prompts (or the first `num_seqs`), then steps that each verify
+    `d` proposals per request (or d[seq_id]; `drafts_for(seq_id, tokens so far)`: their ids, or None
+    for a draft model's), trimming and growing the tables as the protocol says. Greedy (unless
+    `sampling`, a pb.Sampling): the outputs must equal Hugging Face's. Returns each request's
+    outputs and how many tokens the verifications accepted."""
     from pagedserve.protos import executor_pb2 as pb
 
     runner.reset()
-    prompts = {1: list(range(30, 47)), 2: [5, 6, 7, 5, 6]}
+    prompts = dict(list({1: list(range(30, 47)), 2: [5, 6, 7, 5, 6]}.items())[:num_seqs])
     blocks = {1: list(range(1, 9)), 2: list(range(9, 17))}
     drafts = d if isinstance(d, dict) else dict.fromkeys(prompts, d)
     greedy = sampling or pb.Sampling(temperature=0)
@@ -450,9 +470,11 @@ def _verify_through(
 def _through_graph_layouts(runner, monkeypatch, proposal_graphs: bool = False) -> list | None:
     """The runner's steps computed as their CUDA graphs would compute them (padded static inputs,
     no capture: the CPU can run it); with a draft model, its passes too (returns the names of the
-    draft graphs' calls: `run`, `run_next`, `propose`), with `proposal_graphs` its greedy proposal
-    graphs of 3 passes for up to 4 sequences. (On the CPU a fill poisons what it does not write:
-    a graph must read nothing else, as on CUDA that is whatever its staging buffer held.)"""
+    draft graphs' calls: `run`, `run_next`, `propose`, `accept`), with `proposal_graphs` its greedy
+    proposal graphs of 3 passes for up to 4 sequences and their acceptance graphs (one sequence:
+    its 4 verification rows fit the target's 5 logits rows). (On the CPU a fill poisons what it
+    does not write: a graph must read nothing else, as on CUDA that is whatever its staging buffer
+    held.)"""
     from pagedserve.executor.cuda_graphs import StepGraphs
 
     graphs = StepGraphs(runner.model, runner._layer_caches, runner.slots, [1, 2, 4], [32, 64])
@@ -462,8 +484,9 @@ def _through_graph_layouts(runner, monkeypatch, proposal_graphs: bool = False) -
         draft_graphs = StepGraphs(runner.draft, runner._draft_caches, runner.slots, [1, 2, 4], [32, 64])
         if proposal_graphs:
             draft_graphs.prepare_proposals(3, 4)
+            draft_graphs.prepare_acceptance(graphs.logits)
         calls = []
-        for name in ("run", "run_next", "propose"):
+        for name in ("run", "run_next", "propose", "accept"):
             uncaptured = getattr(draft_graphs, f"{name}_uncaptured")
             monkeypatch.setattr(
                 draft_graphs, name, lambda *a, _f=uncaptured, _n=name: calls.append(_n) or _f(*a)
@@ -539,6 +562,25 @@ def test_draft_model_steps_equal_hf_eagerly_and_in_graph_layouts(draft_runner, h
     if graphs == "proposal":  # per verification one proposal graph
         assert sorted(calls) == sorted(["run"] + ["propose"] * 5)
     assert draft_runner.kv_cache.layout.layers_per_block == 4  # the target's 2 layers, the draft's 2
+
+
+@pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
+def test_one_requests_verifications_replay_whole_in_graph_layouts(
+    draft_runner, hf_model, monkeypatch, graphs
+):
+    """One greedy request (a step of verifications alone, 3 proposals each): with proposal graphs
+    each step replays its proposal graph, the target's mixed graph and the acceptance graph, and
+    launches nothing else on the device; greedy outputs equal Hugging Face's and the eager steps'
+    (so do the per-pass graphs', which take the general path)."""
+    calls = None
+    if graphs is not None:
+        calls = _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=graphs == "proposal")
+    got, accepted = _verify_through(draft_runner, hf_model, lambda *_: None, num_steps=8, num_seqs=1)
+    assert accepted > 0 and len(got[1]) == 1 + 7 + accepted  # the prompt step, then 7 verifications
+    if graphs == "proposal":
+        assert sorted(calls) == sorted(["run"] + ["propose", "accept"] * 7)
+    if graphs == "per pass":
+        assert "accept" not in calls
 
 
 @pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
@@ -814,6 +856,25 @@ def test_cuda_proposal_graphs_equal_eager_and_hf(cuda_draft_runners, hf_model, m
     got, _ = _verify_through(graphs, None, none, num_steps=6, d=d, sampling=sampling)
     assert got == want
     assert calls.count("run_next") == 5 * 3  # 2 more proposals, then the last one's KV
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_acceptance_graph_equals_eager_and_hf(cuda_draft_runners, hf_model, monkeypatch):
+    """One greedy request: each verification step replays the proposal graph, the target's graph
+    and the captured acceptance graph (which feeds the next step); the outputs equal the eager
+    runner's, which equal Hugging Face's."""
+    eager, graphs = cuda_draft_runners
+    assert graphs.draft_graphs is not None and graphs.draft_graphs.can_accept(1, 3)
+    calls = []
+    for name in ("propose", "accept"):
+        real = getattr(graphs.draft_graphs, name)
+        counted = lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a)  # noqa: E731
+        monkeypatch.setattr(graphs.draft_graphs, name, counted)
+    none = lambda *_: None  # noqa: E731
+    want, _ = _verify_through(eager, hf_model, none, num_steps=8, num_seqs=1)
+    got, accepted = _verify_through(graphs, hf_model, none, num_steps=8, num_seqs=1)
+    assert got == want and accepted > 0
+    assert calls == ["propose", "accept"] * 7
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
