@@ -29,16 +29,9 @@ from pathlib import Path
 
 import grpc
 
+from pagedserve.bench.launch import free_port
 from pagedserve.client import generate, make_request, stream
 from pagedserve.protos import admin_pb2, admin_pb2_grpc
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def list_executors(address: str) -> list[admin_pb2.ExecutorStatus]:

@@ -136,15 +136,9 @@ DOWN_SWEEP = [
 # launches compile for sm_90 with triton 3.6 without spills (gate_up 250/255 registers, down
 # 236/229; checked on the CPU); their speed is what the A/B decides.
 AB_VARIANTS: dict[str, tuple[dict | None, dict | None]] = {
-    "new align": (None, None),
-    "+ down persistent": (None, dict(persistent=True)),
-    "+ down persistent flat": (None, dict(persistent=True, flatten=True)),
-    "+ down 128x128 s4 persistent flat": (
-        None,
-        dict(block_n=128, num_stages=4, persistent=True, flatten=True),
-    ),
-    "+ both persistent": (dict(persistent=True), dict(persistent=True)),
-    "+ both persistent flat": (dict(persistent=True, flatten=True), dict(persistent=True, flatten=True)),
+    "defaults": (None, None),
+    "down one program per tile": (None, dict(persistent=False, flatten=False)),
+    "+ gate_up persistent flat": (dict(persistent=True, flatten=True), None),
 }
 AB_ROUNDS = 7
 

@@ -85,10 +85,10 @@ class _PlanReader:
     plan without blocking on the network. Each plan read keeps the stream's lease live.
 
     A launched step's end wakes the loop the same way: a watcher thread waits on the step's CUDA
-    event (a blocking one: it sleeps, `ModelRunner._record_done`) and puts a `_StepDone` in the
-    queue, so the loop blocks on one queue for whichever comes first. (It polled the event every
-    200 us before: a finished step was noticed ~100 us late on average, on the critical path of
-    every step nothing is planned ahead of, as a speculating request's.)"""
+    event (`ModelRunner._record_done`; torch releases the GIL while it waits) and puts a
+    `_StepDone` in the queue, so the loop blocks on one queue for whichever comes first. (It
+    polled the event every 200 us before: a finished step was noticed ~100 us late on average, on
+    the critical path of every step nothing is planned ahead of, as a speculating request's.)"""
 
     def __init__(self, request_iterator: Iterator[executor_pb2.StepPlan], epoch: int, lease: Lease) -> None:
         self.epoch = epoch

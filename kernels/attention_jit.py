@@ -330,6 +330,15 @@ def _fp8_cache_values(x, scale_ptr):
     return tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -448.0, 448.0)
 
 
+@triton.jit
+def _cache_values(x, scale_ptr, cache_ptr, KV_FP8: tl.constexpr):
+    """x as its cache stores it: cast to the cache's dtype, quantized first for an e4m3 cache."""
+    y = x.to(tl.float32)
+    if KV_FP8:
+        y = _fp8_cache_values(y, scale_ptr)
+    return y.to(cache_ptr.dtype.element_ty)
+
+
 # --------------------------------------------------------------------------------------------- #
 # Kernels
 # --------------------------------------------------------------------------------------------- #
@@ -447,17 +456,18 @@ def rotary_write_kv_kernel(
             v_first = v_ptr + token * stride_vt + heads[:, None] * stride_vh + cols[None, :]
             v1 = tl.load(v_first, mask=mask, other=0.0)
             v2 = tl.load(v_first + HALF, mask=mask, other=0.0)
-            if KV_FP8:
-                k1, k2 = _fp8_cache_values(k1, k_scale_ptr), _fp8_cache_values(k2, k_scale_ptr)
-                v1, v2 = _fp8_cache_values(v1, v_scale_ptr), _fp8_cache_values(v2, v_scale_ptr)
             block_id = slot // PAGE_SIZE
             offset = slot % PAGE_SIZE
             k_dst = k_cache_ptr + block_id * stride_ckb + offset * stride_ckt + heads[:, None] * stride_ckh
             v_dst = v_cache_ptr + block_id * stride_cvb + offset * stride_cvt + heads[:, None] * stride_cvh
-            tl.store(k_dst + cols[None, :], k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_dst + HALF + cols[None, :], k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_dst + cols[None, :], v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_dst + HALF + cols[None, :], v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_dst + cols[None, :], _cache_values(k1, k_scale_ptr, k_cache_ptr, KV_FP8), mask=mask)
+            tl.store(
+                k_dst + HALF + cols[None, :], _cache_values(k2, k_scale_ptr, k_cache_ptr, KV_FP8), mask=mask
+            )
+            tl.store(v_dst + cols[None, :], _cache_values(v1, v_scale_ptr, v_cache_ptr, KV_FP8), mask=mask)
+            tl.store(
+                v_dst + HALF + cols[None, :], _cache_values(v2, v_scale_ptr, v_cache_ptr, KV_FP8), mask=mask
+            )
 
 
 # Integer arguments that change from step to step are not specialised: Triton would otherwise

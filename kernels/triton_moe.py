@@ -87,8 +87,8 @@ class MoeConfig:
     one program per tile of the bound; flatten: with persistent, Triton fuses the tile loop with the
     reduction loop, so a tile's first loads are issued during the previous tile's epilogue (the
     prologue and the epilogue are a large part of a 128-row tile whose reduction is 768 deep: 12
-    steps of 64 in the down GEMM). Both unmeasured on the GPU as of 2026-12-05
-    (`benchmarks.moe --ab` times them)."""
+    steps of 64 in the down GEMM). `choose_config` says where they are the default; `benchmarks.moe
+    --ab` times them against one program per tile."""
 
     block_m: int
     block_n: int
@@ -119,6 +119,9 @@ def choose_config(
     columns per half with a 128-deep reduction, their down GEMM 128 x 128 x 128 through TMA (the
     largest tile without register spills: ptxas, sm_90); widened FP8 weights 64 gate_up columns per
     half, 4 stages. gate_up and down keep one block_m, so both run on one sorting of the assignments.
+    The bf16 prefill down GEMM runs persistent and flattened: on an H100 (benchmarks.moe --ab,
+    2026-12-05) its GEMM took 394.7 us against 438.7 one program per tile, the layer 1,365 us against
+    1,423 in the same rounds; persistent gate_up variants were slower (255 registers: no headroom).
     """
     per_expert = rows / max(1, num_experts)
     half = 2 if gate_up else 1  # gate_up holds two accumulators of block_n columns
@@ -137,7 +140,7 @@ def choose_config(
     elif fp8_weights:
         cfg = MoeConfig(128, 128, 64, 8, 8, 3, tma_weights=True)
     else:
-        cfg = MoeConfig(128, 256, 64, 8, 8, 3, tma_weights=True)
+        cfg = MoeConfig(128, 256, 64, 8, 8, 3, tma_weights=True, persistent=True, flatten=True)
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     return dataclasses.replace(cfg, block_n=block_n, block_k=block_k)
@@ -266,8 +269,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     2026-12-03-h200*, 2026-12-04-h200), mostly launches and chains of dependent loads: their math
     is ~2M warp instructions, ~2 us spread over the GPU. Here the count is Triton's warp histogram
     and each scatter program redoes the prefix sum from the 128 x 128 table, which costs less than a
-    launch; the scatter ranks 128 assignments at a time as before. Unmeasured on the GPU as of
-    2026-12-05 (`benchmarks.moe --ab` times it against main's three launches).
+    launch; the scatter ranks 128 assignments at a time as before. On an H100 (benchmarks.moe --ab,
+    2026-12-05) the two launches took 17.5 us at 8,192 tokens.
 
     Returns:
         sorted_ids: [max rows] int32, assignment indices (token * top_k + slot), grouped by expert

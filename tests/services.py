@@ -7,7 +7,6 @@ import functools
 import io
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import grpc
 import yaml
 
+from pagedserve.bench.launch import free_port
 from pagedserve.protos import (
     admin_pb2,
     admin_pb2_grpc,
@@ -32,12 +32,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", **(extra or {})}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 COMPOSE_VARIABLE = re.compile(r"\$\{(\w+)(?:(:-|:\+)([^}]*))?\}")

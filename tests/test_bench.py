@@ -656,3 +656,17 @@ def test_launch_places_tensor_parallel_executors_on_their_own_gpus(tiny_model_di
     with pytest.raises(SystemExit, match="placed"):
         bench.main(argv)
     assert (seen["n"], seen["tensor_parallel_size"]) == (1, 2)
+
+
+def test_free_port_is_below_the_ephemeral_range_and_never_handed_out_twice():
+    """Outgoing connections take their source ports from the ephemeral range; a port picked there
+    could be taken before the service binds it (CI once saw an executor's metrics port lost so)."""
+    import socket
+
+    from pagedserve.bench.launch import _ephemeral_ports
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(port not in _ephemeral_ports() for port in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # free indeed

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedserve.bench.launch import free_port
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.service import ExecutorServer
 from pagedserve.protos import executor_pb2, executor_pb2_grpc, wire
@@ -241,14 +242,11 @@ def test_a_stream_closed_while_a_step_awaits_its_masks_ends_without_hanging(stub
 
 
 def test_python_m_executor_serves_and_stops_on_sigterm(tiny_model_dir):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.executor", "--model", str(tiny_model_dir), "--port", str(port)]
     cmd += "--device cpu --num-gpu-blocks-override 64 --swap-space 0.01".split()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_LOG_FORMAT": "json"}
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path, "PAGEDSERVE_LOG_FORMAT": "json"}
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

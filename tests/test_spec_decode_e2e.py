@@ -211,8 +211,10 @@ def draft_services(tiny_model_dir, draft_dir, tmp_path_factory):
     spec = json.dumps({"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3})
     flag = f"--speculative-config={spec}"
     # A pool too small for all four requests (pre-emption by recompute, the draft's KV recomputed
-    # with the target's) and chunked prefill (the draft computes the KV of every chunk).
-    executor_args = ("--num-gpu-blocks-override=12", "--max-model-len=128", flag)
+    # with the target's) and chunked prefill (the draft computes the KV of every chunk). Their
+    # peaks are 3, 3, 5 and 4 blocks: in 9, any two of the longer ones running together pre-empt
+    # (12 left it to timing: the requests arrive one by one, and under load they overlapped less).
+    executor_args = ("--num-gpu-blocks-override=9", "--max-model-len=128", flag)
     scheduler_args = (flag, "--max-num-batched-tokens=16", "--max-num-seqs=8")
     log_dir = tmp_path_factory.mktemp("spec-draft")
     with running_services(tiny_model_dir, log_dir, executor_args, scheduler_args) as services:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -29,10 +30,39 @@ class LaunchError(RuntimeError):
     """A launched service exited or never answered; the message ends with its log."""
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_ports() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that nothing listens on, for a service about to be started.
+
+    Chosen below the kernel's ephemeral range: a port from bind(0) lies inside it, so in the moment
+    before the service binds it any outgoing connection (each gRPC channel opens some) may take it as
+    its source port, and the service then fails with "Address already in use". Ports already handed
+    out by this process are not handed out again."""
+    ephemeral = _ephemeral_ports()
+    candidates = range(10000, ephemeral.start) if ephemeral.start > 11000 else range(0)
+    for _ in range(200):
+        port = random.choice(candidates) if candidates else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _handed_out.add(port)
+        return port
+    raise LaunchError("no free loopback port below the ephemeral range")
 
 
 def _executor_answers(address: str) -> bool:
