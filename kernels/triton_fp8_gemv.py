@@ -338,10 +338,13 @@ GEMV_MAX_M = 4
 # against 0.33, gate_up 0.85 / 0.72 / 0.45 against 0.56-0.60, down 0.84 / 0.69 / 0.46 against
 # 0.48-0.52, LM head 1.03 / 0.82 / 0.48 against 0.64-0.69.
 FP8_GEMV_MAX_M = 2
-# With PDL (`kernels.pdl`), the GEMV asks L2 for its weights before it waits for the previous
-# kernel, so that the weight stream starts during that kernel's tail; PAGEDSERVE_GEMV_PREFETCH=0
-# turns the prefetch off (comparisons).
-_PREFETCH_WEIGHTS = os.environ.get("PAGEDSERVE_GEMV_PREFETCH", "1") != "0"
+# PAGEDSERVE_GEMV_PREFETCH=1 (with PDL, `kernels.pdl`): the GEMV asks L2 for its weights before it
+# waits for the previous kernel, so that the weight stream starts during that kernel's tail. Off by
+# default until measured: the one-wave grid asks for its whole weight at once, and a weight larger
+# than L2 (gate_up, down, the LM head: 117 MB to 1 GB against 50 MB) may then be read twice. The
+# first GPU run with it (an H100, bf16 at one request) was 1.41x of the read floor against 1.25x at
+# 8 requests, which do not use the GEMV.
+_PREFETCH_WEIGHTS = os.environ.get("PAGEDSERVE_GEMV_PREFETCH", "0") == "1"
 # With split_k=None, splits are added while the grid has fewer than this many programs per SM
 # (each one already keeps (num_stages - 1) tiles in flight; a split costs a second launch).
 _GEMV_PROGRAMS_PER_SM = 2

@@ -51,9 +51,9 @@
 #              (default "bf16: fp8:--quantization,fp8": NAME:FLAGS, commas for spaces; add e.g.
 #              "fp8-kv8:--quantization,fp8,--kv-cache-dtype,fp8"); LATENCY_PROMPTS requests per pass (32);
 #              PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M=M in the environment overrides the FP8 threshold;
-#              LATENCY_SWEEP=0 skips the small_m sweep; LATENCY_PDL="1 0" runs the profiles and
-#              passes with and without programmatic dependent launch (PAGEDSERVE_PDL), each with a
-#              step trace (the GPU's idle time between steps)
+#              LATENCY_SWEEP=0 skips the small_m sweep; LATENCY_ENVS="PAGEDSERVE_PDL=1
+#              PAGEDSERVE_PDL=0 PAGEDSERVE_GEMV_PREFETCH=1" runs the profiles and passes once per
+#              setting (tagged -pdl-1, ...), each with a step trace (the GPU's idle time between steps)
 #   spec       issue 30, speculative decoding: W7 on the built-in model (SPEC_MODEL) at --max-concurrency
 #              1,4,16 without speculation, with ngram (k 4, lookup 4..2) and with draft_model (SPEC_DRAFT,
 #              default src/pagedserve/models/default_draft; k 4): output tok/s per request, executor steps
@@ -174,9 +174,10 @@ if wants latency; then  # issue 33 (QUICK: the same on the CPU, tiny shapes, the
     lat_dp=(--device cpu --batches 1,2 --context 32 --steps 4 --replays 2)
   fi
   [ "${LATENCY_SWEEP:-1}" = 0 ] || run small-m 400 "${lat_sm[@]}" --result-file "$OUT/small-m.json"
-  for pdl in ${LATENCY_PDL:-1}; do  # PAGEDSERVE_PDL values: "1 0" compares with and without PDL
-    export PAGEDSERVE_PDL=$pdl
-    tag="" && [ "${LATENCY_PDL:-1}" != 1 ] && tag="-pdl$pdl"
+  lat_envs=${LATENCY_ENVS:-PAGEDSERVE_PDL=1}
+  for setting in $lat_envs; do  # one pass per setting, e.g. "PAGEDSERVE_PDL=1 PAGEDSERVE_PDL=0"
+    export "${setting?}"
+    tag="" && [ "$lat_envs" != PAGEDSERVE_PDL=1 ] && tag=-$(echo "${setting#PAGEDSERVE_}" | tr 'A-Z_=' 'a-z--')
     for quant in bf16 fp8; do
       qflag=() && [ "$quant" = fp8 ] && qflag=(--quantization fp8)
       run "decode-profile-$quant$tag" 200 python3 -m benchmarks.decode_profile "${qflag[@]}" "${lat_dp[@]}" \
@@ -190,8 +191,8 @@ if wants latency; then  # issue 33 (QUICK: the same on the CPU, tiny shapes, the
       run "latency-${variant%%:*}$tag-steps" 60 python3 -m pagedserve.executor.step_trace \
         "$OUT/latency-${variant%%:*}$tag-trace.jsonl"
     done
+    unset "${setting%%=*}"
   done
-  unset PAGEDSERVE_PDL
 fi
 if wants spec; then  # issue 30 (QUICK: the same passes on the CPU, a few short requests)
   root=$(cd "$(dirname "$0")/.." && pwd)
