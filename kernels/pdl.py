@@ -8,8 +8,8 @@ reach only 0.6-0.7 of the copy bandwidth). With PDL (Hopper's `griddepcontrol`, 
 programmatic stream serialization) a kernel launched with `launch_pdl=True` may start while its
 predecessor in the stream is still running; it blocks in `griddepcontrol.wait` until that
 predecessor has completed and its writes are visible. What it does before the wait overlaps the
-predecessor's tail: its launch, its address arithmetic, and (the GEMV) prefetching its weights,
-which no kernel of a step writes.
+predecessor's tail: its launch, its address arithmetic, and (the GEMV, with
+PAGEDSERVE_GEMV_PREFETCH=1) prefetching its weights, which no kernel of a step writes.
 
 The rule every kernel launched with `launch_pdl=pdl_enabled(...)` follows (`begin`): it waits
 before its first access to memory that an earlier kernel of the step may write or still read
