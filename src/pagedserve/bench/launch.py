@@ -48,20 +48,18 @@ def free_port() -> int:
     before the service binds it any outgoing connection (each gRPC channel opens some) may take it as
     its source port, and the service then fails with "Address already in use". Ports already handed
     out by this process are not handed out again."""
-    ephemeral = _ephemeral_ports()
-    candidates = range(10000, ephemeral.start) if ephemeral.start > 11000 else range(0)
+    below = range(10000, _ephemeral_ports().start)
     for _ in range(200):
-        port = random.choice(candidates) if candidates else 0
-        if port in _handed_out:
-            continue
+        port = random.choice(below) if below else 0  # (0: the kernel's choice, as before)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             port = s.getsockname()[1]
-        _handed_out.add(port)
-        return port
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
     raise LaunchError("no free loopback port below the ephemeral range")
 
 
