@@ -134,11 +134,15 @@ DOWN_SWEEP = [
 # --ab variants of this tree's kernels: name -> (gate_up, down) changes to the prefill defaults
 # (`dataclasses.replace` keywords; None keeps a GEMM's default). The persistent and flattened
 # launches compile for sm_90 with triton 3.6 without spills (gate_up 250/255 registers, down
-# 236/229; checked on the CPU); their speed is what the A/B decides.
+# 236/229; checked on the CPU); their speed is what the A/B decides. gate_up as one product
+# (one_dot), compiled for sm_90 on the CPU with triton 3.7.1: 255 registers and 84 bytes spilled at
+# 128 columns a half (the two products: 108 bytes), no spill at 64.
 AB_VARIANTS: dict[str, tuple[dict | None, dict | None]] = {
     "defaults": (None, None),
     "down one program per tile": (None, dict(persistent=False, flatten=False)),
-    "+ gate_up persistent flat": (dict(persistent=True, flatten=True), None),
+    "gate_up one product": (dict(one_dot=True), None),
+    "gate_up one product, 3 stages": (dict(one_dot=True, num_stages=3), None),
+    "gate_up one product, 64 columns a half": (dict(one_dot=True, block_n=64), None),
 }
 AB_ROUNDS = 7
 

@@ -88,7 +88,8 @@ class MoeConfig:
     reduction loop, so a tile's first loads are issued during the previous tile's epilogue (the
     prologue and the epilogue are a large part of a 128-row tile whose reduction is 768 deep: 12
     steps of 64 in the down GEMM). `choose_config` says where they are the default; `benchmarks.moe
-    --ab` times them against one program per tile."""
+    --ab` times them against one program per tile. one_dot (gate_up only): the gate and up tiles
+    multiplied as one operand of twice the width (`_gate_up_tile`)."""
 
     block_m: int
     block_n: int
@@ -99,6 +100,7 @@ class MoeConfig:
     tma_weights: bool = False
     persistent: bool = False
     flatten: bool = False
+    one_dot: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -329,6 +331,18 @@ def _program_tile(
 
 
 @triton.jit
+def _dot_operand(t, out_ptr, WIDEN: tl.constexpr, DOT_FP32: tl.constexpr):
+    """A tile as tl.dot takes it: float32 with DOT_FP32; widened from e4m3 to the output's dtype
+    with WIDEN; else as loaded."""
+    if DOT_FP32:
+        return t.to(tl.float32)
+    elif WIDEN:
+        return t.to(out_ptr.dtype.element_ty)
+    else:
+        return t
+
+
+@triton.jit
 def _gate_up_tile(
     pid_m,
     pid_n,
@@ -362,47 +376,67 @@ def _gate_up_tile(
     A_FP8: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
-    """One tile of `_gate_up_kernel` (row block pid_m, column block pid_n)."""
+    """One tile of `_gate_up_kernel` (row block pid_m, column block pid_n). ONE_DOT: the gate and
+    the up tile as one [BLOCK_K, 2 * BLOCK_N] operand of one product (one wgmma of twice the width,
+    which reads the activation tile from shared memory once instead of twice); otherwise two."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     ids = tl.load(sorted_ids_ptr + offs_m)
     valid = ids < assignments
     tokens = tl.where(valid, ids // TOP_K, 0).to(tl.int64)
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     w_n = (offs_n % inter).to(tl.int64)  # the tail's columns wrap: weight loads need no mask
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + tokens[:, None] * stride_am + offs_k[None, :] * stride_ak
     g_ptrs = w_ptr + expert * stride_we + w_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     u_ptrs = g_ptrs + inter * stride_wn
+    # ONE_DOT's operand: column j < BLOCK_N is gate row w_n[j], column BLOCK_N + j up row inter + w_n[j]
+    gu_n = tl.join(w_n, w_n + inter).permute(1, 0).reshape(2 * BLOCK_N)
+    gu_ptrs = w_ptr + expert * stride_we + gu_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    n0 = pid_n * BLOCK_N
+    WIDEN: tl.constexpr = W_FP8 and not A_FP8  # e4m3 weights widened to x's dtype: exact
     for k0 in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k0
         if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
         else:
-            a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < hidden - k0)[None, :], other=0.0)
-        if W_TMA:
-            g = w_desc.load([expert.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K).T
-            u = w_desc.load([expert.to(tl.int32), inter + n0, k0]).reshape(BLOCK_N, BLOCK_K).T
-        elif EVEN_K:
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        a = _dot_operand(a, out_ptr, False, DOT_FP32)
+        if ONE_DOT:
+            if W_TMA:  # w_desc: a [1, 2, BLOCK_N, BLOCK_K] box of w13 seen as [E, 2, inter, hidden]
+                gu = w_desc.load([expert.to(tl.int32), 0, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                gu = tl.load(gu_ptrs)
+            else:
+                gu = tl.load(gu_ptrs, mask=k_mask[:, None], other=0.0)
+            gu = _dot_operand(gu, out_ptr, WIDEN, DOT_FP32)
+            acc = tl.dot(a, gu, acc=acc, input_precision=DOT_PREC)
         else:
-            k_mask = offs_k < hidden - k0
-            g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
-        if DOT_FP32:
-            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        elif W_FP8 and not A_FP8:  # widened to x's dtype: exact
-            g, u = g.to(out_ptr.dtype.element_ty), u.to(out_ptr.dtype.element_ty)
-        acc_g = tl.dot(a, g, acc=acc_g, input_precision=DOT_PREC)
-        acc_u = tl.dot(a, u, acc=acc_u, input_precision=DOT_PREC)
+            if W_TMA:
+                g = w_desc.load([expert.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+                u = w_desc.load([expert.to(tl.int32), inter + n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+            elif EVEN_K:
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
+                u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
+            g = _dot_operand(g, out_ptr, WIDEN, DOT_FP32)
+            u = _dot_operand(u, out_ptr, WIDEN, DOT_FP32)
+            acc_g = tl.dot(a, g, acc=acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, u, acc=acc_u, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
+        gu_ptrs += BLOCK_K * stride_wk
+    if ONE_DOT:  # column j and BLOCK_N + j: the same thread's registers in the MMA layout
+        acc_g, acc_u = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
     if W_FP8:
         s_ptrs = w_scale_ptr + expert * stride_se + w_n * stride_sn
         acc_g *= tl.load(s_ptrs)[None, :]
@@ -453,6 +487,7 @@ def _gate_up_kernel(
     DOT_PREC: tl.constexpr,
     PERSISTENT: tl.constexpr,
     FLATTEN: tl.constexpr,
+    ONE_DOT: tl.constexpr,
 ):
     """silu(x w_gate^T) * (x w_up^T) for BLOCK_M sorted assignment rows (one expert) x BLOCK_N
     intermediate columns, written in the output dtype at the assignments' rows.
@@ -461,7 +496,9 @@ def _gate_up_kernel(
     of the block reads token sorted_ids[r] // TOP_K. w: w13 [experts, 2 * inter, hidden]; gate
     rows n, up rows inter + n. W_FP8: e4m3 weights with w_scale [experts, 2 * inter] per row,
     widened to x's dtype unless A_FP8 (then both operands are e4m3). W_TMA: w13's tiles come
-    through w_desc (a [1, BLOCK_N, BLOCK_K] descriptor of w13; rows past the end read zeros).
+    through w_desc (a [1, BLOCK_N, BLOCK_K] descriptor of w13, with ONE_DOT [1, 2, BLOCK_N,
+    BLOCK_K] of w13 seen as [E, 2, inter, hidden]; rows past the end read zeros). ONE_DOT: see
+    `_gate_up_tile`.
     PERSISTENT: each program loops over the real tiles (num_rows' row blocks, no program for the
     bound's empty ones) in the same grouped order, num_programs apart; FLATTEN lets Triton fuse
     that loop with the reduction's so the next tile's first loads are in flight during this one's
@@ -476,7 +513,7 @@ def _gate_up_kernel(
                 pid_m, pid_n, a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ids_ptr,
                 block_experts_ptr, assignments, inter, hidden, stride_am, stride_ak, stride_we, stride_wn,
                 stride_wk, stride_om, stride_on, stride_se, stride_sn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
+                EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC, ONE_DOT,
             )  # fmt: skip
     else:
         pid_m, pid_n, live = _program_tile(num_rows_ptr, max_rows, inter, BLOCK_M, BLOCK_N, GROUP_M)
@@ -485,7 +522,7 @@ def _gate_up_kernel(
                 pid_m, pid_n, a_ptr, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, sorted_ids_ptr,
                 block_experts_ptr, assignments, inter, hidden, stride_am, stride_ak, stride_we, stride_wn,
                 stride_wk, stride_om, stride_on, stride_se, stride_sn, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC,
+                EVEN_K, W_TMA, W_FP8, A_FP8, DOT_FP32, DOT_PREC, ONE_DOT,
             )  # fmt: skip
 
 
@@ -692,13 +729,17 @@ def _grid(cfg: MoeConfig, max_rows: int, n: int, device: torch.device) -> tuple[
     return (max(1, min(tiles, programs)),)
 
 
-def _weight_descriptor(w: torch.Tensor, cfg: MoeConfig):
+def _weight_descriptor(w: torch.Tensor, cfg: MoeConfig, halves: bool = False):
     """A [1, block_n, block_k] TMA descriptor of the stacked weights w [experts, rows, cols], or
-    None (pointer loads)."""
+    None (pointer loads); halves: [1, 2, block_n, block_k] of w seen as [experts, 2, rows / 2, cols]
+    (gate_up's one_dot: a gate tile and its up tile in one box)."""
     if not _uses_tma(w, cfg):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if halves:
+        w = w.unflatten(1, (2, w.shape[1] // 2))
+        return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, 2, cfg.block_n, cfg.block_k])
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.block_n, cfg.block_k])
 
 
@@ -767,13 +808,13 @@ def fused_moe(
     cfg = gate_up_config
     max_rows = sorted_ids.shape[0]
     _gate_up_kernel[_grid(cfg, max_rows, inter, x.device)](
-        a, w13, _weight_descriptor(w13, cfg), hidden_act, a_scale, w13_scale if w_fp8 else w13, sorted_ids,
-        block_experts, num_rows, max_rows, rows, inter, hidden, *a.stride(), *w13.stride(),
-        *hidden_act.stride(), *(w13_scale.stride() if w_fp8 else (0, 0)),
+        a, w13, _weight_descriptor(w13, cfg, halves=cfg.one_dot), hidden_act, a_scale,
+        w13_scale if w_fp8 else w13, sorted_ids, block_experts, num_rows, max_rows, rows, inter, hidden,
+        *a.stride(), *w13.stride(), *hidden_act.stride(), *(w13_scale.stride() if w_fp8 else (0, 0)),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % cfg.block_k == 0, W_TMA=_uses_tma(w13, cfg), W_FP8=w_fp8, A_FP8=a_fp8,
         DOT_FP32=dot_fp32, DOT_PREC=precision,
-        PERSISTENT=cfg.persistent, FLATTEN=cfg.persistent and cfg.flatten,
+        PERSISTENT=cfg.persistent, FLATTEN=cfg.persistent and cfg.flatten, ONE_DOT=cfg.one_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 

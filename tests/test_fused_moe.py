@@ -258,6 +258,26 @@ def test_fused_moe_weights_through_tma_descriptors(mode: str) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("mode", ["bf16", "fp8-widened", "fp8-activations", "float32"])
+@pytest.mark.parametrize("tma_weights", [False, True])
+def test_fused_moe_gate_up_as_one_product(mode: str, tma_weights: bool) -> None:
+    """one_dot: the gate and up tiles as one operand of twice the width (by pointer, or one TMA
+    box of w13 seen as [E, 2, inter, hidden]), intermediate 40 (a partial, wrapped column block)
+    and hidden 72 (a partial reduction step): the same result as two products."""
+    dtype = torch.float32 if mode == "float32" else torch.bfloat16
+    fp8_weights = mode.startswith("fp8")
+    args = make_moe(19, 6, 2, 64 if fp8_weights else 72, 40, dtype, fp8_weights=fp8_weights, seed=13)
+    gate_up = tm.MoeConfig(16, 16, 32, 2, 4, 2, tma_weights=tma_weights, one_dot=True)
+    down = tm.MoeConfig(16, 32, 16, 1, 4, 2)
+    options = dict(fp8_activations=mode == "fp8-activations", gate_up_config=gate_up, down_config=down)
+    got = tm.fused_moe(**args, **options)
+    if mode == "fp8-activations":
+        assert_close(got, w8a8_reference(args), 3e-2)
+    else:
+        assert_close(got, reference_moe(args), TOLERANCE[dtype])
+
+
+@needs_triton
 def test_fused_moe_fp8_widened_weights_match_reference() -> None:
     """e4m3 weights widened to bf16 (exact) times their row scales: the reference's math."""
     args = make_moe(21, 10, 2, 64, 48, torch.bfloat16, fp8_weights=True, seed=5)
