@@ -1,27 +1,35 @@
 """The scheduler's policy on a simulated clock: multi-turn chat (W6) through the real `Scheduler`,
-with an executor that takes the time an H200 takes instead of running a model.
+with an executor that takes the time a GPU takes instead of running a model.
 
 On the 2-core CPU machine a real run of W6 measures the CPU, not the policy: a tiny model's
 prefill costs almost nothing against the step's fixed overhead, so the trade between computing a
 history and loading it, and the time a memory-bound pool makes requests wait, are not the GPU's.
 This replays the workload's closed loop (a conversation's next turn `think_time` after its answer)
 through the scheduling core exactly as `scheduler.replica` drives it (plans made one step ahead, at
-most two in flight), and charges each step what the llama-8b shape costs on the H200
-(`H200_LLAMA_8B`, fitted to benchmarks/results/2026-12-04-h200): the decode read floor times the
-measured overhead, or the prefill's compute if larger, plus in-step swaps; the CPU tier's loads
-and offloads run beside the forward on the copy stream, and the next step waits for them.
+most two in flight), and charges each step what the llama-8b shape costs on the H200 or the H100
+(`H200_LLAMA_8B`, `H100_LLAMA_8B`): the decode read floor times the measured overhead, plus the
+compute of the prompt tokens the step carries, plus in-step swaps; the CPU tier's loads and offloads
+run beside the forward on the copy stream, and the next step waits for them.
 
     python -m benchmarks.policy_sim                  # W6 on 2,304 blocks: no tier, tier, tier + load budget
-    python -m benchmarks.policy_sim --additive       # a mixed step's prefill priced on top of its decode
+    python -m benchmarks.policy_sim --device h100
+    python -m benchmarks.policy_sim --roofline       # a mixed step priced as the larger of the two
     python -m benchmarks.policy_sim --conversations 32 --num-gpu-blocks 1152 --json out.json
 
 It runs W6 without a tier, with one and no limit on its loads per plan, and with one and the load
-budget the replica derives on the H200 (`SchedulerConfig.max_num_loaded_blocks`), and reports per
+budget the replica derives on the device (`SchedulerConfig.max_num_loaded_blocks`), and reports per
 run TTFT and where it went: waiting to be admitted (``queued``), admitted but not yet sampled
 (``admitted``: loads, prefill chunks, re-admission after a pre-emption), TTFT by turn, the
-pre-emptions and the prompt tokens computed. The unchanged scheduler reproduced the 2026-12-04 H200
-run within its spread (TTFT p50 no tier 1,440 ms against 1,563-1,628 measured, tier 853 against
-787-883; p99 4,923 / 2,986 against 4,961 / 3,091; 103,424 prompt tokens, as measured).
+pre-emptions and the prompt tokens computed.
+
+What it reproduces (TTFT p50, run length): on the H200 (2026-12-04, before the load budget) no tier
+1,656 ms / 23.7 s against 1,563-1,628 ms / 23.7 s measured, tier 873 ms / 16.8 s against 787-883 ms
+/ 17.0 s; on the H100 (2026-12-05-h100-s2, with the budget) no tier 1,881 ms / 27.1 s against
+1,786 ms / 27.3 s, tier 986 ms / 19.3 s against 996 ms / 19.8 s, and the tier's TTFT p50 by turn
+within 10-25% (281 258 367 1,027 2,093 3,175 ms against 326 340 344 1,044 2,187 3,331). Pricing a
+mixed step as the larger of its decode floor and its prefill compute (`--roofline`) predicted the
+H100's tier run at 776 ms and an ITL p90 of 8.8 ms where 13.6 was measured: a step that carries a
+prefill chunk costs about the sum of the two.
 """
 
 from __future__ import annotations
@@ -61,8 +69,8 @@ class StepCost:
         block_bytes: one KV block (block_size positions).
         host_bytes_per_s: host <-> device copies (the tier's loads and offloads, swaps).
         additive: a step that computes prompt tokens costs their compute on top of its decode
-            floor (the pessimistic bound); else the larger of the two (the roofline: a step of a
-            few hundred rows reads the weights once, as a decode does).
+            floor (what the H100 and the H200 measured); else the larger of the two (the roofline:
+            a step of a few hundred rows reads the weights once, as a decode does).
     """
 
     weight_bytes: float
@@ -72,7 +80,7 @@ class StepCost:
     seconds_per_token: float
     block_bytes: float
     host_bytes_per_s: float
-    additive: bool = False
+    additive: bool = True
 
     def forward_seconds(self, plan: StepPlan, context_tokens: int) -> float:
         """The forward of `plan`: its read floor (weights and the KV its requests attend to)
@@ -93,20 +101,30 @@ class StepCost:
 
 # llama-8b shape, bf16, on the H200 (benchmarks/results/2026-12-04-h200): 15.01 GB of weights and
 # 128 KiB of KV a position read at 3.87 TB/s; decode ITL p50 at 1.39x that floor (w6-tier.txt);
-# ~25 us a prefill token (16 GFLOP at ~650 TFLOP/s: the no-tier run's 462k prompt tokens and
-# 1,879 steps take its 23.7 s); the tier's copies at 47 GB/s (kv-tier-copy.txt), 2 MiB blocks.
+# ~22 us a prefill token (16 GFLOP at ~730 TFLOP/s: the no-tier run's 462k prompt tokens and 1,879
+# steps take its 23.7 s; the H100, of the same compute, measured the same); the tier's copies at
+# 47 GB/s (kv-tier-copy.txt), 2 MiB blocks.
 H200_LLAMA_8B = StepCost(
     weight_bytes=15.01e9,
     kv_bytes_per_token=131072,
     hbm_bytes_per_s=3.87e12,
     decode_overhead=1.39,
-    seconds_per_token=25e-6,
+    seconds_per_token=22e-6,
     block_bytes=16 * 131072,
     host_bytes_per_s=47e9,
 )
 # What the H200's executor measures for a pinned host-to-device copy at start (kv-tier-copy.txt:
 # 55.3 GB/s), from which the replica sizes the tier's loads per plan (kv_tier.load_budget).
 H200_HOST_LINK_BYTES_PER_S = 55.3e9
+# The same shape on one H100 80GB (benchmarks/results/2026-12-05-h100-s2, W6): the executor's copy
+# bandwidth 2.83 TB/s, decode ITL p50 at 1.26x of the floor (w6-tier20), a prefill token as on the
+# H200 (turn 0's steps of 8,192 tokens took ~182 ms), its host link 54.5 GB/s.
+H100_LLAMA_8B = dataclasses.replace(H200_LLAMA_8B, hbm_bytes_per_s=2.83e12, decode_overhead=1.26)
+H100_HOST_LINK_BYTES_PER_S = 54.5e9
+DEVICES = {  # --device: the step times and the host link the replica sizes the load budget from
+    "h200": (H200_LLAMA_8B, H200_HOST_LINK_BYTES_PER_S),
+    "h100": (H100_LLAMA_8B, H100_HOST_LINK_BYTES_PER_S),
+}
 
 
 @dataclass
@@ -197,7 +215,7 @@ class Simulation:
         for p in plan.running:
             request = core.get_request(p.seq_id)
             context += request.num_computed_tokens if request is not None else 0
-        start = max(self._gpu_free_at, self._copies_done_at)
+        start = max(self.now, self._gpu_free_at, self._copies_done_at)
         self._gpu_free_at = start + self.cost.forward_seconds(plan, context)
         self._copies_done_at = start + self.cost.copy_seconds(plan)
         return self._gpu_free_at
@@ -354,7 +372,8 @@ def _print(results: list[RunResult]) -> None:
 
 
 def replica_load_budget(cost: StepCost = H200_LLAMA_8B, link: float = H200_HOST_LINK_BYTES_PER_S) -> int:
-    """`SchedulerConfig.max_num_loaded_blocks` as `scheduler.replica` derives it on the H200."""
+    """`SchedulerConfig.max_num_loaded_blocks` as `scheduler.replica` derives it on the device of
+    `cost` and `link`."""
     return load_budget(int(cost.weight_bytes), cost.hbm_bytes_per_s, link, int(cost.block_bytes))
 
 
@@ -366,20 +385,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=2304)
     parser.add_argument("--tier-gib", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--device", choices=sorted(DEVICES), default="h200", help="whose step times")
     parser.add_argument(
         "--max-num-loaded-blocks",
         type=int,
-        help="the tier's loads per plan in the last run (default: as the replica derives it on the H200)",
+        help="the tier's loads per plan in the last run (default: as the replica derives it on --device)",
     )
     parser.add_argument(
-        "--additive", action="store_true", help="prompt tokens' compute on top of the decode floor"
+        "--roofline",
+        action="store_true",
+        help="a step costs the larger of its decode floor and its prompt tokens' compute, not their sum",
     )
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     workload = w6(args.conversations, args.seed)
-    cost = dataclasses.replace(H200_LLAMA_8B, additive=args.additive)
-    budget = replica_load_budget() if args.max_num_loaded_blocks is None else args.max_num_loaded_blocks
+    device_cost, link = DEVICES[args.device]
+    cost = dataclasses.replace(device_cost, additive=not args.roofline)
+    budget = (
+        replica_load_budget(cost, link) if args.max_num_loaded_blocks is None else args.max_num_loaded_blocks
+    )
     tier = f"tier {args.tier_gib:g} GiB"
     results = [
         simulate(workload, args.num_gpu_blocks, 0.0, cost, label="no tier"),

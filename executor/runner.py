@@ -564,7 +564,11 @@ class ModelRunner:
         self._check_not_awaiting(plan)
         pending = PendingStep(plan.step_id, time.perf_counter())
         if self.tracer is not None:
-            pending.trace = self.tracer.begin(plan.step_id)
+            pending.trace = self.tracer.begin(
+                plan.step_id,
+                copied_beside=len(plan.offload) + len(plan.load),
+                swapped=len(plan.swap_out) + len(plan.swap_in),
+            )
         new_params = validate_plan(plan, self._requests, self._limits)
         kv = self.kv_cache
         kv.wait_for_copies()  # the previous plan's tier copies: this step may touch their blocks

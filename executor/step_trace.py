@@ -3,10 +3,12 @@
 A benchmark's total says how fast; it does not say whether the time went into prefill, into
 decode steps of a small batch at the end of the run, or into the GPU waiting for the host. With a
 trace, each step appends one JSON line: its shape (tokens, sequences, decode tokens, KV tokens it
-attends over), whether it replayed a CUDA graph, the host time its launch took, and from CUDA events
-recorded in stream order around it, the GPU time from its first kernel to its sampled tokens
-(`gpu_ms`) and how long the GPU sat idle before it (`gap_ms`), waiting for the plan or for the
-host to prepare the step's inputs.
+attends over), the KV blocks it moved to or from host memory (the CPU tier's loads and offloads on
+the copy stream beside its forward, swaps on the forward's stream before it), whether it replayed a
+CUDA graph, the host time its launch took, and from CUDA events recorded in stream order around it,
+the GPU time from its first kernel to its sampled tokens (`gpu_ms`) and how long the GPU sat idle
+before it (`gap_ms`): waiting for the plan, for the host to prepare the step's inputs, for the tier
+copies queued beside the step before, or for its own swaps.
 
     python -m pagedserve.executor.step_trace FILE      # totals by kind of step and by decode batch size
 
@@ -38,6 +40,8 @@ class StepRecord:
     seqs: int = 0
     decodes: int = 0  # sequences with exactly one new token
     kv_tokens: int = 0  # sum of the sequences' context lengths: what attention reads
+    copied_beside: int = 0  # CPU-tier blocks loaded or offloaded on the copy stream beside the forward
+    swapped: int = 0  # blocks swapped out or in before the forward, on its stream
     graph: bool = False
     launch_ms: float = 0.0  # host time in ModelRunner.launch
     gpu_ms: float | None = None  # its first kernel to its sampled tokens (CUDA only)
@@ -63,8 +67,8 @@ class StepTracer:
         self._cuda = device.type == "cuda"
         self._prev_end: torch.cuda.Event | None = None
 
-    def begin(self, step_id: int) -> StepRecord:
-        return StepRecord(step_id, _t0=time.perf_counter())
+    def begin(self, step_id: int, copied_beside: int = 0, swapped: int = 0) -> StepRecord:
+        return StepRecord(step_id, copied_beside=copied_beside, swapped=swapped, _t0=time.perf_counter())
 
     def forward_starts(self, record: StepRecord, batch: HostBatch, graph: bool) -> None:
         """Records the step's shape, and its start event just before its first kernel is queued
@@ -137,7 +141,22 @@ def summarize(records: list[dict]) -> str:
             rows.append([name, len(rs), tokens, decodes, f"{kv_per_seq:.0f}", *times, per_token])
         return [f"\n{title}", markdown_table(header, rows)]
 
+    def copies(r: dict) -> str:
+        """A step's forward shares the host link and SMs with the tier copies beside it, and the
+        next step waits for them (executor.kv_cache); swaps run before the forward, on its stream."""
+        parts = [kind(r)]
+        if r.get("copied_beside"):
+            parts.append("copies beside")
+        if waits_for_copies.get(r["step_id"]):
+            parts.append("waits for copies")
+        if r.get("swapped"):
+            parts.append("swaps")
+        return ", ".join(parts)
+
+    waits_for_copies = {r["step_id"] + 1: r.get("copied_beside", 0) for r in records}
     lines = table("by kind", kind) + table("by kind, decode steps by batch size", bucket)
+    if any(r.get("copied_beside") or r.get("swapped") for r in records):
+        lines += table("by kind and host copies", copies)
     gpu = sum(r["gpu_ms"] or 0 for r in records) / 1000
     gap = sum(r["gap_ms"] or 0 for r in records) / 1000
     lines.append(f"\n{len(records)} steps: GPU {gpu:.2f} s, idle between steps {gap:.2f} s")

@@ -14,6 +14,7 @@ the same step (copied inside it, before its forward).
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -41,6 +42,20 @@ def load_budget(
         return 0
     seconds = weight_read_bytes / device_bytes_per_s
     return max(1, int(seconds * host_bytes_per_s // bytes_per_block))
+
+
+def _load_budget_override() -> int | None:
+    """`PAGEDSERVE_MAX_NUM_LOADED_BLOCKS`: the tier's loads per plan instead of `load_budget`'s (0:
+    no limit), to measure what the budget does; None where unset."""
+    value = os.environ.get("PAGEDSERVE_MAX_NUM_LOADED_BLOCKS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"PAGEDSERVE_MAX_NUM_LOADED_BLOCKS must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+LOAD_BUDGET_OVERRIDE = _load_budget_override()
 
 
 class CpuTier:

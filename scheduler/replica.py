@@ -39,7 +39,7 @@ from pagedserve.protos import executor_pb2
 from pagedserve.scheduler.block_pool import BlockHash
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.core import LateMasks, Scheduler, SchedulerStats, StepPlan
-from pagedserve.scheduler.kv_tier import load_budget
+from pagedserve.scheduler.kv_tier import LOAD_BUDGET_OVERRIDE, load_budget
 from pagedserve.scheduler.request import Request, SeqId
 from pagedserve.scheduler.router import ExecutorLoad
 from pagedserve.scheduler.service_config import ServiceConfig
@@ -439,7 +439,9 @@ class ExecutorReplica:
                     info.copy_bytes_per_s,
                     info.host_copy_bytes_per_s,
                     info.bytes_per_block,
-                ),
+                )
+                if LOAD_BUDGET_OVERRIDE is None
+                else LOAD_BUDGET_OVERRIDE,
             )
         )
         self._heartbeats = True

@@ -322,9 +322,16 @@ def test_submit_before_any_executor_attached_is_unavailable(tokenizer):
     assert engine.executor_statuses() == []
 
 
-def test_the_tiers_loads_per_plan_come_from_the_bandwidths_the_executor_reports(tokenizer, text_ids):
+@pytest.mark.parametrize("override", [None, 0])
+def test_the_tiers_loads_per_plan_come_from_the_bandwidths_the_executor_reports(
+    tokenizer, text_ids, monkeypatch, override
+):
     """An executor with a CPU tier reports its host link; the replica's core loads no more blocks a
-    plan than that link moves while the device reads the weights once (kv_tier.load_budget)."""
+    plan than that link moves while the device reads the weights once (kv_tier.load_budget), unless
+    PAGEDSERVE_MAX_NUM_LOADED_BLOCKS says otherwise (0: no limit)."""
+    from pagedserve.scheduler import replica
+
+    monkeypatch.setattr(replica, "LOAD_BUDGET_OVERRIDE", override)
 
     class TierExecutor(FlakyExecutor):
         async def attach(self, scheduler_id, timeout):
@@ -343,7 +350,9 @@ def test_the_tiers_loads_per_plan_come_from_the_bandwidths_the_executor_reports(
         async with Harness(tokenizer, fakes) as h:
             await h.until(lambda: all(s.attached for s in h.engine.executor_statuses()))
             budgets = {a: r.scheduler.config.max_num_loaded_blocks for a, r in h.engine._replicas.items()}
-            assert budgets == {"tier:1": 102, "plain:1": 0}
+            assert budgets == (
+                {"tier:1": 102, "plain:1": 0} if override is None else {"tier:1": 0, "plain:1": 0}
+            )
 
     asyncio.run(scenario())
 

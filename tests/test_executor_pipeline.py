@@ -392,3 +392,24 @@ def test_step_trace_records_each_step_and_sums_up(tiny_model_dir, tmp_path):
     assert "| prefill | 1 | 20 | 0 |" in text
     assert "| mixed | 1 | 10 | 1 |" in text
     assert "| decode | 4 | 8 |" in text
+    assert all(r["copied_beside"] == r["swapped"] == 0 for r in records)
+    assert "host copies" not in text  # (no table of copies where there were none)
+
+
+def test_step_trace_summary_separates_steps_around_tier_copies():
+    """A step with tier copies beside its forward and the step after it (which waits for them) are
+    summed apart from the others, so a trace shows what the copies cost."""
+    from pagedserve.executor.step_trace import summarize
+
+    def decode(step_id, copied_beside=0, swapped=0, gap_ms=0.0):
+        return {
+            "step_id": step_id, "tokens": 4, "seqs": 4, "decodes": 4, "kv_tokens": 400,
+            "copied_beside": copied_beside, "swapped": swapped, "graph": True, "launch_ms": 0.1,
+            "gpu_ms": 7.0, "gap_ms": gap_ms,
+        }  # fmt: skip
+
+    text = summarize([decode(1), decode(2, copied_beside=100), decode(3, gap_ms=2.0), decode(4, swapped=3)])
+    assert "| decode | 4 | 16 | 16 |" in text  # by kind: all four
+    assert "| decode, copies beside | 1 | 4 | 4 |" in text
+    assert "| decode, waits for copies | 1 | 4 | 4 | 100 | 0.01 | 0.00 |" in text
+    assert "| decode, swaps | 1 | 4 | 4 |" in text

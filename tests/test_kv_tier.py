@@ -349,3 +349,15 @@ def test_an_executor_refuses_a_host_pool_the_machine_cannot_hold(tiny_model_dir)
             ExecutorConfig(model=str(tiny_model_dir), device="cpu", num_gpu_blocks_override=16,
                            kv_offloading_size=1e9, max_model_len=128)
         )  # fmt: skip
+
+
+def test_the_load_budget_override_is_read_from_the_environment(monkeypatch):
+    from pagedserve.scheduler.kv_tier import _load_budget_override
+
+    monkeypatch.delenv("PAGEDSERVE_MAX_NUM_LOADED_BLOCKS", raising=False)
+    assert _load_budget_override() is None
+    monkeypatch.setenv("PAGEDSERVE_MAX_NUM_LOADED_BLOCKS", "0")
+    assert _load_budget_override() == 0
+    monkeypatch.setenv("PAGEDSERVE_MAX_NUM_LOADED_BLOCKS", "-3")
+    with pytest.raises(ValueError, match="PAGEDSERVE_MAX_NUM_LOADED_BLOCKS must be a non-negative integer"):
+        _load_budget_override()
