@@ -16,6 +16,7 @@ from pagedserve.common.auth import TokenError
 from pagedserve.common.logs import configure_logging
 from pagedserve.common.tls import TlsConfigError
 from pagedserve.executor.config import ExecutorConfig, add_cli_args
+from pagedserve.executor.disk_tier import DiskTierError
 from pagedserve.executor.kv_cache import HostPoolError, KVCacheTooSmallError
 from pagedserve.executor.loader import UnsupportedModelError
 
@@ -24,6 +25,7 @@ CONFIG_ERRORS = (
     UnsupportedModelError,
     KVCacheTooSmallError,
     HostPoolError,
+    DiskTierError,
     FileNotFoundError,
     TokenError,
     TlsConfigError,

@@ -7,6 +7,7 @@ what they know. `add_cli_args` and `ExecutorConfig.from_args` are shared with th
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -44,6 +45,9 @@ class ExecutorConfig:
         swap_space: GiB of CPU memory for the swap pool.
         kv_offloading_size: GiB of CPU memory for the prefix cache's CPU tier (0: none); with the
             swap pool it is one pinned host pool (executor.kv_cache, scheduler.kv_tier).
+        kv_offloading_disk: a directory for the disk tier below the CPU tier (None: none); the
+            executor keeps its blocks in one unlinked file there (executor.disk_tier).
+        kv_offloading_disk_size: GiB of that directory's disk for the disk tier.
         cpu_kv_cache_space: GiB of the device KV pool when the device is the CPU.
         max_num_batched_tokens: most tokens in one step; the profiling pass runs this many.
         max_num_seqs: most sequences in one step.
@@ -83,6 +87,8 @@ class ExecutorConfig:
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0
     kv_offloading_size: float = 0.0
+    kv_offloading_disk: str | None = None
+    kv_offloading_disk_size: float = 0.0
     cpu_kv_cache_space: float = 4.0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
@@ -128,6 +134,7 @@ class ExecutorConfig:
             problems.append(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if not 0 <= self.kv_offloading_size < float("inf"):
             problems.append(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        problems += self._disk_tier_problems()
         if self.cpu_kv_cache_space <= 0:
             problems.append(f"cpu_kv_cache_space must be > 0 GiB, got {self.cpu_kv_cache_space}")
         if self.max_num_batched_tokens < 1:
@@ -181,6 +188,27 @@ class ExecutorConfig:
     @property
     def kv_offloading_bytes(self) -> int:
         return int(self.kv_offloading_size * _GIB)
+
+    @property
+    def kv_offloading_disk_bytes(self) -> int:
+        return int(self.kv_offloading_disk_size * _GIB) if self.kv_offloading_disk else 0
+
+    def _disk_tier_problems(self) -> list[str]:
+        """The disk tier's flags go together, below a CPU tier (its fetches land in host blocks)."""
+        size, directory = self.kv_offloading_disk_size, self.kv_offloading_disk
+        if not 0 <= size < float("inf"):
+            return [f"kv_offloading_disk_size must be >= 0 GiB, got {size}"]
+        if size > 0 and not directory:
+            return ["kv_offloading_disk_size needs kv_offloading_disk, the directory to keep the blocks in"]
+        if not directory:
+            return []
+        if size == 0:
+            return ["kv_offloading_disk needs kv_offloading_disk_size > 0 GiB"]
+        if self.kv_offloading_size <= 0:
+            return ["kv_offloading_disk needs the CPU tier above it: set kv_offloading_size > 0 GiB"]
+        if not os.path.isdir(directory):
+            return [f"kv_offloading_disk must be an existing directory, got {directory!r}"]
+        return []
 
     @property
     def cpu_kv_cache_bytes(self) -> int:
@@ -259,6 +287,15 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
         "--kv-offloading-size", type=float, default=0.0,
         help="GiB of host memory for a CPU tier below the prefix cache: blocks the GPU pool evicts "
         "are kept there and loaded back instead of recomputed (default 0: off)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-offloading-disk", default=None, metavar="DIR",
+        help="a directory for a disk tier below the CPU tier: blocks the CPU tier drops are written "
+        "there and read back on a hit (needs --kv-offloading-size and --kv-offloading-disk-size)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-offloading-disk-size", type=float, default=0.0,
+        help="GiB of --kv-offloading-disk's disk for the disk tier (default 0)",
     )  # fmt: skip
     group.add_argument(
         "--cpu-kv-cache-space", type=float, default=4.0, help="GiB of KV pool when running on the CPU"

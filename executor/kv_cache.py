@@ -17,6 +17,10 @@ are planned in does not). The copies stay in plan order on one stream, so a host
 plan reuses is written only after the earlier copies that read it. On the CPU everything is
 synchronous and `copy_beside` is plain swap_out then swap_in.
 
+The disk tier (executor.disk_tier, `StepPlan.spill` / `fetch`) moves host blocks to and from a file
+on the launching thread, before the plan's other moves (`spill_and_fetch`), once the copies already
+queued that touch host blocks are done.
+
 An FP8 pool (`--kv-cache-dtype fp8`) has one-byte elements, so `bytes_per_block` halves and the
 same memory holds about twice the blocks (the swap pool too). Both pools are then allocated as
 uint8 and the kernels get float8_e4m3fn views: the gathers, scatters and copies of swapping move
@@ -37,6 +41,7 @@ from pagedserve.executor.transfer import to_device
 
 if TYPE_CHECKING:
     from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.disk_tier import DiskTierFile
 
 log = structlog.get_logger(__name__)
 
@@ -154,6 +159,7 @@ class PoolSizing:
     num_cpu_blocks: int  # the host pool: the swap pool and the CPU tier together
     why: str
     num_cpu_offload_blocks: int = 0  # the CPU tier's share of the host pool
+    num_disk_offload_blocks: int = 0  # the disk tier's slots (--kv-offloading-disk-size)
 
 
 def size_pools(
@@ -197,7 +203,10 @@ def size_pools(
         why = f"--cpu-kv-cache-space {config.cpu_kv_cache_space} GiB"
     per_block = layout.bytes_per_block
     num_offload = config.kv_offloading_bytes // per_block
-    return PoolSizing(num_blocks, config.swap_space_bytes // per_block + num_offload, why, num_offload)
+    num_disk = config.kv_offloading_disk_bytes // per_block if num_offload else 0
+    return PoolSizing(
+        num_blocks, config.swap_space_bytes // per_block + num_offload, why, num_offload, num_disk
+    )
 
 
 def check_fits(
@@ -264,6 +273,11 @@ class KVCache:
         # The CPU tier's copy stream (CUDA only), and the event behind the last copies queued on it.
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._copies_done: torch.cuda.Event | None = None
+        # The disk tier below the CPU tier (None: off; the runner opens it), and per stream the
+        # event behind the last copy queued there that reads or writes host blocks: the CPU waits
+        # for them before it reads or writes host blocks itself (`spill_and_fetch`).
+        self.disk: DiskTierFile | None = None
+        self._host_copies_done: dict[int, torch.cuda.Event] = {}
 
     def layer_caches(
         self, layer_slot: Sequence[int] | None = None
@@ -285,6 +299,7 @@ class KVCache:
             self.cpu_pool[cpu_block : cpu_block + length].copy_(
                 blocks[start : start + length], non_blocking=True
             )
+        self._note_host_copies()
 
     def swap_in(self, src_cpu_blocks: list[int], dst_device_blocks: list[int]) -> None:
         """Copies CPU blocks to device blocks, all layers at once, queued like any step's work."""
@@ -297,6 +312,7 @@ class KVCache:
             blocks[start : start + length].copy_(
                 self.cpu_pool[cpu_block : cpu_block + length], non_blocking=True
             )
+        self._note_host_copies()
         dst = to_device(dst_device_blocks, torch.int64, self.device)
         self.device_pool.index_copy_(2, dst, blocks.movedim(0, 2))
 
@@ -317,6 +333,36 @@ class KVCache:
     def _copy(self, offload: list[tuple[int, int]], load: list[tuple[int, int]]) -> None:
         self.swap_out([src for src, _ in offload], [dst for _, dst in offload])
         self.swap_in([src for src, _ in load], [dst for _, dst in load])
+
+    @property
+    def num_disk_blocks(self) -> int:
+        """The disk tier's slots (0: no disk tier)."""
+        return 0 if self.disk is None else self.disk.num_blocks
+
+    def spill_and_fetch(self, spill: list[tuple[int, int]], fetch: list[tuple[int, int]]) -> None:
+        """The disk tier's moves of one plan, before its others: spills (host block -> disk slot),
+        then fetches (disk slot -> host block), on the calling thread. The CPU reads and writes the
+        host blocks here, so the copies queued before that touch host blocks (swaps on the compute
+        stream, the CPU tier's copies on the copy stream) must have finished: the wait costs what
+        is still in flight of them, not the forward passes queued behind."""
+        if not spill and not fetch:
+            return
+        if self.disk is None:
+            raise RuntimeError("a plan moves disk tier blocks, but this executor has no disk tier")
+        for event in self._host_copies_done.values():
+            event.synchronize()
+        self._host_copies_done.clear()
+        for host, slot in spill:
+            self.disk.write(slot, self.cpu_pool[host])
+        for slot, host in fetch:
+            self.disk.read_into(slot, self.cpu_pool[host])
+
+    def _note_host_copies(self) -> None:
+        """Records, on the stream that just queued copies to or from host blocks, the event that
+        `spill_and_fetch` waits for (only with a disk tier, on CUDA)."""
+        if self.disk is not None and self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            self._host_copies_done[stream.stream_id] = stream.record_event()
 
     def wait_for_copies(self) -> None:
         """Makes the compute stream wait for the copies queued by `copy_beside` (before a step that

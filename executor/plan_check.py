@@ -44,6 +44,7 @@ class PlanLimits:
     max_held_requests: int
     sliding_windows: tuple[int | None, ...] = (None,)  # per KV-cache group (executor.kv_groups)
     has_draft_model: bool = False  # speculative decoding: proposals may come without their ids
+    num_disk_blocks: int = 0  # the disk tier's slots (0: no disk tier)
 
 
 def sampling_from_proto(s: executor_pb2.Sampling) -> SamplingParams:
@@ -73,6 +74,8 @@ def validate_plan(
     _check_moves("swap_in", plan.swap_in, limits.num_cpu_blocks, limits.num_device_blocks)
     _check_moves("offload", plan.offload, limits.num_device_blocks, limits.num_cpu_blocks)
     _check_moves("load", plan.load, limits.num_cpu_blocks, limits.num_device_blocks)
+    _check_moves("spill", plan.spill, limits.num_cpu_blocks, limits.num_disk_blocks)
+    _check_moves("fetch", plan.fetch, limits.num_disk_blocks, limits.num_cpu_blocks)
     # Removing a sequence we do not hold is allowed (idempotent), e.g. an abort racing its finish.
     kept = set(held).difference(plan.removed_seq_ids)
     seen: set[int] = set()

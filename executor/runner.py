@@ -39,6 +39,7 @@ from pagedserve.executor.cuda_graphs import (
     decode_graph_sizes,
     mixed_graph_sizes,
 )
+from pagedserve.executor.disk_tier import DiskTierFile
 from pagedserve.executor.kv_cache import KVCache, KVCacheLayout, MemoryProfile, check_fits, size_pools
 from pagedserve.executor.loader import (
     ModelSpec,
@@ -364,6 +365,7 @@ class ModelRunner:
             max_held_requests=self.slots.capacity,
             sliding_windows=self.kv_groups.sliding_windows,
             has_draft_model=draft is not None,
+            num_disk_blocks=kv_cache.num_disk_blocks,
         )
         self._busy_until = 0.0
         self.graph_reserve_bytes = 0  # what the KV sizing set aside for the graphs (from_model)
@@ -460,10 +462,11 @@ class ModelRunner:
         graph_reserve = 0 if memory is None else memory.graph_reserve_bytes
         sizing = size_pools(layout, config, max_model_len, device.type, windows, memory, in_use_at_start)
         num_blocks, num_cpu_blocks, why = sizing.num_gpu_blocks, sizing.num_cpu_blocks, sizing.why
-        num_offload = sizing.num_cpu_offload_blocks
+        num_offload, num_disk = sizing.num_cpu_offload_blocks, sizing.num_disk_offload_blocks
         if min_over_ranks is not None:
             num_blocks, num_cpu_blocks = min_over_ranks(num_blocks), min_over_ranks(num_cpu_blocks)
             num_offload = min(min_over_ranks(num_offload), num_cpu_blocks)
+            num_disk = min_over_ranks(num_disk)
             why += ", the smallest over the tensor-parallel ranks"
         check_fits(
             layout, num_blocks, max_model_len, why=why, sliding_windows=windows,
@@ -471,6 +474,9 @@ class ModelRunner:
         )  # fmt: skip
         host_copy_bytes_per_s = measure_host_copy_bandwidth(device) if num_offload else 0.0
         kv_cache = KVCache(layout, num_blocks, num_cpu_blocks, device)
+        if num_disk:
+            assert config.kv_offloading_disk is not None
+            kv_cache.disk = DiskTierFile(config.kv_offloading_disk, num_disk, layout.bytes_per_block)
         log.info(
             "executor.loaded",
             model=config.model,
@@ -485,6 +491,7 @@ class ModelRunner:
             num_gpu_blocks=num_blocks,
             num_cpu_blocks=num_cpu_blocks,
             num_cpu_offload_blocks=num_offload,
+            num_disk_offload_blocks=num_disk,
             kv_pool_gib=round(num_blocks * layout.bytes_per_block / 2**30, 3),
             host_pool_gib=round(num_cpu_blocks * layout.bytes_per_block / 2**30, 3),
             weights_gib=round(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30, 3),
@@ -571,6 +578,7 @@ class ModelRunner:
             )
         new_params = validate_plan(plan, self._requests, self._limits)
         kv = self.kv_cache
+        kv.spill_and_fetch([(m.src, m.dst) for m in plan.spill], [(m.src, m.dst) for m in plan.fetch])
         kv.wait_for_copies()  # the previous plan's tier copies: this step may touch their blocks
         kv.swap_out([m.src for m in plan.swap_out], [m.dst for m in plan.swap_out])
         for seq_id in plan.removed_seq_ids:

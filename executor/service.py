@@ -223,6 +223,7 @@ def attach_response(
         lease_timeout_ms=round(lease_timeout_s * 1000),
         kv_cache_groups=runner.kv_groups.to_proto(),
         num_cpu_offload_blocks=runner.num_cpu_offload_blocks,
+        num_disk_offload_blocks=runner.kv_cache.num_disk_blocks,
         bytes_per_block=runner.kv_cache.layout.bytes_per_block,
         weight_read_bytes=runner.weight_read_bytes,
         kv_bytes_per_token=runner.kv_bytes_per_token,

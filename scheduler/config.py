@@ -29,6 +29,8 @@ class SchedulerConfig:
             sliding window (see scheduler.kv_cache_manager).
         num_cpu_offload_blocks: of the num_cpu_blocks, the most the prefix cache's CPU tier may
             hold (0: no tier; see scheduler.kv_tier).
+        num_disk_offload_blocks: slots of the disk tier below the CPU tier (0: none; it needs the
+            CPU tier, whose host blocks stage its reads).
         speculative: speculative decoding (--speculative-config; None: off): the scheduler makes
             the n-gram proposals, reserves KV slots for the proposed tokens and trims what was not
             accepted (see scheduler/core.py).
@@ -56,6 +58,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     sliding_windows: tuple[int | None, ...] = (None,)
     num_cpu_offload_blocks: int = 0
+    num_disk_offload_blocks: int = 0
     speculative: SpeculativeConfig | None = None
     late_masks: bool = False
     shared_mask_rows: bool = False
@@ -81,6 +84,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"num_cpu_offload_blocks must be in [0, num_cpu_blocks={self.num_cpu_blocks}], "
                 f"got {self.num_cpu_offload_blocks!r}"
+            )
+        if not isinstance(self.num_disk_offload_blocks, int) or self.num_disk_offload_blocks < 0:
+            raise ValueError(
+                "num_disk_offload_blocks must be a non-negative integer, "
+                f"got {self.num_disk_offload_blocks!r}"
             )
         if not isinstance(self.max_num_loaded_blocks, int) or self.max_num_loaded_blocks < 0:
             raise ValueError(

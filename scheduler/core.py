@@ -144,6 +144,9 @@ class StepPlan:
     # step's tokens; the next step's forward waits for them.
     offload: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, tier block)
     load: list[tuple[int, int]] = field(default_factory=list)  # (tier block, gpu block)
+    # The disk tier's moves, which the executor runs before all the others, spills first.
+    spill: list[tuple[int, int]] = field(default_factory=list)  # (tier block, disk slot)
+    fetch: list[tuple[int, int]] = field(default_factory=list)  # (disk slot, tier block)
     new_requests: list[NewRequestPlan] = field(default_factory=list)
     running: list[RunningPlan] = field(default_factory=list)
     sampling_seq_ids: list[SeqId] = field(default_factory=list)
@@ -165,6 +168,8 @@ class StepPlan:
             or self.swap_in
             or self.offload
             or self.load
+            or self.spill
+            or self.fetch
             or self.new_requests
             or self.running
         )
@@ -205,6 +210,10 @@ class SchedulerStats:
     kv_loaded_blocks: int = 0  # blocks copied CPU tier -> GPU (on a hit)
     cpu_tier_blocks: int = 0  # gauge: blocks the CPU tier holds
     cpu_tier_capacity_blocks: int = 0  # gauge: the most it may hold
+    kv_spilled_blocks: int = 0  # blocks written CPU tier -> disk tier (the CPU tier dropped them)
+    kv_fetched_blocks: int = 0  # blocks read disk tier -> CPU tier (on a hit)
+    disk_tier_blocks: int = 0  # gauge: blocks the disk tier holds
+    disk_tier_capacity_blocks: int = 0  # gauge: the most it may hold
     spec_draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
     spec_accepted_tokens: int = 0  # of them, accepted
     spec_steps: int = 0  # verifications (one per request per step with proposals)
@@ -245,6 +254,7 @@ class Scheduler:
             config.enable_prefix_caching,
             config.sliding_windows,
             config.num_cpu_offload_blocks,
+            config.num_disk_offload_blocks,
         )
         self._requests: dict[SeqId, Request] = {}  # every unfinished request
         self._waiting: list[Request] = []
@@ -637,6 +647,7 @@ class Scheduler:
         plan.swap_out += offloads  # blocks this plan reuses: copied before its forward writes them
         plan.load = loads  # beside the forward: their requests are LOADING (see the module doc)
         plan.offload = self.kv_cache_manager.take_offloads_ahead()  # beside it: free blocks
+        plan.spill, plan.fetch = self.kv_cache_manager.take_disk_moves()  # before all of them
         plan.sampling_seq_ids = [p.seq_id for p in plan.new_requests if p.seq_id in step.sampling]
         plan.sampling_seq_ids += [p.seq_id for p in plan.running if p.seq_id in step.sampling]
         if plan.sampling_seq_ids:
@@ -874,6 +885,10 @@ class Scheduler:
             kv_loaded_blocks=self.kv_cache_manager.num_loaded_blocks,
             cpu_tier_blocks=len(tier) if (tier := self.kv_cache_manager.tier) is not None else 0,
             cpu_tier_capacity_blocks=tier.capacity if tier is not None else 0,
+            kv_spilled_blocks=self.kv_cache_manager.num_spilled_blocks,
+            kv_fetched_blocks=self.kv_cache_manager.num_fetched_blocks,
+            disk_tier_blocks=len(disk) if (disk := self.kv_cache_manager.disk_tier) is not None else 0,
+            disk_tier_capacity_blocks=disk.capacity if disk is not None else 0,
             spec_draft_tokens=self._spec_draft_tokens,
             spec_accepted_tokens=self._spec_accepted_tokens,
             spec_steps=self._spec_steps,

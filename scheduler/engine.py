@@ -123,6 +123,8 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
         swap_in=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.swap_in],
         offload=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.offload],
         load=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.load],
+        spill=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.spill],
+        fetch=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.fetch],
         new_requests=[new_request(r) for r in plan.new_requests],
     )
     if plan.masked_seq_ids:  # structured outputs: one packed row per constrained sampling request
@@ -250,6 +252,8 @@ class Engine:
             peak_slot_utilization=max((s.peak_slot_utilization for s in cores), default=0.0),
             cpu_tier_blocks=sum(s.cpu_tier_blocks for s in cores),
             cpu_tier_capacity_blocks=sum(s.cpu_tier_capacity_blocks for s in cores),
+            disk_tier_blocks=sum(s.disk_tier_blocks for s in cores),
+            disk_tier_capacity_blocks=sum(s.disk_tier_capacity_blocks for s in cores),
             **counters,
         )
 

@@ -42,6 +42,15 @@ beside the step's forward, so no request of the plan that loads a block may read
 starts a request whose hit has such a block in the next plan (`waits_for_loads`). Hits are found in
 one pass over the chain, the GPU pool first, then the tier, with the same rules per group
 (`CpuBlock` marks a tier hit in a `PrefixHit`).
+
+Disk tier (`--kv-offloading-disk`, below the CPU tier): a block the CPU tier drops (to make room
+for an offload, a fetch or a swap-out) is written to a disk slot first (`spill`, host -> disk),
+unless the disk holds it already; a prefix block found only on disk (`DiskBlock`, after the GPU pool
+and the CPU tier) is read back into a host block of the CPU tier (`fetch`, disk -> host) and loaded
+from there like a CPU-tier hit, in the same plan: the executor runs a plan's spills and fetches
+first, in that order, before its other moves. A hit keeps disk blocks only while the CPU tier has
+a host block this plan could fetch each into (`_can_fetch`); past that the prefix is computed. The
+disk tier's slots a fetch reads are kept from this plan's spills, which run first.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from pagedserve.scheduler.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
-from pagedserve.scheduler.kv_tier import CpuTier
+from pagedserve.scheduler.kv_tier import TierIndex, TierKey
 from pagedserve.scheduler.request import Request, SeqId
 
 # A group's span of a block table on the wire: (table index of the first id, the ids).
@@ -81,12 +90,22 @@ class CpuBlock:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskBlock:
+    """A prefix-cache hit in the disk tier: the disk slot that holds it."""
+
+    slot: int
+
+
+_TIER_BLOCKS = (CpuBlock, DiskBlock)  # hits below the GPU pool: each one loaded into a GPU block
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixHit:
     """Cached blocks a waiting request can start from (``get_computed_blocks``): per group, the
     first entries of its table (None before a sliding group's window; a `CpuBlock` where the CPU
-    tier holds the block), covering `num_tokens`."""
+    tier holds the block, a `DiskBlock` where only the disk tier does), covering `num_tokens`."""
 
-    tables: tuple[tuple[Block | CpuBlock | None, ...], ...] = ()
+    tables: tuple[tuple[Block | CpuBlock | DiskBlock | None, ...], ...] = ()
     num_tokens: int = 0
 
     @property
@@ -96,14 +115,19 @@ class PrefixHit:
 
     @property
     def num_cpu_blocks(self) -> int:
-        """Blocks of the hit the CPU tier holds (in the first group that has any: all groups hold
-        the same positions, each in its own blocks)."""
-        return max((sum(isinstance(b, CpuBlock) for b in table) for table in self.tables), default=0)
+        """Blocks of the hit the CPU tier holds or fetches from the disk tier (in the first group
+        that has any: all groups hold the same positions, each in its own blocks)."""
+        return max((sum(isinstance(b, _TIER_BLOCKS) for b in table) for table in self.tables), default=0)
+
+    @property
+    def num_disk_blocks(self) -> int:
+        """Of `num_cpu_blocks`, those only the disk tier holds."""
+        return max((sum(isinstance(b, DiskBlock) for b in table) for table in self.tables), default=0)
 
     @property
     def num_loads(self) -> int:
         """Host -> GPU block copies that admitting on the hit plans: its tier blocks, all groups."""
-        return sum(isinstance(b, CpuBlock) for table in self.tables for b in table)
+        return sum(isinstance(b, _TIER_BLOCKS) for table in self.tables for b in table)
 
 
 NO_HIT = PrefixHit()
@@ -121,6 +145,7 @@ class KVCacheManager:
             attention, else the window (the positions a query sees, itself included).
         num_cpu_offload_blocks: the most host blocks the CPU tier may hold (0: no tier); they come
             out of the `num_cpu_blocks` the swap pool also draws on.
+        num_disk_offload_blocks: slots of the disk tier below the CPU tier (0: none).
     """
 
     def __init__(
@@ -131,6 +156,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         sliding_windows: Sequence[int | None] = (None,),
         num_cpu_offload_blocks: int = 0,
+        num_disk_offload_blocks: int = 0,
     ) -> None:
         if not sliding_windows or any(w is not None and w < 1 for w in sliding_windows):
             raise ValueError(
@@ -166,8 +192,19 @@ class KVCacheManager:
             raise ValueError(
                 f"the CPU tier ({num_cpu_offload_blocks}) exceeds the host pool ({num_cpu_blocks})"
             )
-        self.tier = CpuTier(num_cpu_offload_blocks) if num_cpu_offload_blocks else None
+        self.tier = TierIndex(num_cpu_offload_blocks) if num_cpu_offload_blocks else None
         self.block_pool.record_evictions = self.tier is not None
+        # The disk tier (None: off), its free slots, its moves for the plan being built, and the disk
+        # slots this plan's fetches read (no spill of the plan, which runs before them, may take one).
+        if num_disk_offload_blocks and self.tier is None:
+            num_disk_offload_blocks = 0  # fetched blocks are staged in the CPU tier's host blocks
+        self.disk_tier = TierIndex(num_disk_offload_blocks) if num_disk_offload_blocks else None
+        self._disk_free: list[int] = list(range(num_disk_offload_blocks - 1, -1, -1))
+        self._spills: list[tuple[int, int]] = []  # (host block, disk slot)
+        self._fetches: list[tuple[int, int]] = []  # (disk slot, host block)
+        self._disk_slots_busy: set[int] = set()
+        self.num_spilled_blocks = 0  # counters: host -> disk and disk -> host over the manager's life
+        self.num_fetched_blocks = 0
         self._offloads: list[tuple[int, int]] = []  # (gpu block, host block)
         self._loads: list[tuple[int, int]] = []  # (host block, gpu block)
         self._loading_block_ids: set[int] = set()  # the GPU blocks of `_loads`
@@ -238,19 +275,23 @@ class KVCacheManager:
         """The longest prefix of at most `max_blocks` blocks that every group can serve from the
         cache, GPU or CPU tier (see the module doc), with each group's blocks. A pure lookup: no ref
         count or LRU position changes."""
-        cached, tier = self.block_pool.get_cached_block, self.tier
+        cached, tier, disk = self.block_pool.get_cached_block, self.tier, self.disk_tier
 
-        def get(block_hash: BlockHash, group: int) -> Block | CpuBlock | None:
+        def get(block_hash: BlockHash, group: int) -> Block | CpuBlock | DiskBlock | None:
             block = cached(block_hash, group)
-            if block is None and tier is not None:
-                slot = tier.get((group, block_hash))
-                return None if slot is None else CpuBlock(slot)
-            return block
+            if block is not None or tier is None:
+                return block
+            key = (group, block_hash)
+            if (slot := tier.get(key)) is not None:
+                return CpuBlock(slot)
+            if disk is not None and (slot := disk.get(key)) is not None:
+                return DiskBlock(slot)
+            return None
 
         length = max_blocks
-        chains: dict[int, list[Block | CpuBlock]] = {}
+        chains: dict[int, list[Block | CpuBlock | DiskBlock]] = {}
         for group in self._full_groups:  # the whole chain from the first block
-            chain: list[Block | CpuBlock] = []
+            chain: list[Block | CpuBlock | DiskBlock] = []
             for index in range(length):
                 block = get(hash_of(index), group)
                 if block is None:
@@ -260,7 +301,7 @@ class KVCacheManager:
             length = len(chain)
         # A sliding group needs the blocks its window reaches at the hit's end; a missing one means
         # the hit must end at or before it. `length` only shrinks, so this ends.
-        found: dict[tuple[int, int], Block | CpuBlock | None] = {}
+        found: dict[tuple[int, int], Block | CpuBlock | DiskBlock | None] = {}
         settled = False
         while not settled and length > 0:
             settled = True
@@ -275,14 +316,30 @@ class KVCacheManager:
                     break
         if length == 0:
             return NO_HIT
-        tables: list[tuple[Block | CpuBlock | None, ...]] = []
+        tables: list[tuple[Block | CpuBlock | DiskBlock | None, ...]] = []
         for group in range(self.num_groups):
             if group in chains:
                 tables.append(tuple(chains[group][:length]))
             else:
                 first = self._first_needed(group, length * self.block_size)
                 tables.append((None,) * first + tuple(found[group, i] for i in range(first, length)))
-        return PrefixHit(tuple(tables), length * self.block_size)
+        hit = PrefixHit(tuple(tables), length * self.block_size)
+        if not self._can_fetch(hit):  # (rare: a CPU tier too small for this plan's fetches)
+            return self._longest_hit(hash_of, length - 1)
+        return hit
+
+    def _can_fetch(self, hit: PrefixHit) -> bool:
+        """Whether the CPU tier can take each disk block of `hit` in this plan: a host block while
+        it has room, then one of its entries that neither the plan's moves nor the hit use."""
+        entries = [entry for table in hit.tables for entry in table]
+        num_fetches = sum(isinstance(entry, DiskBlock) for entry in entries)
+        if not num_fetches:
+            return True
+        tier = self.tier
+        assert tier is not None
+        kept = self._host_blocks_busy.union(e.slot for e in entries if isinstance(e, CpuBlock))
+        room = min(len(self._cpu_free), tier.capacity - len(tier))
+        return num_fetches <= room + len(tier) - len(kept)  # (kept may hold non-tier blocks: fewer)
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The longest prefix of the request's known tokens the cache can serve.
@@ -381,6 +438,13 @@ class KVCacheManager:
         self.block_pool.touch(hit.blocks)
         if tables is None:
             if hit.tables:
+                # The hit's tier slots, all groups, before any fetch makes room in the CPU tier (or
+                # spills to the disk tier): none of them may be evicted or overwritten by this plan.
+                for entry in (b for table in hit.tables for b in table):
+                    if isinstance(entry, CpuBlock):
+                        self._host_blocks_busy.add(entry.slot)
+                    elif isinstance(entry, DiskBlock):
+                        self._disk_slots_busy.add(entry.slot)
                 tables = [
                     _Table(self._load_from_tier(request, g, t), _first_held(t))
                     for g, t in enumerate(hit.tables)
@@ -400,29 +464,44 @@ class KVCacheManager:
         return spans if num_needed else []
 
     def _load_from_tier(
-        self, request: Request, group: int, table: Sequence[Block | CpuBlock | None]
+        self, request: Request, group: int, table: Sequence[Block | CpuBlock | DiskBlock | None]
     ) -> list[Block | None]:
-        """A hit's table for `group` with each CPU-tier hit given a fresh GPU block, its load
-        planned (host -> GPU) and the block registered in the GPU prefix cache: the executor loads
-        it before the step reads it."""
-        slots = [b.slot for b in table if isinstance(b, CpuBlock)]
-        if not slots:
+        """A hit's table for `group` with each tier hit given a fresh GPU block, its load planned
+        (host -> GPU; a disk tier hit fetched into a host block of the CPU tier first, disk -> host)
+        and the block registered in the GPU prefix cache: the executor loads it before the step
+        reads it. `allocate_slots` has marked the hit's tier slots busy."""
+        if not any(isinstance(b, _TIER_BLOCKS) for b in table):
             return list(table)  # type: ignore[arg-type]
-        assert self.tier is not None
-        self._host_blocks_busy.update(slots)  # not a free host block for this step's other moves
+        tier = self.tier
+        assert tier is not None
         blocks: list[Block | None] = []
         for index, entry in enumerate(table):
-            if isinstance(entry, CpuBlock):
+            if isinstance(entry, _TIER_BLOCKS):
+                key = (group, self._block_hash(request, index))
+                if isinstance(entry, DiskBlock):
+                    entry = CpuBlock(self._fetch(key, entry.slot))
+                tier.touch(key)
                 (block,) = self.block_pool.allocate(1)
-                block_hash = self._block_hash(request, index)
-                self.tier.touch((group, block_hash))
-                self.block_pool.cache_block(block, block_hash, group)
+                self.block_pool.cache_block(block, key[1], group)
                 self._loads.append((entry.slot, block.block_id))
                 self._loading_block_ids.add(block.block_id)
                 self.num_loaded_blocks += 1
                 entry = block
             blocks.append(entry)
         return blocks
+
+    def _fetch(self, key: TierKey, disk_slot: int) -> int:
+        """Plans the read of `key`'s block from its disk slot into a host block of the CPU tier,
+        which then holds it too; returns the host block."""
+        assert self.tier is not None and self.disk_tier is not None
+        host = self._host_block_for_tier()
+        assert host is not None, "the lookup counted a host block for each disk hit (_can_fetch)"
+        self._host_blocks_busy.add(host)
+        self.tier.insert(key, host)
+        self.disk_tier.touch(key)
+        self._fetches.append((disk_slot, host))
+        self.num_fetched_blocks += 1
+        return host
 
     def _offload_evicted(self) -> None:
         """Plans the copy to the CPU tier of each cached block the pool just evicted that the tier
@@ -449,7 +528,34 @@ class KVCacheManager:
         assert self.tier is not None
         if not self.tier.is_full and self._cpu_free:
             return self._cpu_free.pop()
-        return self.tier.evict(keep=self._host_blocks_busy)
+        return self._evict_from_cpu_tier()
+
+    def _evict_from_cpu_tier(self) -> int | None:
+        """Drops the CPU tier's least recently used entry whose host block no move of the plan uses,
+        its block spilled to the disk tier first (unless the disk holds it, or no disk slot is
+        free of the plan's moves: then it is gone); returns the host block, None if all are busy."""
+        assert self.tier is not None
+        evicted = self.tier.evict(keep=self._host_blocks_busy)
+        if evicted is None:
+            return None
+        key, host = evicted
+        disk = self.disk_tier
+        if disk is not None and key not in disk and (slot := self._disk_slot()) is not None:
+            disk.insert(key, slot)
+            self._spills.append((host, slot))
+            self._disk_slots_busy.add(slot)
+            self.num_spilled_blocks += 1
+        return host
+
+    def _disk_slot(self) -> int | None:
+        """A free disk slot while the disk tier has room, else its least recently used one that no
+        move of the plan uses; None if all are busy."""
+        disk = self.disk_tier
+        assert disk is not None
+        if not disk.is_full and self._disk_free:
+            return self._disk_free.pop()
+        evicted = disk.evict(keep=self._disk_slots_busy)
+        return None if evicted is None else evicted[1]
 
     def _take_host_blocks(self, count: int) -> list[int] | None:
         """`count` host blocks for a swap-out: free ones, then the CPU tier's least recently used
@@ -461,7 +567,7 @@ class KVCacheManager:
             if len(self.tier) - len(self._host_blocks_busy) < short:  # busy ones: counted as kept
                 return None
             for _ in range(short):
-                slot = self.tier.evict(keep=self._host_blocks_busy)
+                slot = self._evict_from_cpu_tier()
                 if slot is None:
                     return None
                 self._cpu_free.append(slot)
@@ -498,6 +604,13 @@ class KVCacheManager:
         moves = self._offloads, self._loads
         self._offloads, self._loads = [], []
         self._loading_block_ids.clear()
+        return moves
+
+    def take_disk_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The disk tier's moves of the plan being built: (spills, host -> disk; fetches, disk ->
+        host), which the executor runs in that order before the plan's other moves."""
+        moves = self._spills, self._fetches
+        self._spills, self._fetches = [], []
         return moves
 
     @property
@@ -667,6 +780,7 @@ class KVCacheManager:
         self._cpu_free.extend(reversed(self._cpu_release_after_step))
         self._cpu_release_after_step.clear()
         self._host_blocks_busy.clear()
+        self._disk_slots_busy.clear()
 
 
 def _first_held(table: Sequence[Block | None]) -> int:

@@ -1,15 +1,23 @@
-"""The prefix cache's second level: full KV blocks the GPU pool evicted, kept in the executor's host
-memory (`--kv-offloading-size`), by (KV-cache group, block hash), least recently used first out.
+"""The prefix cache's lower levels: full KV blocks the GPU pool evicted, kept in the executor's host
+memory (`--kv-offloading-size`, the CPU tier) and below it on its disk (`--kv-offloading-disk`),
+by (KV-cache group, block hash), least recently used first out.
 
-The tier is an index: which host block holds which cached block. The host blocks themselves are
-the executor's CPU pool, whose block ids the KV-cache manager hands out from one free list to both
-users, swapped-out requests and this tier, so the two can never over-commit host memory; a swap-out
+Each tier is an index: which slot holds which cached block. The CPU tier's slots are the executor's
+host pool, whose block ids the KV-cache manager hands out from one free list to both users,
+swapped-out requests and this tier, so the two can never over-commit host memory; a swap-out
 that finds no free host block takes the tier's least recently used ones (a pre-empted request's KV
 matters more than a cached prefix). Moves between the pools travel as the plan's `offload`
 (GPU -> host, ahead of eviction) and `load` (host -> GPU, on a hit) block moves, which the executor
 runs on a copy stream beside the step's forward (the scheduler plans them so that this step
 touches none of their blocks: scheduler.core), or as `swap_out` for a block evicted and reused in
 the same step (copied inside it, before its forward).
+
+The disk tier's slots are block-sized places in one file of the executor's. A block the CPU tier
+drops is first written there (the plan's `spill`: host -> disk), and a prefix found only on disk is
+read back into a host block of the CPU tier (`fetch`: disk -> host) and loaded from there like any
+CPU-tier hit, in the same plan. The executor does a plan's spills, then its fetches, before any of
+its other moves (scheduler.kv_cache_manager plans them so that no move of the plan reads or writes
+a slot they write).
 """
 
 from __future__ import annotations
@@ -58,12 +66,13 @@ def _load_budget_override() -> int | None:
 LOAD_BUDGET_OVERRIDE = _load_budget_override()
 
 
-class CpuTier:
-    """Which host block holds each cached block, in LRU order; at most `capacity` blocks."""
+class TierIndex:
+    """Which slot (a host block, or a place in the disk tier's file) holds each cached block, in LRU
+    order; at most `capacity` blocks."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
-            raise ValueError(f"a CPU tier holds at least one block, got {capacity}")
+            raise ValueError(f"a tier holds at least one block, got {capacity}")
         self.capacity = capacity
         self._slots: OrderedDict[TierKey, int] = OrderedDict()  # least recently used first
 
@@ -78,11 +87,11 @@ class CpuTier:
         return len(self._slots) >= self.capacity
 
     def items(self) -> list[tuple[TierKey, int]]:
-        """(key, host block) of every entry, least recently used first; for tests and debugging."""
+        """(key, slot) of every entry, least recently used first; for tests and debugging."""
         return list(self._slots.items())
 
     def get(self, key: TierKey) -> int | None:
-        """The host block holding `key`, without changing the LRU order (a lookup)."""
+        """The slot holding `key`, without changing the LRU order (a lookup)."""
         return self._slots.get(key)
 
     def touch(self, key: TierKey) -> None:
@@ -96,12 +105,12 @@ class CpuTier:
             )
         self._slots[key] = slot
 
-    def evict(self, keep: Iterable[int] = ()) -> int | None:
-        """Drops the least recently used entry whose host block is not in `keep` (blocks a move of
-        the step being planned reads) and returns its host block; None if every entry is kept."""
+    def evict(self, keep: Iterable[int] = ()) -> tuple[TierKey, int] | None:
+        """Drops the least recently used entry whose slot is not in `keep` (slots a move of the step
+        being planned reads or writes) and returns it; None if every entry is kept."""
         kept = set(keep)
         for key, slot in self._slots.items():
             if slot not in kept:
                 del self._slots[key]
-                return slot
+                return key, slot
         return None

@@ -218,13 +218,24 @@ class SchedulerCollector(Collector):
         yield gauge(
             "cpu_tier_capacity_blocks", "KV blocks the CPU tiers may hold.", s.cpu_tier_capacity_blocks
         )
+        yield gauge(
+            "disk_tier_blocks", "KV blocks the disk tiers below the CPU tiers hold.", s.disk_tier_blocks
+        )
+        yield gauge(
+            "disk_tier_capacity_blocks", "KV blocks the disk tiers may hold.", s.disk_tier_capacity_blocks
+        )
         moved = CounterMetricFamily(
             PREFIX + "kv_offload_bytes",
-            "KV bytes copied between the GPU pools and the CPU tiers, by direction.",
+            "KV bytes copied between the GPU pools, the CPU tiers and the disk tiers, by direction.",
             labels=["model_name", "direction"],
         )
-        moved.add_metric([self._model_name, "gpu_to_cpu"], sum(e.kv_offloaded_bytes for e in snap.executors))
-        moved.add_metric([self._model_name, "cpu_to_gpu"], sum(e.kv_loaded_bytes for e in snap.executors))
+        for direction, name in (
+            ("gpu_to_cpu", "kv_offloaded_bytes"),
+            ("cpu_to_gpu", "kv_loaded_bytes"),
+            ("cpu_to_disk", "kv_spilled_bytes"),
+            ("disk_to_cpu", "kv_fetched_bytes"),
+        ):
+            moved.add_metric([self._model_name, direction], sum(getattr(e, name) for e in snap.executors))
         yield moved
         # Speculative decoding (--speculative-config), vLLM's names: acceptance rate = accepted /
         # draft tokens, mean accepted length = 1 + accepted / drafts.

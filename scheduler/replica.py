@@ -64,6 +64,8 @@ COUNTERS = (
     "cpu_prefix_cache_hit_tokens",
     "kv_offloaded_blocks",
     "kv_loaded_blocks",
+    "kv_spilled_blocks",
+    "kv_fetched_blocks",
     "spec_draft_tokens",
     "spec_accepted_tokens",
     "spec_steps",
@@ -102,6 +104,7 @@ class ExecutorInfo:
     # Per KV-cache group (executor.kv_groups): None for full attention, else its sliding window.
     sliding_windows: tuple[int | None, ...] = (None,)
     num_cpu_offload_blocks: int = 0  # the CPU tier's share of num_cpu_blocks
+    num_disk_offload_blocks: int = 0  # the disk tier's slots below the CPU tier
     bytes_per_block: int = 0
     # The read floor of a step (AttachResponse): passed on to Admin.ListExecutors for the bench.
     weight_read_bytes: int = 0
@@ -144,6 +147,9 @@ class ExecutorStatusView:
     cpu_prefix_cache_hit_tokens: int = 0  # of the hits, tokens loaded from the tier
     kv_offloaded_bytes: int = 0  # GPU -> CPU tier, over the executor's life here
     kv_loaded_bytes: int = 0  # CPU tier -> GPU
+    disk_tier_blocks: int = 0  # blocks its disk tier holds now
+    kv_spilled_bytes: int = 0  # CPU tier -> disk tier
+    kv_fetched_bytes: int = 0  # disk tier -> CPU tier
     weight_read_bytes: int = 0  # the read floor's inputs, as reported on attach (ExecutorInfo)
     kv_bytes_per_token: int = 0
     copy_bytes_per_s: float = 0.0
@@ -312,6 +318,9 @@ class ExecutorReplica:
             cpu_prefix_cache_hit_tokens=counters["cpu_prefix_cache_hit_tokens"],
             kv_offloaded_bytes=counters["kv_offloaded_blocks"] * block_bytes,
             kv_loaded_bytes=counters["kv_loaded_blocks"] * block_bytes,
+            disk_tier_blocks=core.stats.disk_tier_blocks if core is not None else 0,
+            kv_spilled_bytes=counters["kv_spilled_blocks"] * block_bytes,
+            kv_fetched_bytes=counters["kv_fetched_blocks"] * block_bytes,
             weight_read_bytes=self.info.weight_read_bytes if self.info is not None else 0,
             kv_bytes_per_token=self.info.kv_bytes_per_token if self.info is not None else 0,
             copy_bytes_per_s=self.info.copy_bytes_per_s if self.info is not None else 0.0,
@@ -406,6 +415,7 @@ class ExecutorReplica:
             lease_timeout_ms=reply.lease_timeout_ms,
             sliding_windows=tuple(g.sliding_window or None for g in reply.kv_cache_groups) or (None,),
             num_cpu_offload_blocks=reply.num_cpu_offload_blocks,
+            num_disk_offload_blocks=reply.num_disk_offload_blocks,
             bytes_per_block=reply.bytes_per_block,
             weight_read_bytes=reply.weight_read_bytes,
             kv_bytes_per_token=reply.kv_bytes_per_token,
@@ -431,6 +441,7 @@ class ExecutorReplica:
                 preemption_mode=config.preemption_mode,
                 sliding_windows=info.sliding_windows,
                 num_cpu_offload_blocks=info.num_cpu_offload_blocks if config.enable_prefix_caching else 0,
+                num_disk_offload_blocks=info.num_disk_offload_blocks if config.enable_prefix_caching else 0,
                 speculative=config.speculative_config,
                 late_masks=reply.accepts_late_masks,
                 shared_mask_rows=reply.accepts_shared_mask_rows,

@@ -173,6 +173,19 @@ def test_tier_copies_on_the_copy_stream_are_bit_identical(model_dir):
     round_trip(ModelRunner.create(config), beside=True)
 
 
+def test_disk_tier_spills_wait_for_the_copy_stream_and_are_bit_identical(model_dir, tmp_path):
+    """A block offloaded on the copy stream, spilled to the disk tier by the next plan (which must
+    wait for that copy), fetched and loaded back: bit for bit (tests.test_kv_disk_tier)."""
+    from tests.test_kv_disk_tier import disk_round_trip
+
+    config = ExecutorConfig(
+        model=str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=16, swap_space=0.0,
+        kv_offloading_size=0.001, kv_offloading_disk=str(tmp_path), kv_offloading_disk_size=0.001,
+        max_model_len=128, enforce_eager=True,
+    )  # fmt: skip
+    disk_round_trip(ModelRunner.create(config))
+
+
 def test_tier_loads_and_offloads_beside_the_steps_keep_greedy_exact(model_dir):
     """Multi-turn prompts whose histories exceed the GPU pool: with the tier (loads a plan before
     the prefill, offloads ahead of eviction, both on the copy stream) the greedy tokens equal the

@@ -14,7 +14,7 @@ from pagedserve.protos import executor_pb2
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.core import Scheduler, StepPlan
 from pagedserve.scheduler.kv_cache_manager import CpuBlock, KVCacheManager
-from pagedserve.scheduler.kv_tier import CpuTier, load_budget
+from pagedserve.scheduler.kv_tier import TierIndex, load_budget
 from pagedserve.scheduler.request import Request, RequestStatus, SamplingOptions, SeqId
 
 BS = 4
@@ -69,15 +69,15 @@ def test_evicted_cached_blocks_go_to_the_tier_and_come_back_as_loads():
 
 
 def test_the_tier_evicts_least_recently_used_and_never_a_block_this_step_moves():
-    tier = CpuTier(3)
+    tier = TierIndex(3)
     for slot, name in enumerate(b"abc"):
         tier.insert((0, bytes([name])), slot)
     tier.touch((0, b"a"))  # order now b, c, a
-    assert tier.evict() == 1  # b
-    assert tier.evict(keep=[2]) == 0  # c's block is busy: a goes
+    assert tier.evict() == ((0, b"b"), 1)
+    assert tier.evict(keep=[2]) == ((0, b"a"), 0)  # c's block is busy: a goes
     assert tier.evict(keep=[2]) is None
     with pytest.raises(ValueError):
-        CpuTier(0)
+        TierIndex(0)
 
 
 def test_swap_and_tier_share_one_host_pool_and_swap_takes_the_tiers_blocks():

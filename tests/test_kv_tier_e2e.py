@@ -2,7 +2,8 @@
 conversations (the W6 workload's shape, scaled down) whose histories exceed the GPU pool but fit the
 tier. With the tier every history is computed once (later turns load it back), the greedy tokens
 equal the run without it and Hugging Face's, swap pre-emption shares the host pool with the tier,
-and an executor killed while it offloads loses no token."""
+and an executor killed while it offloads loses no token. A small CPU tier over a disk tier does as
+well as a large one."""
 
 from __future__ import annotations
 
@@ -96,6 +97,27 @@ def test_an_executor_killed_while_offloading_loses_no_token(tiny_model_dir, tmp_
     _, baseline, _ = without_tier
     assert [r.token_ids for r in result.records] == [r.token_ids for r in baseline.records]
     assert stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0
+
+
+def test_a_disk_tier_below_a_small_cpu_tier_serves_the_histories_the_cpu_tier_drops(
+    tiny_model_dir, tmp_path, without_tier
+):
+    """A CPU tier of a few histories' blocks over a disk tier for all of them: the histories the CPU
+    tier drops are spilled to disk and fetched back, and the tokens stay those of the run without."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    small = ("--kv-offloading-size=0.0002", f"--kv-offloading-disk={disk}", "--kv-offloading-disk-size=0.002")
+    with running_services(tiny_model_dir, tmp_path, (*EXECUTOR, *small), SCHEDULER) as services:
+        _, result, stats = _run(services)
+        (executor,) = _executors(services)
+    _, baseline, stats_off = without_tier
+    assert [r.token_ids for r in result.records] == [r.token_ids for r in baseline.records]
+    assert stats.kv_spilled_blocks > 0 and stats.kv_fetched_blocks > 0
+    assert executor.disk_tier_blocks > 0
+    assert executor.kv_fetched_bytes == stats.kv_fetched_blocks * executor.kv_bytes_per_token * BS
+    # As with a CPU tier for every history: each is computed once.
+    assert stats.prompt_tokens_computed <= CONVERSATIONS * (USER_TOKENS + (TURNS - 1) * (USER_TOKENS + BS))
+    assert list(disk.iterdir()) == []
 
 
 def _executors(services):

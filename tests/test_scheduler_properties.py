@@ -3,16 +3,16 @@ preemptions against a fake executor that stores each token id in its KV slot, fo
 full-attention KV-cache group and of several groups with sliding windows (whose blocks the scheduler
 releases once no query can see them).
 
-The fake executor applies plans exactly as the protocol says (swap_out, removed, swap_in, the CPU
-tier's offload and load, then the forward pass: every scheduled token's KV written before any is
-read, then sampling; the tier's copies run beside the forward on a copy stream, so the forward
-must neither write an offloaded block nor read or write a loaded one) and checks that
-every token it is asked to compute has a slot, that a write into a block another live sequence holds
-puts there the very token that sequence has at that position (a request admitted in the step that
-computes a shared prefix reads it, as in the real executor), and that every position a query of
-every live sequence can see (prefix-cache hits, shared in the same step or earlier, and swapped-in
-blocks included; within the window, in a sliding group) holds the right token, in every group. The
-scheduler's block bookkeeping is checked after every rule.
+The fake executor applies plans exactly as the protocol says (the disk tier's spill and fetch,
+swap_out, removed, swap_in, the CPU tier's offload and load, then the forward pass: every scheduled
+token's KV written before any is read, then sampling; the tier's copies run beside the forward on a
+copy stream, so the forward must neither write an offloaded block nor read or write a loaded one)
+and checks that every token it is asked to compute has a slot, that a write into a block another
+live sequence holds puts there the very token that sequence has at that position (a request
+admitted in the step that computes a shared prefix reads it, as in the real executor), and that
+every position a query of every live sequence can see (prefix-cache hits, shared in the same step
+or earlier, and swapped-in blocks included; within the window, in a sliding group) holds the right
+token, in every group. The scheduler's block bookkeeping is checked after every rule.
 
 With speculative decoding (n-gram proposals, some runs), the fake executor writes each proposal's
 token into its slot, accepts the proposals that equal what it samples, and trims its tables as the
@@ -72,6 +72,9 @@ class FakeExecutor:
         self.windows = config.sliding_windows
         self.gpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_cpu_blocks)]
+        self.disk: list[list[int | None]] = [
+            [None] * config.block_size for _ in range(config.num_disk_offload_blocks)
+        ]
         self.seqs: dict[int, _Seq] = {}
         self.truth = truth  # seq id -> prompt + every token sampled for it so far
         self.prompt_lens = prompt_lens
@@ -99,7 +102,13 @@ class FakeExecutor:
                 assert self.slot(seq, group, p) == tokens[p], f"seq {seq_id} group {group} position {p}"
 
     def execute(self, plan: StepPlan) -> tuple[list[int], list[int], list[int]]:
-        num_gpu, num_cpu = len(self.gpu), len(self.cpu)
+        num_gpu, num_cpu, num_disk = len(self.gpu), len(self.cpu), len(self.disk)
+        for src, dst in plan.spill:  # the disk tier's moves first: spills, then fetches
+            assert 0 <= src < num_cpu and 0 <= dst < num_disk, (src, dst)
+            self.disk[dst] = list(self.cpu[src])
+        for src, dst in plan.fetch:
+            assert 0 <= src < num_disk and 0 <= dst < num_cpu, (src, dst)
+            self.cpu[dst] = list(self.disk[src])
         for src, dst in plan.swap_out:
             assert 0 <= src < num_gpu, (src, dst)
             assert 0 <= dst < num_cpu, (src, dst)
@@ -236,6 +245,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         preemption_mode=st.sampled_from(["recompute", "swap"]),
         sliding_windows=st.sampled_from(GROUPS),
         tier_share=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
+        num_disk_offload_blocks=st.sampled_from([0, 0, 1, 3, 8]),
         num_speculative_tokens=st.sampled_from([0, 1, 3, 3]),
         max_num_loaded_blocks=st.sampled_from([0, 1, 1, 2]),
     )
@@ -448,6 +458,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         for (_, block_hash), slot in tier:  # the tier's host blocks hold the tokens of their hash
             assert block_hash in self.known_hashes
             assert self.executor.cpu[slot] == self.known_hashes[block_hash]
+        disk = [] if kv.disk_tier is None else kv.disk_tier.items()
+        assert len(disk) <= self.config.num_disk_offload_blocks
+        assert len({slot for _, slot in disk}) == len(disk), "a disk slot holds one block"
+        for (_, block_hash), slot in disk:  # and so do the disk tier's slots
+            assert self.executor.disk[slot] == self.known_hashes[block_hash]
         live = [r for r in self.requests.values() if r.status is not RequestStatus.FINISHED]
         assert len(live) == len(s.waiting) + len(s.loading) + len(s.running) + len(s.swapped)
         assert s.has_unfinished_requests() == bool(live)

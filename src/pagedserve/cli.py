@@ -414,6 +414,7 @@ EXECUTOR_COLUMNS = (
     ("prefix hit tokens", "prefix_cache_hit_tokens"),
     ("cpu tier blocks", "cpu_tier_blocks"),
     ("cpu tier hit tokens", "cpu_prefix_cache_hit_tokens"),
+    ("disk tier blocks", "disk_tier_blocks"),
 )
 
 
