@@ -2,10 +2,10 @@
 blocks the CPU tier dropped, in one file of the executor's, one block-sized slot each.
 
 The scheduler decides everything (scheduler.kv_tier): which host block to write to which slot
-(`StepPlan.spill`) and which slot to read back into which host block (`StepPlan.fetch`), before a
-plan's other moves load that host block to the GPU. This module only moves the bytes, between the
-pinned host pool (executor.kv_cache) and the file, with positional reads and writes: the file
-never moves a file pointer and needs no lock.
+(`StepPlan.spill`) and which slot to read back into which host block (`StepPlan.fetch`), before the
+next plan loads that host block to the GPU. This module only moves the bytes, between the pinned
+host pool (executor.kv_cache) and the file, with positional reads and writes: the file never moves
+a file pointer, so the launching thread's writes and the reader thread's reads need no lock.
 
 The file is created in DIR with a name of its own and unlinked at once: its space stays reserved
 while the executor holds it open, and nothing is left behind however the executor ends (a SIGKILL

@@ -17,9 +17,10 @@ are planned in does not). The copies stay in plan order on one stream, so a host
 plan reuses is written only after the earlier copies that read it. On the CPU everything is
 synchronous and `copy_beside` is plain swap_out then swap_in.
 
-The disk tier (executor.disk_tier, `StepPlan.spill` / `fetch`) moves host blocks to and from a file
-on the launching thread, before the plan's other moves (`spill_and_fetch`), once the copies already
-queued that touch host blocks are done.
+The disk tier (executor.disk_tier, `StepPlan.spill` / `fetch`) moves host blocks to and from a file,
+before the plan's other moves (`spill_and_fetch`), once the copies already queued that touch host
+blocks are done: spills on the launching thread (the plan may reuse their host blocks), fetches on
+a reader thread while the step runs; the next plan waits for them before its loads read them.
 
 An FP8 pool (`--kv-cache-dtype fp8`) has one-byte elements, so `bytes_per_block` halves and the
 same memory holds about twice the blocks (the swap pool too). Both pools are then allocated as
@@ -30,6 +31,7 @@ bytes and need no float8 support from torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -278,6 +280,8 @@ class KVCache:
         # for them before it reads or writes host blocks itself (`spill_and_fetch`).
         self.disk: DiskTierFile | None = None
         self._host_copies_done: dict[int, torch.cuda.Event] = {}
+        self._disk_reader: ThreadPoolExecutor | None = None  # started by the first fetch
+        self._fetching: Future[None] | None = None  # the last plan's fetches
 
     def layer_caches(
         self, layer_slot: Sequence[int] | None = None
@@ -340,22 +344,36 @@ class KVCache:
         return 0 if self.disk is None else self.disk.num_blocks
 
     def spill_and_fetch(self, spill: list[tuple[int, int]], fetch: list[tuple[int, int]]) -> None:
-        """The disk tier's moves of one plan, before its others: spills (host block -> disk slot),
-        then fetches (disk slot -> host block), on the calling thread. The CPU reads and writes the
-        host blocks here, so the copies queued before that touch host blocks (swaps on the compute
-        stream, the CPU tier's copies on the copy stream) must have finished: the wait costs what
-        is still in flight of them, not the forward passes queued behind."""
+        """The disk tier's moves of one plan, before its others: first the last plan's fetches are
+        waited for (this plan loads them; they had a step to run), then spills (host block -> disk
+        slot) run on the calling thread, and fetches (disk slot -> host block) start on the reader
+        thread. The CPU reads and writes the host blocks, so the copies queued before that touch
+        host blocks (swaps on the compute stream, the CPU tier's copies on the copy stream) must
+        have finished: the wait costs what is still in flight of them, not the forward passes
+        queued behind. The scheduler keeps a fetch's host block out of every other move of its plan
+        and the next."""
+        self.wait_for_fetches()
         if not spill and not fetch:
             return
-        if self.disk is None:
+        disk = self.disk
+        if disk is None:
             raise RuntimeError("a plan moves disk tier blocks, but this executor has no disk tier")
         for event in self._host_copies_done.values():
             event.synchronize()
         self._host_copies_done.clear()
         for host, slot in spill:
-            self.disk.write(slot, self.cpu_pool[host])
-        for slot, host in fetch:
-            self.disk.read_into(slot, self.cpu_pool[host])
+            disk.write(slot, self.cpu_pool[host])
+        if fetch:
+            if self._disk_reader is None:
+                self._disk_reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-fetch")
+            blocks = [(slot, self.cpu_pool[host]) for slot, host in fetch]
+            self._fetching = self._disk_reader.submit(_read_blocks, disk, blocks)
+
+    def wait_for_fetches(self) -> None:
+        """Waits for the disk reads `spill_and_fetch` started (re-raising their error)."""
+        fetching, self._fetching = self._fetching, None
+        if fetching is not None:
+            fetching.result()
 
     def _note_host_copies(self) -> None:
         """Records, on the stream that just queued copies to or from host blocks, the event that
@@ -383,3 +401,9 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((index, block_id, 1))
     return runs
+
+
+def _read_blocks(disk: DiskTierFile, blocks: list[tuple[int, torch.Tensor]]) -> None:
+    """The reader thread's work for one plan: each disk slot into its host block."""
+    for slot, block in blocks:
+        disk.read_into(slot, block)

@@ -72,7 +72,9 @@ beyond it would stall the next forward, every running request with it). The firs
 plan always goes; a head whose loads would pass the budget waits for the next plan, and those
 behind it with it, so loads are pipelined: one plan's loads run beside the forward that computes
 the chunks of the requests loaded by the plan before. Order stays FCFS within a priority,
-priorities strict.
+priorities strict. Blocks hit in the disk tier below are fetched into the CPU tier while the plan's
+step runs and loaded by the next plan, so their requests (and those sharing the blocks) start a plan
+later (`KVCacheManager.is_loading`); their loads count against the budget of the admitting plan.
 """
 
 from __future__ import annotations
@@ -379,8 +381,9 @@ class Scheduler:
         if not step.preempted:
             self._start_queued(step)
         self.kv_cache_manager.offload_ahead(self._offload_lookahead)
+        plan = self._finish_step(step)
         self.kv_cache_manager.end_step()
-        return self._finish_step(step)
+        return plan
 
     def _schedule_running(self, step: _Step) -> None:
         """Gives each running request, in (priority, arrival) order, the tokens it lacks.
@@ -530,13 +533,18 @@ class Scheduler:
         can neither fail nor pre-empt; blocks past a smaller chunk are given back (as if the chunk
         had been planned so from the start)."""
         kv, size = self.kv_cache_manager, self.config.block_size
+        waiting = []  # blocks loaded by this very plan (fetched from the disk tier by the last one)
         while self._loading and step.budget > 0:
             request = self._loading.pop(0)
+            if kv.is_loading(request.seq_id):
+                waiting.append(request)
+                continue
             room = len(kv.blocks(request.seq_id)) * size - request.num_computed_tokens
             wanted = request.num_tokens - request.num_computed_tokens
             num_new = min(wanted, step.budget, room)
             kv.trim(request, request.num_computed_tokens + num_new)
             self._start_running(request, num_new, step)
+        self._loading[:0] = waiting
 
     def _preempt_lower_priority(
         self, request: Request, num_blocks_short: int, keep: PrefixHit, step: _Step
@@ -647,7 +655,7 @@ class Scheduler:
         plan.swap_out += offloads  # blocks this plan reuses: copied before its forward writes them
         plan.load = loads  # beside the forward: their requests are LOADING (see the module doc)
         plan.offload = self.kv_cache_manager.take_offloads_ahead()  # beside it: free blocks
-        plan.spill, plan.fetch = self.kv_cache_manager.take_disk_moves()  # before all of them
+        plan.spill, plan.fetch = self.kv_cache_manager.take_disk_moves()  # fetches: loaded next plan
         plan.sampling_seq_ids = [p.seq_id for p in plan.new_requests if p.seq_id in step.sampling]
         plan.sampling_seq_ids += [p.seq_id for p in plan.running if p.seq_id in step.sampling]
         if plan.sampling_seq_ids:

@@ -44,13 +44,15 @@ one pass over the chain, the GPU pool first, then the tier, with the same rules 
 (`CpuBlock` marks a tier hit in a `PrefixHit`).
 
 Disk tier (`--kv-offloading-disk`, below the CPU tier): a block the CPU tier drops (to make room
-for an offload, a fetch or a swap-out) is written to a disk slot first (`spill`, host -> disk),
-unless the disk holds it already; a prefix block found only on disk (`DiskBlock`, after the GPU pool
-and the CPU tier) is read back into a host block of the CPU tier (`fetch`, disk -> host) and loaded
-from there like a CPU-tier hit, in the same plan: the executor runs a plan's spills and fetches
-first, in that order, before its other moves. A hit keeps disk blocks only while the CPU tier has
-a host block this plan could fetch each into (`_can_fetch`); past that the prefix is computed. The
-disk tier's slots a fetch reads are kept from this plan's spills, which run first.
+for an offload, a fetch or a swap-out) is written to a disk slot first (`spill`, host -> disk,
+before the plan's other moves), unless the disk holds it already. A prefix block found only on disk
+(`DiskBlock`, after the GPU pool and the CPU tier) is read back into a host block of the CPU tier
+(`fetch`, disk -> host), which the executor does in the background while the plan's step runs; the
+next plan loads it from there like a CPU-tier hit, and the plan after starts the request. Its GPU
+block is registered and held from the fetch's plan to the load's, so a request sharing it waits
+too, and its host block stays busy. A hit keeps disk blocks only while the CPU tier has a host
+block this plan could fetch each into (`_can_fetch`); past that the prefix is computed. The disk
+tier's slots a fetch reads are kept from this plan's spills.
 """
 
 from __future__ import annotations
@@ -202,6 +204,10 @@ class KVCacheManager:
         self._disk_free: list[int] = list(range(num_disk_offload_blocks - 1, -1, -1))
         self._spills: list[tuple[int, int]] = []  # (host block, disk slot)
         self._fetches: list[tuple[int, int]] = []  # (disk slot, host block)
+        # Loads of this plan's fetches, planned in the next plan, and the GPU blocks of the loads the
+        # next plan was given (each held once more, from its fetch's plan until its load's is done).
+        self._fetched: list[tuple[int, Block]] = []  # (host block, GPU block)
+        self._held_for_loads: list[Block] = []
         self._disk_slots_busy: set[int] = set()
         self.num_spilled_blocks = 0  # counters: host -> disk and disk -> host over the manager's life
         self.num_fetched_blocks = 0
@@ -478,12 +484,14 @@ class KVCacheManager:
         for index, entry in enumerate(table):
             if isinstance(entry, _TIER_BLOCKS):
                 key = (group, self._block_hash(request, index))
-                if isinstance(entry, DiskBlock):
-                    entry = CpuBlock(self._fetch(key, entry.slot))
-                tier.touch(key)
                 (block,) = self.block_pool.allocate(1)
                 self.block_pool.cache_block(block, key[1], group)
-                self._loads.append((entry.slot, block.block_id))
+                if isinstance(entry, DiskBlock):  # loaded by the next plan, once fetched
+                    self._fetched.append((self._fetch(key, entry.slot), block))
+                    self.block_pool.touch([block])
+                else:
+                    tier.touch(key)
+                    self._loads.append((entry.slot, block.block_id))
                 self._loading_block_ids.add(block.block_id)
                 self.num_loaded_blocks += 1
                 entry = block
@@ -615,14 +623,29 @@ class KVCacheManager:
 
     @property
     def num_planned_loads(self) -> int:
-        """Host -> GPU block copies of the plan being built so far."""
-        return len(self._loads)
+        """Host -> GPU block copies of the plan being built so far, and of the next plan's loads
+        of this one's fetches: a disk hit's blocks count against the load budget when admitted."""
+        return len(self._loads) + len(self._fetched)
 
     def waits_for_loads(self, hit: PrefixHit) -> bool:
         """Whether a request admitted on `hit` in the plan being built must wait for the plan's
         loads (the executor runs them beside the plan's forward): it loads blocks from the CPU tier,
-        or shares a GPU block another request of the plan loads."""
+        or shares a GPU block another request of the plan loads (or fetches, to load next)."""
         return hit.num_cpu_blocks > 0 or any(b.block_id in self._loading_block_ids for b in hit.blocks)
+
+    @property
+    def held_for_loads(self) -> list[Block]:
+        """GPU blocks held once more than their tables do: fetched from the disk tier, loaded by
+        the plan being built (see the module doc)."""
+        return self._held_for_loads
+
+    def is_loading(self, seq_id: SeqId) -> bool:
+        """Whether a block of the request is loaded by the plan being built (its fetch was planned
+        in the one before): a LOADING request starts in a later plan."""
+        loading = self._loading_block_ids
+        return bool(loading) and any(
+            b is not None and b.block_id in loading for t in self._tables.get(seq_id, ()) for b in t.blocks
+        )
 
     def _release_out_of_window(self, request: Request, tables: list[_Table]) -> None:
         """Releases each sliding group's blocks before the first one a query at the request's next
@@ -775,12 +798,20 @@ class KVCacheManager:
             self._cpu_free.extend(reversed(cpu_ids))
 
     def end_step(self) -> None:
-        """Called once a plan is complete: CPU blocks read by its swap_in become free, and its
-        moves' host blocks may serve the next plan's."""
+        """Called once a plan is complete (its moves taken): CPU blocks read by its swap_in become
+        free, its moves' host blocks may serve the next plan's, and the next plan starts with the
+        loads of this one's fetches."""
         self._cpu_free.extend(reversed(self._cpu_release_after_step))
         self._cpu_release_after_step.clear()
         self._host_blocks_busy.clear()
         self._disk_slots_busy.clear()
+        self.block_pool.free(self._held_for_loads)  # loaded by the plan just complete
+        self._held_for_loads = [block for _, block in self._fetched]
+        for host, block in self._fetched:
+            self._loads.append((host, block.block_id))
+            self._loading_block_ids.add(block.block_id)
+            self._host_blocks_busy.add(host)
+        self._fetched.clear()
 
 
 def _first_held(table: Sequence[Block | None]) -> int:

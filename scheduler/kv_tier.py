@@ -14,10 +14,10 @@ the same step (copied inside it, before its forward).
 
 The disk tier's slots are block-sized places in one file of the executor's. A block the CPU tier
 drops is first written there (the plan's `spill`: host -> disk), and a prefix found only on disk is
-read back into a host block of the CPU tier (`fetch`: disk -> host) and loaded from there like any
-CPU-tier hit, in the same plan. The executor does a plan's spills, then its fetches, before any of
-its other moves (scheduler.kv_cache_manager plans them so that no move of the plan reads or writes
-a slot they write).
+read back into a host block of the CPU tier (`fetch`: disk -> host) while the plan's step runs,
+then loaded from there by the next plan like any CPU-tier hit. The executor writes a plan's spills
+before any of its other moves and waits for its fetches before the next plan's
+(scheduler.kv_cache_manager plans them so that no move of either plan touches a fetched block).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def _step(kv: KVCacheManager, request: Request) -> tuple:
     return moves
 
 
-def test_the_cpu_tier_spills_what_it_drops_and_a_disk_hit_is_fetched_and_loaded_in_one_plan():
+def test_the_cpu_tier_spills_what_it_drops_and_a_disk_hit_is_fetched_then_loaded_by_the_next_plan():
     kv = KVCacheManager(
         BS, num_gpu_blocks=4, num_cpu_blocks=2, num_cpu_offload_blocks=2, num_disk_offload_blocks=4
     )
@@ -60,14 +60,19 @@ def test_the_cpu_tier_spills_what_it_drops_and_a_disk_hit_is_fetched_and_loaded_
     hit = kv.get_computed_blocks(again)
     assert hit.tables == ((DiskBlock(0),),) and hit.num_disk_blocks == 1 and hit.num_cpu_blocks == 1
     (offloads, loads), (spills, fetches) = _step(kv, again)
-    # Host block 1 is made room for (its block spilled to a fresh disk slot, not the one read), the
-    # block fetched into it, then loaded into the request's first GPU block: one plan.
+    # Host block 1 is made room for (its block spilled to a fresh disk slot, not the one read) and
+    # the block fetched into it; the next plan loads it into the request's first GPU block.
     assert fetches == [(0, 1)] and (1, 1) in spills and all(slot != 0 for _, slot in spills)
-    assert (kv.num_spilled_blocks, kv.num_fetched_blocks) == (1 + len(spills), 1)
-    # The loaded block is in the GPU prefix cache now: the next lookup needs no tier.
+    assert loads == [] and (kv.num_spilled_blocks, kv.num_fetched_blocks) == (1 + len(spills), 1)
+    # The block is in the GPU prefix cache at once (held until its load is planned): a request
+    # admitted now shares it, and waits for the load too.
     twin = kv.get_computed_blocks(_request(5, 100, 5))
-    assert twin.num_tokens == 4 and twin.num_cpu_blocks == 0
-    assert [(1, block.block_id) for block in twin.blocks] == loads
+    assert twin.num_tokens == 4 and twin.num_cpu_blocks == 0 and kv.waits_for_loads(twin)
+    (block,) = twin.blocks
+    assert kv.held_for_loads == [block] and block.ref_count == 1
+    assert kv.take_tier_moves() == ([], [(1, block.block_id)])
+    kv.end_step()
+    assert kv.held_for_loads == [] and block.ref_count == 0
 
 
 def test_a_full_disk_tier_overwrites_its_least_recently_used_slot():
@@ -117,8 +122,9 @@ def disk_runner(tiny_model_dir, tmp_path_factory):
 
 def disk_round_trip(runner: ModelRunner) -> None:
     """A prompt's KV offloaded to host blocks, spilled to disk, the host blocks overwritten, fetched
-    back into other host blocks and loaded into other GPU blocks is bit for bit what was computed
-    (on CUDA the tier's copies run on their copy stream: test_executor_cuda)."""
+    back into other host blocks (on the reader thread) and loaded by the next plan into other GPU
+    blocks is bit for bit what was computed (on CUDA the tier's copies run on their copy stream:
+    test_executor_cuda)."""
     assert runner.kv_cache.num_disk_blocks > 4
     runner.reset()
     prompt = list(range(5, 37))  # two full blocks of 16
@@ -135,7 +141,8 @@ def disk_round_trip(runner: ModelRunner) -> None:
     runner.execute(executor_pb2.StepPlan(spill=moves((0, 3), (1, 2))))  # host -> disk slots 3, 2
     kv.cpu_pool[[0, 1, 2, 3]] = torch.full_like(kv.cpu_pool[[0, 1, 2, 3]], float("nan"))
     kv.device_pool[:, :, [3, 4]] = float("nan")
-    runner.execute(executor_pb2.StepPlan(fetch=moves((3, 2), (2, 3)), load=moves((2, 9), (3, 11))))
+    runner.execute(executor_pb2.StepPlan(fetch=moves((3, 2), (2, 3))))  # read while the step runs
+    runner.execute(executor_pb2.StepPlan(load=moves((2, 9), (3, 11))))  # the next plan loads them
     runner.execute(executor_pb2.StepPlan())  # (the step after: it waits for the copies)
     loaded = kv.device_pool[:, :, [9, 11]]
     assert torch.equal(loaded.view(torch.uint8), computed.view(torch.uint8))

@@ -418,6 +418,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                         for j in range(i + 1):
                             parent = hash_block_tokens(parent, tokens[j * size : (j + 1) * size])
                         assert block.block_hash == parent
+        holders.update(b.block_id for b in self.scheduler.kv_cache_manager.held_for_loads)
         # Reference counts equal holders; free means unheld; the counts add up.
         for block in pool.blocks:
             assert block.ref_count == holders[block.block_id], block
@@ -432,10 +433,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Cached blocks hold the tokens their hash stands for.
         for tokens in self.truth.values():
             self.chain_hashes(tokens)
+        pending = {b.block_id for b in self.scheduler.kv_cache_manager.held_for_loads}  # next plan's loads
         for block in pool.blocks:
             if block.block_hash is not None:
                 assert block.block_hash in self.known_hashes
-                assert self.executor.gpu[block.block_id] == self.known_hashes[block.block_hash]
+                if block.block_id not in pending:
+                    assert self.executor.gpu[block.block_id] == self.known_hashes[block.block_hash]
         # Queues, statuses and CPU blocks.
         for request in s.waiting:
             assert request.status is RequestStatus.WAITING
