@@ -19,8 +19,9 @@ synchronous and `copy_beside` is plain swap_out then swap_in.
 
 The disk tier (executor.disk_tier, `StepPlan.spill` / `fetch`) moves host blocks to and from a file,
 before the plan's other moves (`spill_and_fetch`), once the copies already queued that touch host
-blocks are done: spills on the launching thread (the plan may reuse their host blocks), fetches on
-a reader thread while the step runs; the next plan waits for them before its loads read them.
+blocks are done, on a pool of I/O threads (one thread reads a file from the page cache at a few GB/s;
+several go faster): the launching thread waits for the spills (the plan may reuse their host
+blocks), and the fetches run while the step runs; the next plan waits for them before its loads.
 
 An FP8 pool (`--kv-cache-dtype fp8`) has one-byte elements, so `bytes_per_block` halves and the
 same memory holds about twice the blocks (the swap pool too). Both pools are then allocated as
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
     from pagedserve.executor.disk_tier import DiskTierFile
 
 log = structlog.get_logger(__name__)
+
+# Threads that move disk tier blocks (each block one positional read or write, which releases the
+# GIL): enough to keep an NVMe drive's queue or the page cache's copies busy.
+DISK_IO_THREADS = 8
 
 
 class KVCacheTooSmallError(RuntimeError):
@@ -280,8 +285,8 @@ class KVCache:
         # for them before it reads or writes host blocks itself (`spill_and_fetch`).
         self.disk: DiskTierFile | None = None
         self._host_copies_done: dict[int, torch.cuda.Event] = {}
-        self._disk_reader: ThreadPoolExecutor | None = None  # started by the first fetch
-        self._fetching: Future[None] | None = None  # the last plan's fetches
+        self._disk_io: ThreadPoolExecutor | None = None  # started by the first disk move
+        self._fetching: list[Future[None]] = []  # the last plan's fetches
 
     def layer_caches(
         self, layer_slot: Sequence[int] | None = None
@@ -361,19 +366,19 @@ class KVCache:
         for event in self._host_copies_done.values():
             event.synchronize()
         self._host_copies_done.clear()
-        for host, slot in spill:
-            disk.write(slot, self.cpu_pool[host])
-        if fetch:
-            if self._disk_reader is None:
-                self._disk_reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-fetch")
-            blocks = [(slot, self.cpu_pool[host]) for slot, host in fetch]
-            self._fetching = self._disk_reader.submit(_read_blocks, disk, blocks)
+        if self._disk_io is None:
+            self._disk_io = ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="kv-disk-io")
+        pool = self._disk_io
+        writes = [pool.submit(disk.write, slot, self.cpu_pool[host]) for host, slot in spill]
+        for write in writes:
+            write.result()
+        self._fetching = [pool.submit(disk.read_into, slot, self.cpu_pool[host]) for slot, host in fetch]
 
     def wait_for_fetches(self) -> None:
-        """Waits for the disk reads `spill_and_fetch` started (re-raising their error)."""
-        fetching, self._fetching = self._fetching, None
-        if fetching is not None:
-            fetching.result()
+        """Waits for the disk reads `spill_and_fetch` started (re-raising the first error)."""
+        fetching, self._fetching = self._fetching, []
+        for read in fetching:
+            read.result()
 
     def _note_host_copies(self) -> None:
         """Records, on the stream that just queued copies to or from host blocks, the event that
@@ -401,9 +406,3 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((index, block_id, 1))
     return runs
-
-
-def _read_blocks(disk: DiskTierFile, blocks: list[tuple[int, torch.Tensor]]) -> None:
-    """The reader thread's work for one plan: each disk slot into its host block."""
-    for slot, block in blocks:
-        disk.read_into(slot, block)
