@@ -280,11 +280,11 @@ class KVCache:
         # The CPU tier's copy stream (CUDA only), and the event behind the last copies queued on it.
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._copies_done: torch.cuda.Event | None = None
-        # The disk tier below the CPU tier (None: off; the runner opens it), and per stream the
-        # event behind the last copy queued there that reads or writes host blocks: the CPU waits
-        # for them before it reads or writes host blocks itself (`spill_and_fetch`).
+        # The disk tier below the CPU tier (None: off; the runner opens it), and the copies queued
+        # to or from host blocks that may still run (their host blocks, and the event behind them):
+        # the CPU waits for those that touch a host block it reads or writes (`spill_and_fetch`).
         self.disk: DiskTierFile | None = None
-        self._host_copies_done: dict[int, torch.cuda.Event] = {}
+        self._host_copies: list[tuple[frozenset[int], torch.cuda.Event]] = []
         self._disk_io: ThreadPoolExecutor | None = None  # started by the first disk move
         self._fetching: list[Future[None]] = []  # the last plan's fetches
 
@@ -308,7 +308,7 @@ class KVCache:
             self.cpu_pool[cpu_block : cpu_block + length].copy_(
                 blocks[start : start + length], non_blocking=True
             )
-        self._note_host_copies()
+        self._note_host_copies(dst_cpu_blocks)
 
     def swap_in(self, src_cpu_blocks: list[int], dst_device_blocks: list[int]) -> None:
         """Copies CPU blocks to device blocks, all layers at once, queued like any step's work."""
@@ -321,7 +321,7 @@ class KVCache:
             blocks[start : start + length].copy_(
                 self.cpu_pool[cpu_block : cpu_block + length], non_blocking=True
             )
-        self._note_host_copies()
+        self._note_host_copies(src_cpu_blocks)
         dst = to_device(dst_device_blocks, torch.int64, self.device)
         self.device_pool.index_copy_(2, dst, blocks.movedim(0, 2))
 
@@ -354,18 +354,19 @@ class KVCache:
         slot) run on the calling thread, and fetches (disk slot -> host block) start on the reader
         thread. The CPU reads and writes the host blocks, so the copies queued before that touch
         host blocks (swaps on the compute stream, the CPU tier's copies on the copy stream) must
-        have finished: the wait costs what is still in flight of them, not the forward passes
-        queued behind. The scheduler keeps a fetch's host block out of every other move of its plan
-        and the next."""
+        have finished: only those that touch these host blocks are waited for (the CPU tier's
+        oldest blocks, copied long ago: usually none). The scheduler keeps a fetch's host block out
+        of every other move of its plan and the next."""
         self.wait_for_fetches()
         if not spill and not fetch:
             return
         disk = self.disk
         if disk is None:
             raise RuntimeError("a plan moves disk tier blocks, but this executor has no disk tier")
-        for event in self._host_copies_done.values():
-            event.synchronize()
-        self._host_copies_done.clear()
+        hosts = {host for host, _ in spill}.union(host for _, host in fetch)
+        for blocks, event in self._host_copies:
+            if not blocks.isdisjoint(hosts):
+                event.synchronize()
         if self._disk_io is None:
             self._disk_io = ThreadPoolExecutor(DISK_IO_THREADS, thread_name_prefix="kv-disk-io")
         pool = self._disk_io
@@ -380,12 +381,14 @@ class KVCache:
         for read in fetching:
             read.result()
 
-    def _note_host_copies(self) -> None:
-        """Records, on the stream that just queued copies to or from host blocks, the event that
-        `spill_and_fetch` waits for (only with a disk tier, on CUDA)."""
+    def _note_host_copies(self, host_blocks: list[int]) -> None:
+        """Records, on the stream that just queued copies to or from `host_blocks`, the event that
+        `spill_and_fetch` waits for if it touches one of them (only with a disk tier, on CUDA);
+        forgets the copies that are done."""
         if self.disk is not None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
-            self._host_copies_done[stream.stream_id] = stream.record_event()
+            self._host_copies = [(b, e) for b, e in self._host_copies if not e.query()]
+            self._host_copies.append((frozenset(host_blocks), stream.record_event()))
 
     def wait_for_copies(self) -> None:
         """Makes the compute stream wait for the copies queued by `copy_beside` (before a step that
