@@ -17,11 +17,12 @@ are planned in does not). The copies stay in plan order on one stream, so a host
 plan reuses is written only after the earlier copies that read it. On the CPU everything is
 synchronous and `copy_beside` is plain swap_out then swap_in.
 
-The disk tier (executor.disk_tier, `StepPlan.spill` / `fetch`) moves host blocks to and from a file,
-before the plan's other moves (`spill_and_fetch`), once the copies already queued that touch host
-blocks are done, on a pool of I/O threads (one thread reads a file from the page cache at a few GB/s;
-several go faster): the launching thread waits for the spills (the plan may reuse their host
-blocks), and the fetches run while the step runs; the next plan waits for them before its loads.
+The disk tier (executor.disk_tier, `StepPlan.spill` / `fetch` / `spill_ahead`) moves host blocks to
+and from a file, before the plan's other moves (`spill_and_fetch`), once the copies already queued
+that touch those host blocks are done, on a pool of I/O threads (one thread reads a file from the
+page cache at a few GB/s; several go faster): the launching thread waits for the spills (the plan
+may reuse their host blocks); the fetches and spills ahead run while the step runs, and the next
+plan waits for them before its moves.
 
 An FP8 pool (`--kv-cache-dtype fp8`) has one-byte elements, so `bytes_per_block` halves and the
 same memory holds about twice the blocks (the swap pool too). Both pools are then allocated as
@@ -286,7 +287,7 @@ class KVCache:
         self.disk: DiskTierFile | None = None
         self._host_copies: list[tuple[frozenset[int], torch.cuda.Event]] = []
         self._disk_io: ThreadPoolExecutor | None = None  # started by the first disk move
-        self._fetching: list[Future[None]] = []  # the last plan's fetches
+        self._background: list[Future[None]] = []  # the last plan's fetches and spills ahead
 
     def layer_caches(
         self, layer_slot: Sequence[int] | None = None
@@ -348,22 +349,28 @@ class KVCache:
         """The disk tier's slots (0: no disk tier)."""
         return 0 if self.disk is None else self.disk.num_blocks
 
-    def spill_and_fetch(self, spill: list[tuple[int, int]], fetch: list[tuple[int, int]]) -> None:
+    def spill_and_fetch(
+        self,
+        spill: list[tuple[int, int]],
+        fetch: list[tuple[int, int]],
+        spill_ahead: list[tuple[int, int]],
+    ) -> None:
         """The disk tier's moves of one plan, before its others: first the last plan's fetches are
         waited for (this plan loads them; they had a step to run), then spills (host block -> disk
-        slot) run on the calling thread, and fetches (disk slot -> host block) start on the reader
-        thread. The CPU reads and writes the host blocks, so the copies queued before that touch
+        slot) are written, the caller waiting, and fetches (disk slot -> host block) and spills
+        ahead (host block -> disk slot, of blocks no move of this plan touches) start beside the
+        step. The CPU reads and writes the host blocks, so the copies queued before that touch
         host blocks (swaps on the compute stream, the CPU tier's copies on the copy stream) must
         have finished: only those that touch these host blocks are waited for (the CPU tier's
         oldest blocks, copied long ago: usually none). The scheduler keeps a fetch's host block out
-        of every other move of its plan and the next."""
+        of every other move of its plan and the next, a spill ahead's out of its plan's."""
         self.wait_for_fetches()
-        if not spill and not fetch:
+        if not spill and not fetch and not spill_ahead:
             return
         disk = self.disk
         if disk is None:
             raise RuntimeError("a plan moves disk tier blocks, but this executor has no disk tier")
-        hosts = {host for host, _ in spill}.union(host for _, host in fetch)
+        hosts = {host for host, _ in spill}.union((h for _, h in fetch), (h for h, _ in spill_ahead))
         for blocks, event in self._host_copies:
             if not blocks.isdisjoint(hosts):
                 event.synchronize()
@@ -373,13 +380,15 @@ class KVCache:
         writes = [pool.submit(disk.write, slot, self.cpu_pool[host]) for host, slot in spill]
         for write in writes:
             write.result()
-        self._fetching = [pool.submit(disk.read_into, slot, self.cpu_pool[host]) for slot, host in fetch]
+        self._background = [pool.submit(disk.read_into, slot, self.cpu_pool[host]) for slot, host in fetch]
+        self._background += [pool.submit(disk.write, slot, self.cpu_pool[host]) for host, slot in spill_ahead]
 
     def wait_for_fetches(self) -> None:
-        """Waits for the disk reads `spill_and_fetch` started (re-raising the first error)."""
-        fetching, self._fetching = self._fetching, []
-        for read in fetching:
-            read.result()
+        """Waits for the disk I/O `spill_and_fetch` started beside the step (re-raising the first
+        error)."""
+        background, self._background = self._background, []
+        for move in background:
+            move.result()
 
     def _note_host_copies(self, host_blocks: list[int]) -> None:
         """Records, on the stream that just queued copies to or from `host_blocks`, the event that

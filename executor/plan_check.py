@@ -76,6 +76,7 @@ def validate_plan(
     _check_moves("load", plan.load, limits.num_cpu_blocks, limits.num_device_blocks)
     _check_moves("spill", plan.spill, limits.num_cpu_blocks, limits.num_disk_blocks)
     _check_moves("fetch", plan.fetch, limits.num_disk_blocks, limits.num_cpu_blocks)
+    _check_moves("spill_ahead", plan.spill_ahead, limits.num_cpu_blocks, limits.num_disk_blocks)
     # Removing a sequence we do not hold is allowed (idempotent), e.g. an abort racing its finish.
     kept = set(held).difference(plan.removed_seq_ids)
     seen: set[int] = set()

@@ -579,7 +579,9 @@ class ModelRunner:
             )
         new_params = validate_plan(plan, self._requests, self._limits)
         kv = self.kv_cache
-        kv.spill_and_fetch([(m.src, m.dst) for m in plan.spill], [(m.src, m.dst) for m in plan.fetch])
+        kv.spill_and_fetch(
+            *([(m.src, m.dst) for m in moves] for moves in (plan.spill, plan.fetch, plan.spill_ahead))
+        )
         kv.wait_for_copies()  # the previous plan's tier copies: this step may touch their blocks
         kv.swap_out([m.src for m in plan.swap_out], [m.dst for m in plan.swap_out])
         for seq_id in plan.removed_seq_ids:

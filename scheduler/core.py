@@ -149,6 +149,7 @@ class StepPlan:
     # The disk tier's moves, which the executor runs before all the others, spills first.
     spill: list[tuple[int, int]] = field(default_factory=list)  # (tier block, disk slot)
     fetch: list[tuple[int, int]] = field(default_factory=list)  # (disk slot, tier block)
+    spill_ahead: list[tuple[int, int]] = field(default_factory=list)  # (tier block, disk slot)
     new_requests: list[NewRequestPlan] = field(default_factory=list)
     running: list[RunningPlan] = field(default_factory=list)
     sampling_seq_ids: list[SeqId] = field(default_factory=list)
@@ -172,6 +173,7 @@ class StepPlan:
             or self.load
             or self.spill
             or self.fetch
+            or self.spill_ahead
             or self.new_requests
             or self.running
         )
@@ -381,6 +383,7 @@ class Scheduler:
         if not step.preempted:
             self._start_queued(step)
         self.kv_cache_manager.offload_ahead(self._offload_lookahead)
+        self.kv_cache_manager.spill_ahead()
         plan = self._finish_step(step)
         self.kv_cache_manager.end_step()
         return plan
@@ -655,7 +658,7 @@ class Scheduler:
         plan.swap_out += offloads  # blocks this plan reuses: copied before its forward writes them
         plan.load = loads  # beside the forward: their requests are LOADING (see the module doc)
         plan.offload = self.kv_cache_manager.take_offloads_ahead()  # beside it: free blocks
-        plan.spill, plan.fetch = self.kv_cache_manager.take_disk_moves()  # fetches: loaded next plan
+        plan.spill, plan.fetch, plan.spill_ahead = self.kv_cache_manager.take_disk_moves()
         plan.sampling_seq_ids = [p.seq_id for p in plan.new_requests if p.seq_id in step.sampling]
         plan.sampling_seq_ids += [p.seq_id for p in plan.running if p.seq_id in step.sampling]
         if plan.sampling_seq_ids:

@@ -125,6 +125,7 @@ def plan_to_proto(plan: StepPlan, active: dict[SeqId, ActiveRequest]) -> executo
         load=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.load],
         spill=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.spill],
         fetch=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.fetch],
+        spill_ahead=[executor_pb2.BlockMove(src=s, dst=d) for s, d in plan.spill_ahead],
         new_requests=[new_request(r) for r in plan.new_requests],
     )
     if plan.masked_seq_ids:  # structured outputs: one packed row per constrained sampling request

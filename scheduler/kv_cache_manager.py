@@ -52,11 +52,16 @@ next plan loads it from there like a CPU-tier hit, and the plan after starts the
 block is registered and held from the fetch's plan to the load's, so a request sharing it waits
 too, and its host block stays busy. A hit keeps disk blocks only while the CPU tier has a host
 block this plan could fetch each into (`_can_fetch`); past that the prefix is computed. The disk
-tier's slots a fetch reads are kept from this plan's spills.
+tier's slots a fetch reads are kept from this plan's spills. A spill holds up the launch of the step
+that reuses its host block, so at the end of a plan that leaves the CPU tier too little room for
+as many insertions again, as many of its oldest blocks not on disk yet are written there beside
+the step (`spill_ahead`, as `offload_ahead` does for the GPU pool): the next plan evicts them
+without a spill.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -204,6 +209,8 @@ class KVCacheManager:
         self._disk_free: list[int] = list(range(num_disk_offload_blocks - 1, -1, -1))
         self._spills: list[tuple[int, int]] = []  # (host block, disk slot)
         self._fetches: list[tuple[int, int]] = []  # (disk slot, host block)
+        self._spills_ahead: list[tuple[int, int]] = []  # (host block, disk slot), beside the step
+        self._num_tier_inserts = 0  # blocks the plan being built put into the CPU tier
         # Loads of this plan's fetches, planned in the next plan, and the GPU blocks of the loads the
         # next plan was given (each held once more, from its fetch's plan until its load's is done).
         self._fetched: list[tuple[int, Block]] = []  # (host block, GPU block)
@@ -509,6 +516,7 @@ class KVCacheManager:
         self.disk_tier.touch(key)
         self._fetches.append((disk_slot, host))
         self.num_fetched_blocks += 1
+        self._num_tier_inserts += 1
         return host
 
     def _offload_evicted(self) -> None:
@@ -529,6 +537,7 @@ class KVCacheManager:
             self._offloads.append((block_id, slot))
             self._host_blocks_busy.add(slot)
             self.num_offloaded_blocks += 1
+            self._num_tier_inserts += 1
         evicted.clear()
 
     def _host_block_for_tier(self) -> int | None:
@@ -600,6 +609,7 @@ class KVCacheManager:
             self._offloads_ahead.append((block.block_id, slot))
             self._host_blocks_busy.add(slot)
             self.num_offloaded_blocks += 1
+            self._num_tier_inserts += 1
 
     def take_offloads_ahead(self) -> list[tuple[int, int]]:
         """The `offload_ahead` copies of the plan being built: (GPU block, host block)."""
@@ -614,11 +624,41 @@ class KVCacheManager:
         self._loading_block_ids.clear()
         return moves
 
-    def take_disk_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The disk tier's moves of the plan being built: (spills, host -> disk; fetches, disk ->
-        host), which the executor runs in that order before the plan's other moves."""
-        moves = self._spills, self._fetches
-        self._spills, self._fetches = [], []
+    def spill_ahead(self) -> None:
+        """Plans the writing to the disk tier, beside the step, of the CPU tier's least recently
+        used blocks that the disk does not hold yet, as many as this plan put into the CPU tier
+        less the room it has left: the next plan's insertions evict about as many, whose blocks
+        are then on disk already and need no spill before their host blocks are reused (the
+        executor writes spills before a plan's other moves, the launch waiting). Called once the
+        plan's other moves are planned; their host blocks stay out of the plan's moves (the
+        executor reads them beside its step, and waits for that before the next plan's)."""
+        disk, tier = self.disk_tier, self.tier
+        if disk is None or tier is None:
+            return
+        count = self._num_tier_inserts - (tier.capacity - len(tier))
+        if count <= 0:
+            return
+        for key, host in itertools.islice(tier.oldest(), 4 * count + 64):  # (a bounded scan)
+            if key in disk or host in self._host_blocks_busy:
+                continue
+            slot = self._disk_slot()
+            if slot is None:
+                return
+            disk.insert(key, slot)
+            self._spills_ahead.append((host, slot))
+            self._host_blocks_busy.add(host)
+            self._disk_slots_busy.add(slot)
+            self.num_spilled_blocks += 1
+            count -= 1
+            if count == 0:
+                return
+
+    def take_disk_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """The disk tier's moves of the plan being built: spills (host -> disk) and fetches (disk ->
+        host), which the executor starts in that order before the plan's other moves, and the
+        spills ahead (host -> disk, beside the step)."""
+        moves = self._spills, self._fetches, self._spills_ahead
+        self._spills, self._fetches, self._spills_ahead = [], [], []
         return moves
 
     @property
@@ -805,6 +845,7 @@ class KVCacheManager:
         self._cpu_release_after_step.clear()
         self._host_blocks_busy.clear()
         self._disk_slots_busy.clear()
+        self._num_tier_inserts = 0
         self.block_pool.free(self._held_for_loads)  # loaded by the plan just complete
         self._held_for_loads = [block for _, block in self._fetched]
         for host, block in self._fetched:

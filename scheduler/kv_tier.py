@@ -16,15 +16,16 @@ The disk tier's slots are block-sized places in one file of the executor's. A bl
 drops is first written there (the plan's `spill`: host -> disk), and a prefix found only on disk is
 read back into a host block of the CPU tier (`fetch`: disk -> host) while the plan's step runs,
 then loaded from there by the next plan like any CPU-tier hit. The executor writes a plan's spills
-before any of its other moves and waits for its fetches before the next plan's
-(scheduler.kv_cache_manager plans them so that no move of either plan touches a fetched block).
+before any of its other moves, and its fetches and spills ahead (the CPU tier's oldest blocks,
+written before the next plan needs their host blocks) beside its step, waiting for them before the
+next plan's moves (scheduler.kv_cache_manager plans them so that no other move touches them).
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from pagedserve.scheduler.block_pool import BlockHash
 
@@ -89,6 +90,11 @@ class TierIndex:
     def items(self) -> list[tuple[TierKey, int]]:
         """(key, slot) of every entry, least recently used first; for tests and debugging."""
         return list(self._slots.items())
+
+    def oldest(self) -> Iterator[tuple[TierKey, int]]:
+        """(key, slot) of the entries, least recently used first (do not change the index while
+        iterating)."""
+        return iter(self._slots.items())
 
     def get(self, key: TierKey) -> int | None:
         """The slot holding `key`, without changing the LRU order (a lookup)."""

@@ -32,14 +32,17 @@ def _manager(num_gpu_blocks: int, num_cpu_blocks: int, num_disk_blocks: int) -> 
     )  # fmt: skip
 
 
-def _step(kv: KVCacheManager, request: Request) -> tuple:
+def _step(kv: KVCacheManager, request: Request, *, ahead: bool = False) -> tuple:
     """One plan that admits `request` on its hit, computes it and frees it (its full blocks stay
-    cached); returns the plan's (offloads, loads) and (spills, fetches)."""
+    cached); returns the plan's (offloads, loads) and (spills, fetches, spills ahead). The spills
+    ahead are planned only if `ahead` (as the scheduler does at the end of every plan)."""
     hit = kv.get_computed_blocks(request)
     assert kv.allocate_slots(request, request.num_tokens, hit) is not None
     request.num_computed_tokens = request.num_tokens
     kv.cache_full_blocks(request)
     kv.free(request)
+    if ahead:
+        kv.spill_ahead()
     moves = kv.take_tier_moves(), kv.take_disk_moves()
     kv.end_step()
     return moves
@@ -50,16 +53,16 @@ def test_the_cpu_tier_spills_what_it_drops_and_a_disk_hit_is_fetched_then_loaded
         BS, num_gpu_blocks=4, num_cpu_blocks=2, num_cpu_offload_blocks=2, num_disk_offload_blocks=4
     )
     _step(kv, _request(1, 100, 5))  # one full block cached on the GPU
-    assert _step(kv, _request(2, 200, 16)) == (([(0, 0)], []), ([], []))  # evicted into the CPU tier
+    assert _step(kv, _request(2, 200, 16)) == (([(0, 0)], []), ([], [], []))  # evicted into the CPU tier
     # The next 4 blocks evict 2 of the pool's cached blocks: the tier (full) drops its oldest, the
     # first prompt's, which is written to disk slot 0 before host block 0 takes the new one.
-    (offloads, _), (spills, fetches) = _step(kv, _request(3, 300, 16))
+    (offloads, _), (spills, fetches, _) = _step(kv, _request(3, 300, 16))
     assert offloads == [(0, 1), (3, 0)] and spills == [(0, 0)] and fetches == []
     # The first prompt again: only the disk tier has its block.
     again = _request(4, 100, 5)
     hit = kv.get_computed_blocks(again)
     assert hit.tables == ((DiskBlock(0),),) and hit.num_disk_blocks == 1 and hit.num_cpu_blocks == 1
-    (offloads, loads), (spills, fetches) = _step(kv, again)
+    (offloads, loads), (spills, fetches, _) = _step(kv, again)
     # Host block 1 is made room for (its block spilled to a fresh disk slot, not the one read) and
     # the block fetched into it; the next plan loads it into the request's first GPU block.
     assert fetches == [(0, 1)] and (1, 1) in spills and all(slot != 0 for _, slot in spills)
@@ -73,6 +76,20 @@ def test_the_cpu_tier_spills_what_it_drops_and_a_disk_hit_is_fetched_then_loaded
     assert kv.take_tier_moves() == ([], [(1, block.block_id)])
     kv.end_step()
     assert kv.held_for_loads == [] and block.ref_count == 0
+
+
+def test_blocks_spilled_ahead_leave_the_next_plans_evictions_nothing_to_write():
+    """Once a plan's insertions leave the CPU tier too little room for as many more, as many of its
+    oldest blocks (none the plan moves) are written to disk beside the step; the next plan's
+    insertion evicts one of those and spills nothing before reusing its host block."""
+    kv = _manager(2, 2, 4)
+    _step(kv, _request(1, 100, 5), ahead=True)  # one full block cached on the GPU
+    assert _step(kv, _request(2, 200, 5), ahead=True)[1] == ([], [], [])  # into the tier: room left
+    _, (spills, _, ahead) = _step(kv, _request(3, 300, 5), ahead=True)  # the tier is full now
+    assert spills == [] and ahead == [(0, 0)], "the oldest block, the first prompt's, to disk slot 0"
+    (offloads, _), (spills, _, _) = _step(kv, _request(4, 400, 5))  # evicts the first prompt's
+    assert offloads == [(0, 0)] and spills == [], "its block was on disk already"
+    assert kv.get_computed_blocks(_request(5, 100, 5)).tables == ((DiskBlock(0),),)
 
 
 def test_a_full_disk_tier_overwrites_its_least_recently_used_slot():
@@ -121,10 +138,10 @@ def disk_runner(tiny_model_dir, tmp_path_factory):
 
 
 def disk_round_trip(runner: ModelRunner) -> None:
-    """A prompt's KV offloaded to host blocks, spilled to disk, the host blocks overwritten, fetched
-    back into other host blocks (on the reader thread) and loaded by the next plan into other GPU
-    blocks is bit for bit what was computed (on CUDA the tier's copies run on their copy stream:
-    test_executor_cuda)."""
+    """A prompt's KV offloaded to host blocks, spilled to disk (one before the plan's moves, one
+    beside its step), the host blocks overwritten, fetched back into other host blocks (beside a
+    step) and loaded by the next plan into other GPU blocks is bit for bit what was computed (on
+    CUDA the tier's copies run on their copy stream: test_executor_cuda)."""
     assert runner.kv_cache.num_disk_blocks > 4
     runner.reset()
     prompt = list(range(5, 37))  # two full blocks of 16
@@ -138,7 +155,8 @@ def disk_round_trip(runner: ModelRunner) -> None:
         return [executor_pb2.BlockMove(src=src, dst=dst) for src, dst in pairs]
 
     runner.execute(executor_pb2.StepPlan(removed_seq_ids=[1], offload=moves((3, 0), (4, 1))))
-    runner.execute(executor_pb2.StepPlan(spill=moves((0, 3), (1, 2))))  # host -> disk slots 3, 2
+    runner.execute(executor_pb2.StepPlan(spill=moves((0, 3)), spill_ahead=moves((1, 2))))  # -> slots 3, 2
+    runner.execute(executor_pb2.StepPlan())  # (the next plan waits for the spill ahead)
     kv.cpu_pool[[0, 1, 2, 3]] = torch.full_like(kv.cpu_pool[[0, 1, 2, 3]], float("nan"))
     kv.device_pool[:, :, [3, 4]] = float("nan")
     runner.execute(executor_pb2.StepPlan(fetch=moves((3, 2), (2, 3))))  # read while the step runs

@@ -109,6 +109,15 @@ class FakeExecutor:
         for src, dst in plan.fetch:
             assert 0 <= src < num_disk and 0 <= dst < num_cpu, (src, dst)
             self.cpu[dst] = list(self.disk[src])
+        for src, dst in plan.spill_ahead:  # beside the step: no other move of the plan touches them
+            assert 0 <= src < num_cpu and 0 <= dst < num_disk, (src, dst)
+            self.disk[dst] = list(self.cpu[src])
+        ahead_hosts, ahead_slots = {src for src, _ in plan.spill_ahead}, {dst for _, dst in plan.spill_ahead}
+        assert not ahead_slots & ({dst for _, dst in plan.spill} | {src for src, _ in plan.fetch})
+        others = [dst for _, dst in plan.fetch] + [src for src, _ in plan.spill]
+        others += [cpu for move in (plan.swap_out, plan.offload) for _, cpu in move]
+        others += [cpu for move in (plan.swap_in, plan.load) for cpu, _ in move]
+        assert not ahead_hosts & set(others), "a host block spilled ahead is moved by its plan"
         for src, dst in plan.swap_out:
             assert 0 <= src < num_gpu, (src, dst)
             assert 0 <= dst < num_cpu, (src, dst)
