@@ -5,7 +5,7 @@ The scheduler decides everything (scheduler.kv_tier): which host block to write 
 (`StepPlan.spill`) and which slot to read back into which host block (`StepPlan.fetch`), before the
 next plan loads that host block to the GPU. This module only moves the bytes, between the pinned
 host pool (executor.kv_cache) and the file, with positional reads and writes: the file never moves
-a file pointer, so the launching thread's writes and the reader thread's reads need no lock.
+a file pointer, so the I/O threads' reads and writes need no lock.
 
 The file is created in DIR with a name of its own and unlinked at once: its space stays reserved
 while the executor holds it open, and nothing is left behind however the executor ends (a SIGKILL
@@ -39,9 +39,7 @@ class DiskTierFile:
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_block
         size = num_blocks * bytes_per_block
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise DiskTierError(f"--kv-offloading-disk {directory}: not a directory")
+        directory = Path(directory)  # (an existing directory: ExecutorConfig checked)
         free = shutil.disk_usage(directory).free
         if size > free:
             raise DiskTierError(

@@ -355,16 +355,17 @@ class KVCache:
         fetch: list[tuple[int, int]],
         spill_ahead: list[tuple[int, int]],
     ) -> None:
-        """The disk tier's moves of one plan, before its others: first the last plan's fetches are
-        waited for (this plan loads them; they had a step to run), then spills (host block -> disk
-        slot) are written, the caller waiting, and fetches (disk slot -> host block) and spills
-        ahead (host block -> disk slot, of blocks no move of this plan touches) start beside the
-        step. The CPU reads and writes the host blocks, so the copies queued before that touch
-        host blocks (swaps on the compute stream, the CPU tier's copies on the copy stream) must
-        have finished: only those that touch these host blocks are waited for (the CPU tier's
-        oldest blocks, copied long ago: usually none). The scheduler keeps a fetch's host block out
-        of every other move of its plan and the next, a spill ahead's out of its plan's."""
-        self.wait_for_fetches()
+        """The disk tier's moves of one plan, before its others: first the last plan's fetches and
+        spills ahead are waited for (this plan loads the fetched blocks; they had a step to run),
+        then spills (host block -> disk slot) are written, the caller waiting, and fetches (disk
+        slot -> host block) and spills ahead (host block -> disk slot, of blocks no move of this
+        plan touches) start beside the step. The CPU reads and writes the host blocks, so the
+        copies queued before that touch host blocks (swaps on the compute stream, the CPU tier's
+        copies on the copy stream) must have finished: only those that touch these host blocks are
+        waited for (the CPU tier's oldest blocks, copied long ago: usually none). The scheduler
+        keeps a fetch's host block out of every other move of its plan and the next, a spill
+        ahead's out of its plan's."""
+        self.wait_for_disk_io()
         if not spill and not fetch and not spill_ahead:
             return
         disk = self.disk
@@ -383,7 +384,7 @@ class KVCache:
         self._background = [pool.submit(disk.read_into, slot, self.cpu_pool[host]) for slot, host in fetch]
         self._background += [pool.submit(disk.write, slot, self.cpu_pool[host]) for host, slot in spill_ahead]
 
-    def wait_for_fetches(self) -> None:
+    def wait_for_disk_io(self) -> None:
         """Waits for the disk I/O `spill_and_fetch` started beside the step (re-raising the first
         error)."""
         background, self._background = self._background, []

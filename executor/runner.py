@@ -553,7 +553,7 @@ class ModelRunner:
         self._drop_awaiting()
         self._requests.clear()
         self.slots.reset()
-        self.kv_cache.wait_for_fetches()  # (a fetch left running would write a host block later)
+        self.kv_cache.wait_for_disk_io()  # (a fetch left running would write a host block later)
 
     def execute(self, plan: executor_pb2.StepPlan) -> executor_pb2.StepOutput:
         """Runs one plan to completion (`launch`, then `finish`)."""

@@ -286,8 +286,15 @@ class KVCacheManager:
 
     def _longest_hit(self, hash_of: Callable[[int], BlockHash], max_blocks: int) -> PrefixHit:
         """The longest prefix of at most `max_blocks` blocks that every group can serve from the
-        cache, GPU or CPU tier (see the module doc), with each group's blocks. A pure lookup: no ref
-        count or LRU position changes."""
+        cache, GPU pool or tiers (see the module doc), with each group's blocks, whose disk blocks
+        the CPU tier can stage in this plan. A pure lookup: no ref count or LRU position changes."""
+        hit = self._cached_prefix(hash_of, max_blocks)
+        while not self._can_fetch(hit):  # (rare: a CPU tier too small for this plan's fetches)
+            hit = self._cached_prefix(hash_of, hit.num_tokens // self.block_size - 1)
+        return hit
+
+    def _cached_prefix(self, hash_of: Callable[[int], BlockHash], max_blocks: int) -> PrefixHit:
+        """`_longest_hit` without the staging check."""
         cached, tier, disk = self.block_pool.get_cached_block, self.tier, self.disk_tier
 
         def get(block_hash: BlockHash, group: int) -> Block | CpuBlock | DiskBlock | None:
@@ -336,10 +343,7 @@ class KVCacheManager:
             else:
                 first = self._first_needed(group, length * self.block_size)
                 tables.append((None,) * first + tuple(found[group, i] for i in range(first, length)))
-        hit = PrefixHit(tuple(tables), length * self.block_size)
-        if not self._can_fetch(hit):  # (rare: a CPU tier too small for this plan's fetches)
-            return self._longest_hit(hash_of, length - 1)
-        return hit
+        return PrefixHit(tuple(tables), length * self.block_size)
 
     def _can_fetch(self, hit: PrefixHit) -> bool:
         """Whether the CPU tier can take each disk block of `hit` in this plan: a host block while
