@@ -60,9 +60,10 @@ def kind_of(kernel_name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def profile_kinds(runner: ModelRunner, plans: list) -> tuple[dict[str, float], int, dict[str, float]]:
-    """(ms per step by kind, kernels per step, the ten costliest kernel names in ms per step) of
-    running `plans` one by one under the profiler (CUDA graph replays show their kernels)."""
+def profile_kinds(runner: ModelRunner, plans: list) -> tuple[dict[str, float], int, list[dict]]:
+    """(ms per step by kind, kernels per step, every kernel name with its launches and ms per step,
+    costliest first) of running `plans` one by one under the profiler (CUDA graph replays show
+    their kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -72,6 +73,7 @@ def profile_kinds(runner: ModelRunner, plans: list) -> tuple[dict[str, float], i
         torch.cuda.synchronize()
     kinds: dict[str, float] = defaultdict(float)
     names: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
     count = 0
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -79,9 +81,18 @@ def profile_kinds(runner: ModelRunner, plans: list) -> tuple[dict[str, float], i
         ms = (event.time_range.end - event.time_range.start) / 1000 / len(plans)
         kinds[kind_of(event.name)] += ms
         names[event.name[:80]] += ms
+        launches[event.name[:80]] += 1
         count += 1
-    top = dict(sorted(names.items(), key=lambda kv: -kv[1])[:10])
-    return dict(sorted(kinds.items(), key=lambda kv: -kv[1])), count // len(plans), top
+    per_step = [
+        {
+            "kernel": name,
+            "launches": launches[name] / len(plans),
+            "ms": ms,
+            "µs each": 1000 * ms * len(plans) / launches[name],
+        }
+        for name, ms in sorted(names.items(), key=lambda kv: -kv[1])
+    ]
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1])), count // len(plans), per_step
 
 
 def _steps_ms(runner: ModelRunner, sched, steps: int) -> float:
@@ -164,11 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     _print(f"decode steps, context ~{args.context + args.steps}, {label}", rows)
     if kind_rows:
         _print("kernel ms per graph step, by kind", kind_rows)
-        for batch, top in tops.items():
-            _print(
-                f"batch {batch}: the ten costliest kernels (ms per step)",
-                [{"kernel": k, "ms": v} for k, v in top.items()],
-            )
+        for batch, kernels in tops.items():
+            _print(f"batch {batch}: every kernel of a graph step, costliest first", kernels)
     if args.result_file:
         args.result_file.parent.mkdir(parents=True, exist_ok=True)
         result = dict(

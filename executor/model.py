@@ -44,9 +44,11 @@ from pagedserve.executor.quantization import (
     Fp8Linear,
     dense_matmul,
     fp8_matmul,
+    gemv_norm_applies,
     gemv_silu_and_mul,
     gemv_silu_and_mul_applies,
     kv_scale_from_amax,
+    normed_gemv,
     rms_norm_for_fp8,
     silu_and_mul_for_fp8,
 )
@@ -105,6 +107,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param(size, device=device, dtype=dtype)
+        self.kind = kind
         if kind == "gemma":
             self._norm = layers.gemma_rms_norm  # an Fp8Linear after it quantizes its input itself
         else:
@@ -112,6 +115,27 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self._norm(x, self.weight, self.eps, residual)
+
+    def then_project(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        proj: Linear | Fp8Linear,
+        silu_and_mul: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(proj(norm(x + residual)), the residual stream x + residual) where residual None means
+        none, with SiLU-and-mul after the projection if asked: one GEMV launch at one token
+        (`normed_gemv`), else the norm's launch, then the projection's (`silu_and_mul` only where
+        the GEMV takes it, `gemv_silu_and_mul_applies`)."""
+        weight = proj.weight
+        if self.kind == "rms" and gemv_norm_applies(x, weight, silu_and_mul):
+            return normed_gemv(
+                x, residual, self.weight, self.eps, weight, proj.weight_scale, proj.bias, silu_and_mul
+            )
+        x, residual = (self(x), x) if residual is None else self(x, residual)
+        if silu_and_mul:
+            return gemv_silu_and_mul(x, weight, proj.weight_scale), residual
+        return proj(x), residual
 
 
 class Linear(nn.Module):
@@ -243,7 +267,14 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(x), meta, k_cache, v_cache)
+
+    def attend(
+        self, qkv: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` after the q | k | v projection (which the decoder layer may run in one launch
+        with the norm before it)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:  # over each head: rows of head_dim (new, contiguous tensors)
             q = self.q_norm(q.reshape(-1, self.head_dim))
             k = self.k_norm(k.reshape(-1, self.head_dim))
@@ -360,17 +391,21 @@ class DecoderLayer(nn.Module):
             x: the previous layer's MLP output, or the embeddings for the first layer.
             residual: the previous layer's residual stream; None for the first layer.
         """
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, meta, k_cache, v_cache)
+        attn = self.self_attn
+        qkv, residual = self.input_layernorm.then_project(x, residual, attn.qkv_proj)
+        x = attn.attend(qkv, meta, k_cache, v_cache)
         if self.sandwich:
             x = self.post_attention_layernorm(x)
             x, residual = self.pre_feedforward_layernorm(x, residual)
             return self.post_feedforward_layernorm(self.mlp(x)), residual
+        mlp = self.mlp
+        if isinstance(mlp, MLP) and mlp.swiglu and gemv_silu_and_mul_applies(x, mlp.gate_up_proj.weight):
+            h, residual = self.post_attention_layernorm.then_project(
+                x, residual, mlp.gate_up_proj, silu_and_mul=True
+            )
+            return mlp.down_proj(h), residual
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -452,6 +487,16 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.calibrate_kv_scales = on
 
+    def needs_kv_calibration(self, kv_cache_dtype: str) -> bool:
+        """Whether the first real step sets the KV scales: an FP8 pool the checkpoint gave none."""
+        return kv_cache_dtype == "fp8" and not self.kv_scales_loaded
+
+    def reset_kv_scales(self) -> None:
+        """Every layer's KV scales back to 1.0, as built (after a calibration on scratch data)."""
+        for layer in self.layers:
+            layer.self_attn.k_scale.fill_(1.0)
+            layer.self_attn.v_scale.fill_(1.0)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -489,9 +534,12 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
-        x, _ = self.norm(x, residual)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        logits = dense_matmul(x, head)
+        if self.norm.kind == "rms" and gemv_norm_applies(x, head):  # one token: one launch
+            logits, _ = normed_gemv(x, residual, self.norm.weight, self.norm.eps, head, None)
+        else:
+            x, _ = self.norm(x, residual)
+            logits = dense_matmul(x, head)
         if self.final_soft_cap is not None:  # in the model dtype, as transformers
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
         if out is None:

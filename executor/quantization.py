@@ -17,7 +17,8 @@ kernel (`kernels.fp8.weight_only_linear`: the same e4m3 weights and scales, wide
 saving the activation quantization and `_scaled_mm`'s large-M tiles. The choice depends on the
 step's token count only, a shape, so each CUDA graph (one per padded batch size) captures one path.
 The same GEMV kernel takes the 16-bit projections and the LM head of one-token steps
-(`dense_matmul`, `BF16_GEMV_MAX_M`), where it beats cuBLAS.
+(`dense_matmul`, `BF16_GEMV_MAX_M`), where it beats cuBLAS. At one token it also applies the
+RMSNorm before qkv, gate_up and the LM head itself (`normed_gemv`), in either weight format.
 
 KV cache. The pool stores e4m3; each layer's `Attention` owns k_scale / v_scale (float32 [1] on the
 device, read by the kernels through a pointer so CUDA graphs captured before calibration see the
@@ -79,6 +80,10 @@ WEIGHT_ONLY_MAX_M_ENV = "PAGEDSERVE_FP8_WEIGHT_ONLY_MAX_M"
 # 4.86 to 4.53 ms; at 2 rows it lost on gate_up in one of two runs of `benchmarks.small_m`.
 BF16_GEMV_MAX_M = 1
 BF16_GEMV_MAX_M_ENV = "PAGEDSERVE_BF16_GEMV_MAX_M"
+# PAGEDSERVE_NORM_IN_GEMV=0 keeps every RMSNorm a launch of its own (`gemv_norm_applies`; for
+# comparisons, read once at import).
+NORM_IN_GEMV_ENV = "PAGEDSERVE_NORM_IN_GEMV"
+_norm_in_gemv = os.environ.get(NORM_IN_GEMV_ENV, "1") != "0"
 
 
 def _read_max_m(env: str, default: int) -> int:
@@ -169,16 +174,59 @@ def gemv_silu_and_mul_applies(x: torch.Tensor | fp8.QuantizedActivation, weight:
     would run on the GEMV kernel (`dense_matmul`'s and `fp8_matmul`'s choice by the token count, so
     a captured graph keeps one path) and the kernel takes the shape without a K split. Saves the
     activation's launch and its round trip through memory in a small-batch decode step."""
-    if isinstance(x, fp8.QuantizedActivation):
+    if not _on_gemv(x, weight):
         return False
     from pagedserve.kernels import triton_fp8_gemv
 
+    return triton_fp8_gemv.fuses_silu_and_mul(x.shape[0], *weight.shape, weight.dtype, x.device)
+
+
+def _on_gemv(x: torch.Tensor | fp8.QuantizedActivation, weight: torch.Tensor) -> bool:
+    """Whether the projection `weight` of a step of x's rows runs on the GEMV kernel:
+    `dense_matmul`'s and `fp8_matmul`'s choice, by the token count."""
+    if isinstance(x, fp8.QuantizedActivation):
+        return False
+    if weight.dtype != fp8.FP8_DTYPE:
+        return _on_16bit_gemv(x, weight)
+    from pagedserve.kernels import triton_fp8_gemv
+
     m = x.shape[0] if x.dim() == 2 else -1
-    if weight.dtype == fp8.FP8_DTYPE:
-        on_gemv = 0 < m <= triton_fp8_gemv.FP8_GEMV_MAX_M and uses_weight_only(m) and _use_triton(x)
-    else:
-        on_gemv = _on_16bit_gemv(x, weight)
-    return on_gemv and triton_fp8_gemv.fuses_silu_and_mul(m, *weight.shape, weight.dtype, x.device)
+    return 0 < m <= triton_fp8_gemv.FP8_GEMV_MAX_M and uses_weight_only(m) and _use_triton(x)
+
+
+def gemv_norm_applies(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: bool = False) -> bool:
+    """Whether the RMSNorm before the projection `weight` (and SiLU-and-mul after it) of a step of
+    x's rows runs inside that projection's GEMV (`normed_gemv`): a one-token step, where the
+    projection runs on the GEMV kernel without a K split. Saves the norm's launch, twice a layer,
+    at one request (`kernels.triton_fp8_gemv.GemvNorm`). By shapes only: a graph keeps one path."""
+    if not _norm_in_gemv or not _on_gemv(x, weight):
+        return False
+    from pagedserve.kernels import triton_fp8_gemv
+
+    m, (n, k) = x.shape[0], weight.shape
+    fuses = triton_fp8_gemv.fuses_norm(m, n, k, weight.dtype, x.device)
+    return fuses and (not silu_and_mul or triton_fp8_gemv.fuses_silu_and_mul(m, n, k, weight.dtype, x.device))
+
+
+def normed_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    silu_and_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layers.rms_norm(x, norm_weight, eps, residual)`, then the projection (e4m3 `weight` with
+    its scales, or 16-bit with None), then SiLU-and-mul if asked, in one GEMV launch; only where
+    `gemv_norm_applies`. Returns (the output, the residual stream: x + residual, or x)."""
+    from pagedserve.kernels import triton_fp8_gemv
+
+    residual_out = None if residual is None else torch.empty_like(x)
+    norm = triton_fp8_gemv.GemvNorm(norm_weight, eps, residual, residual_out)
+    y = triton_fp8_gemv.gemv(x, weight, weight_scale, bias, x.dtype, silu_and_mul=silu_and_mul, norm=norm)
+    return y, (x if residual_out is None else residual_out)
 
 
 def gemv_silu_and_mul(

@@ -522,7 +522,7 @@ class ModelRunner:
         if config.step_trace:
             runner.tracer = StepTracer(config.step_trace, device)
         # An FP8 pool without scales from the checkpoint takes them from the first real step.
-        runner.calibrate_kv_scales = config.kv_cache_dtype == "fp8" and not model.kv_scales_loaded
+        runner.calibrate_kv_scales = model.needs_kv_calibration(config.kv_cache_dtype)
         if runner.graphs is not None and graph_reserve and runner.graphs.device_bytes > graph_reserve:
             log.warning(
                 "executor.graph_reserve_exceeded",

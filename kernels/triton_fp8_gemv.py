@@ -65,8 +65,10 @@ __all__ = [
     "FP8_GEMV_MAX_M",
     "GEMV_MAX_M",
     "GemvConfig",
+    "GemvNorm",
     "SplitKGemvConfig",
     "config_for",
+    "fuses_norm",
     "fuses_silu_and_mul",
     "gemv",
     "gemv_config_for",
@@ -494,6 +496,38 @@ def _gemv_row_step(acc, x_row_ptr, rk, k_mask, w, EVEN_K: tl.constexpr, ACC_2D: 
 
 
 @triton.jit
+def _normed_row_step(
+    acc, ss, x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, k_mask, w, store_res,
+    EVEN_K: tl.constexpr, ACC_2D: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """`_gemv_row_step` for the one row of an RMSNorm the kernel applies first (`GemvNorm`):
+    h = x (+ residual, rounded as the norm kernel rounds it; `store_res`: this program stores it),
+    acc (+)= w times norm_weight * h, and ss += h * h. The norm's 1 / rms(h), a factor of every
+    output, multiplies the sums once, in the epilogue."""
+    if EVEN_K:
+        x = tl.load(x_ptr + rk)
+        g = tl.load(norm_w_ptr + rk)
+    else:
+        x = tl.load(x_ptr + rk, mask=k_mask, other=0.0)
+        g = tl.load(norm_w_ptr + rk, mask=k_mask, other=0.0)
+    if HAS_RES:
+        if EVEN_K:
+            r = tl.load(res_ptr + rk)
+        else:
+            r = tl.load(res_ptr + rk, mask=k_mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + rk, x, mask=k_mask & store_res)
+    h = x.to(tl.float32)
+    ss += h * h
+    p = w * (g.to(tl.float32) * h)[None, :]
+    if ACC_2D:
+        acc += p
+    else:
+        acc += tl.sum(p, axis=1)
+    return acc, ss
+
+
+@triton.jit
 def _gemv_row_out(
     acc, row, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
     SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACC_2D: tl.constexpr,
@@ -568,6 +602,10 @@ def _gemv_kernel(
     stride_wn,
     stride_om,
     k_per_split,
+    res_ptr,
+    norm_w_ptr,
+    res_out_ptr,
+    eps,
     ROWS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -578,12 +616,18 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     ACC_2D: tl.constexpr,
     GLU: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    SCALE_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH_LINE: tl.constexpr,
 ):
     """Program (n block, k split): y[r, n] = sum over its K range of w[n, k] * x[r, k] for the
     ROWS (= M, 1..4) activation rows. EVEN_K: every split covers whole BLOCK_K steps inside K (no
     masks in the loop). GLU: silu(gate) * up of a gate | up weight (`_gemv_rows`; no split).
+    NORM (one row, no split): x is RMS-normalised first (`_normed_row_step`; HAS_RES: after the
+    residual add, which program 0 stores). SCALE_OUT: the epilogue multiplies by `scale` (the
+    weight scales, the norm's 1 / rms, or both).
     USE_PDL (`kernels.pdl`): with PREFETCH_LINE (weight elements per 128-byte line; 0: off) the
     weights, which no kernel writes, are prefetched into L2 before the wait; all else is read after."""
     pid_n = tl.program_id(0)
@@ -601,6 +645,7 @@ def _gemv_kernel(
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORM: the row's sum of squares, per lane
     for k0 in tl.range(0, k_per_split, BLOCK_K, num_stages=NUM_STAGES):
         rk = k_begin + k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
@@ -611,7 +656,13 @@ def _gemv_kernel(
         if w.dtype == tl.float8e4nv:
             w = w.to(tl.float16)  # exact (e4m3's range and 3 mantissa bits fit); one cvt per pair
         w = w.to(tl.float32)
-        acc0 = _gemv_row_step(acc0, x_ptr, rk, k_mask, w, EVEN_K, ACC_2D)
+        if NORM:
+            acc0, ss = _normed_row_step(
+                acc0, ss, x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, k_mask, w, pid_n == 0,
+                EVEN_K, ACC_2D, HAS_RES,
+            )  # fmt: skip
+        else:
+            acc0 = _gemv_row_step(acc0, x_ptr, rk, k_mask, w, EVEN_K, ACC_2D)
         if ROWS > 1:
             acc1 = _gemv_row_step(acc1, x_ptr + stride_xm, rk, k_mask, w, EVEN_K, ACC_2D)
         if ROWS > 2:
@@ -625,25 +676,56 @@ def _gemv_kernel(
             scale = tl.load(scale_ptr + rows)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows).to(tl.float32)
+    if NORM:
+        inv_rms = tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        if HAS_SCALE:
+            scale = scale * inv_rms
+        else:
+            scale = scale + inv_rms
     _gemv_row_out(
         acc0, 0, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
-        SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
+        SPLIT, SCALE_OUT, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
     )  # fmt: skip
     if ROWS > 1:
         _gemv_row_out(
             acc1, 1, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
-            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
+            SPLIT, SCALE_OUT, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
         )  # fmt: skip
     if ROWS > 2:
         _gemv_row_out(
             acc2, 2, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
-            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
+            SPLIT, SCALE_OUT, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
         )  # fmt: skip
     if ROWS > 3:
         _gemv_row_out(
             acc3, 3, rn, n_mask, scale, bias, out_ptr, partial_ptr, pid_k, M, N, stride_om,
-            SPLIT, HAS_SCALE, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
+            SPLIT, SCALE_OUT, HAS_BIAS, ACC_2D, GLU, BLOCK_N,
         )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GemvNorm:
+    """The RMSNorm in front of a projection, applied by the GEMV itself (`gemv(..., norm=...)`).
+
+    Why (issue 33): at one token the norm is a launch of its own, ~2 us for 8 KB of work, twice a
+    layer: ~0.17 ms of a 4.5 ms step on the llama-8b shape. The GEMV reads the row anyway. It
+    adds the residual (rounded, as `kernels.layers.rms_norm` does, and stored by program 0 in
+    `residual_out`), multiplies by the norm weight on the fly and sums the squares in the same
+    loop. Every program covers all of K (no split), so each knows 1 / rms, which scales the
+    outputs in the epilogue. The normalised row is never rounded to the model dtype, unlike the
+    two launches' (an ulp-level difference, as the GEMV's own order of sums).
+
+    Attributes:
+        weight: [K] the norm's weight, in x's dtype.
+        eps: the norm's epsilon.
+        residual: [1, K] added to x first (the residual stream), or None.
+        residual_out: [1, K] receives x + residual (given with `residual`).
+    """
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
 
 
 def gemv(
@@ -655,6 +737,7 @@ def gemv(
     config: SplitKGemvConfig | None = None,
     *,
     silu_and_mul: bool = False,
+    norm: GemvNorm | None = None,
 ) -> torch.Tensor:
     """y = x @ (weight * weight_scale[:, None])^T (+ bias) for M <= GEMV_MAX_M rows.
 
@@ -667,6 +750,7 @@ def gemv(
         silu_and_mul: weight is a gate | up projection (N even, no bias) and the result is
             `kernels.layers.silu_and_mul(y)`, [M, N / 2], made in the kernel's epilogue: no round
             trip of y through memory, no second launch. Only where `fuses_silu_and_mul` says so.
+        norm: x is RMS-normalised first (`GemvNorm`). Only where `fuses_norm` says so.
 
     The grid and the split-K workspace depend on the shapes only (graph-safe); no host syncs.
     """
@@ -686,6 +770,12 @@ def gemv(
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
     if silu_and_mul:
         assert bias is None and fuses_silu_and_mul(m, n, k, weight.dtype, x.device, config)
+    if norm is not None:
+        assert fuses_norm(m, n, k, weight.dtype, x.device, config)
+        assert norm.weight.shape == (k,) and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
+        assert (norm.residual is None) == (norm.residual_out is None), "residual and residual_out go together"
+        for t in (norm.residual, norm.residual_out):
+            assert t is None or (t.shape == x.shape and t.dtype == x.dtype and t.is_contiguous())
     out = torch.empty((m, n // 2 if silu_and_mul else n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -699,11 +789,16 @@ def gemv(
     bias_arg = scale if bias is None else bias
     use_pdl = pdl_enabled(x.device)
     prefetch_line = 128 // weight.element_size() if use_pdl and _PREFETCH_WEIGHTS else 0
+    has_res = norm is not None and norm.residual is not None
+    norm_args = (  # pointers never read without the norm (or its residual): x stands in
+        (norm.residual if has_res else x), norm.weight, (norm.residual_out if has_res else x), norm.eps
+    ) if norm is not None else (x, x, x, 0.0)  # fmt: skip
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         x, weight, scale, bias_arg, out, partial, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        k_per_split, ROWS=m, HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
+        k_per_split, *norm_args, ROWS=m, HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
         SPLIT=split_k > 1, EVEN_K=k % k_per_split == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        NUM_STAGES=config.num_stages, ACC_2D=config.acc_2d, GLU=silu_and_mul, USE_PDL=use_pdl,
+        NUM_STAGES=config.num_stages, ACC_2D=config.acc_2d, GLU=silu_and_mul, NORM=norm is not None,
+        HAS_RES=has_res, SCALE_OUT=weight_scale is not None or norm is not None, USE_PDL=use_pdl,
         PREFETCH_LINE=prefetch_line, launch_pdl=use_pdl, num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     if split_k > 1:
@@ -722,11 +817,33 @@ def fuses_silu_and_mul(
     """Whether `gemv(..., silu_and_mul=True)` takes an [N, K] gate | up weight at M rows: the
     epilogue needs whole sums, so only where the GEMV runs without a K split (the llama-8b gate_up
     at M = 1 and 2 runs 1,792-3,584 programs: never split)."""
-    if not 0 < m <= GEMV_MAX_M or n % 2 or k == 0:
+    if not 0 < m <= GEMV_MAX_M or n % 2:
         return False
     config = config or gemv_config_for(m, n, k, weight_dtype)
+    return _whole_k(n, k, device, config) and config.block_n >= 2
+
+
+def fuses_norm(
+    m: int,
+    n: int,
+    k: int,
+    weight_dtype: torch.dtype,
+    device: torch.device,
+    config: SplitKGemvConfig | None = None,
+) -> bool:
+    """Whether `gemv(..., norm=...)` takes an [N, K] weight at M rows: one row (the norm's sum
+    of squares is one accumulator), and no K split (each program needs the whole row's)."""
+    if m != 1:
+        return False
+    return _whole_k(n, k, device, config or gemv_config_for(m, n, k, weight_dtype))
+
+
+def _whole_k(n: int, k: int, device: torch.device, config: SplitKGemvConfig) -> bool:
+    """Whether each program of the GEMV covers all of K (an epilogue that needs whole sums)."""
+    if k == 0:
+        return False
     split_k, _ = _k_ranges(k, _gemv_split_k(config, n, k, device), config.block_k)
-    return split_k == 1 and config.block_n >= 2
+    return split_k == 1
 
 
 def linear_16bit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

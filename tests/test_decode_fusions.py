@@ -123,6 +123,70 @@ def test_gemv_silu_and_mul_equals_gemv_then_silu_and_mul(fp8_weights, m, interme
     assert torch.equal(fused, unfused)
 
 
+@pytest.mark.parametrize("fp8_weights", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
+@pytest.mark.parametrize(
+    "n, k, silu, bias",
+    [(37, 300, False, True), (48, 520, True, False), (9, 64, False, False), (40, 130, True, False)],
+)
+def test_gemv_with_the_norm_equals_norm_then_gemv(fp8_weights, with_residual, n, k, silu, bias):
+    """The norm inside the GEMV (`GemvNorm`): the residual stream it stores is bit for bit the norm
+    kernel's; the outputs are within the bf16 output's rounding of float32 math, and near the norm
+    kernel then the GEMV, which rounds the normalised row twice more (to bf16, then times the
+    weight) where the fused kernel keeps float32."""
+    _check_norm_in_gemv(fp8_weights, with_residual, n, k, silu, bias)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fp8_weights", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("n, silu", [(6144, False), (28672, True), (32000, False)])
+def test_cuda_gemv_with_the_norm_on_llama_shapes(fp8_weights, n, silu):
+    """The same at the llama-8b shape's qkv, gate_up and (a smaller vocabulary's) LM head."""
+    _check_norm_in_gemv(fp8_weights, True, n, 4096, silu, False)
+
+
+def _check_norm_in_gemv(
+    fp8_weights: bool, with_residual: bool, n: int, k: int, silu: bool, bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    x, residual = _randn(1, k, gen=gen, scale=3.0), _randn(1, k, gen=gen)
+    residual = residual if with_residual else None
+    norm_weight = (1.0 + 0.3 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    w, scale = [t.to(DEVICE) for t in fp8.quantize_weight(w)] if fp8_weights else (w.to(DEVICE), None)
+    b = _randn(n, gen=gen) if bias else None
+    eps = 1e-5
+    unfused = triton_layers.rms_norm(x, norm_weight, eps, residual)
+    normed, stream = unfused if with_residual else (unfused, x)
+    want = gemv.gemv(normed, w, scale, b, torch.bfloat16, silu_and_mul=silu)
+    residual_out = torch.empty_like(x) if with_residual else None
+    assert gemv.fuses_norm(1, n, k, w.dtype, x.device)
+    norm = gemv.GemvNorm(norm_weight, eps, residual, residual_out)
+    got = gemv.gemv(x, w, scale, b, torch.bfloat16, silu_and_mul=silu, norm=norm)
+    if with_residual:
+        assert torch.equal(residual_out, stream)
+    assert got.shape == want.shape
+    # float32 math: the norm of the (rounded) stream, the widened weights, then the activation
+    h = stream.float()
+    wide = w.float() if scale is None else w.float() * scale[:, None]
+    y = (norm_weight.float() * h * torch.rsqrt(h.pow(2).mean() + eps)) @ wide.t()
+    y = y if b is None else y + b.float()
+    if silu:
+        y = y.to(torch.bfloat16).float()
+        y = torch.nn.functional.silu(y[:, : n // 2]) * y[:, n // 2 :]
+    assert (got.float() - y).abs().amax() <= 2**-5 * y.abs().amax()  # a few bf16 ulps (SiLU: rounded thrice)
+    assert (got.float() - want.float()).abs().amax() <= 2**-4 * y.abs().amax()  # two roundings more
+
+
+def test_the_norm_needs_one_row_and_whole_sums():
+    """A configuration that splits K, or more than one row, cannot take the norm."""
+    device, bf16 = torch.device(DEVICE), torch.bfloat16
+    split = gemv.SplitKGemvConfig(block_n=8, block_k=64, split_k=4)
+    assert not gemv.fuses_norm(1, 64, 1024, bf16, device, split)
+    assert gemv.fuses_norm(1, 64, 1024, bf16, device, gemv.SplitKGemvConfig(8, 64, split_k=1))
+    assert not gemv.fuses_norm(2, 64, 1024, bf16, device, gemv.SplitKGemvConfig(8, 64, split_k=1))
+
+
 def test_silu_and_mul_needs_whole_sums():
     """A configuration that splits K cannot apply the activation in its epilogue."""
     device, bf16 = torch.device(DEVICE), torch.bfloat16
@@ -191,7 +255,8 @@ def _decode_step(model_dir, quant: str | None, num_seqs: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("quant, num_seqs", [(None, 1), ("fp8", 1), ("fp8", 2)], ids=str)
 def test_decode_step_on_the_fused_kernels_matches_reference(monkeypatch, tiny_dir, quant, num_seqs):
-    """A decode step through the fused launches (counted) agrees with the references' step."""
+    """A decode step through the fused launches (counted) agrees with the references' step. At one
+    token every norm runs inside the GEMV after it: both of each layer's and the final one."""
     if quant == "fp8":
         monkeypatch.setenv(quantization.REFERENCE_ENV, "1")
     monkeypatch.setenv("PAGEDSERVE_ATTENTION", "reference")
@@ -199,9 +264,16 @@ def test_decode_step_on_the_fused_kernels_matches_reference(monkeypatch, tiny_di
     monkeypatch.setenv("PAGEDSERVE_ATTENTION", "triton")
     calls = []
     real = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(kw.get("silu_and_mul")) or real(*a, **kw))
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("silu_and_mul", False), kwargs.get("norm") is not None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemv, "gemv", recording)
     actual = _decode_step(tiny_dir, quant, num_seqs)
-    assert True in calls, "gate_up did not take the fused GEMV"
+    assert (True, num_seqs == 1) in calls, "gate_up did not take the fused GEMV"
+    num_layers = load_model_spec(tiny_dir).num_layers
+    assert sum(norm for _, norm in calls) == (2 * num_layers + 1 if num_seqs == 1 else 0)
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=5e-2)
 
 

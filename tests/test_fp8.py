@@ -536,7 +536,8 @@ def test_scaled_mm_matches_reference(m, fast_accum):
 @pytest.mark.parametrize("quantization, kv_cache_dtype", [("fp8", "auto"), (None, "fp8"), ("fp8", "fp8")])
 def test_fp8_cuda_greedy_tokens_vs_bf16(tmp_path_factory, quantization, kv_cache_dtype):
     """The compiled path end to end (CUDA graphs for decode and mixed steps, chunked prefill, the
-    eager calibration step): greedy tokens against bf16, agreement printed, not required."""
+    eager calibration step, its kernels compiled by the start-up profile): greedy tokens against
+    bf16, agreement printed, not required."""
     model_dir = write_tiny_model(tmp_path_factory.mktemp("fp8cuda"), TinyModelSpec())
     prompts = {1: list(range(3, 24)), 2: list(range(40, 75, 2)), 3: list(range(100, 180, 3))}
     base = dict(
@@ -547,6 +548,9 @@ def test_fp8_cuda_greedy_tokens_vs_bf16(tmp_path_factory, quantization, kv_cache
         ExecutorConfig(**base, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     )
     assert runner.graphs is not None
+    if kv_cache_dtype == "fp8":  # the start-up profile calibrated on scratch data, then put them back
+        assert runner.calibrate_kv_scales
+        assert all(layer.self_attn.k_scale.item() == 1.0 for layer in runner.model.layers)
     got = _greedy(runner, prompts, 16)
     assert runner.stats.graph_steps > 0
     if kv_cache_dtype == "fp8":
