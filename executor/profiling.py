@@ -104,6 +104,16 @@ def measure_host_copy_bandwidth(
 GRAPH_OVERHEAD_BYTES = 24 << 20
 
 
+# Eager steps the start-up also runs, after the worst step, so that the Triton kernels of the eager
+# path compile there and not in a request: Triton compiles a kernel once per class of each integer
+# argument (1, a multiple of 16, any other value), the worst step and the CUDA graphs' padded
+# sizes cover multiples of 16 only, and the first step of a server with an FP8 KV cache (the scale
+# calibration) or with prompt logprobs runs eagerly at whatever size it gets. Compiled in the first
+# request, they cost it ~1 s on an H100 (W1 with FP8 KV lost 1.0-1.7 s in its first step and read
+# 11,524 output tok/s on an H200 instead of ~15,000): one prompt and two, of odd lengths.
+WARM_UP_LENS = ([13], [13, 6])
+
+
 def _scratch_pool(layout: KVCacheLayout, lens: list[int], device: torch.device):
     tables, next_block = [], 0
     for n in lens:
@@ -127,13 +137,12 @@ def num_cuda_graphs(config: ExecutorConfig, max_model_len: int) -> int:
     )
 
 
-def _worst_step_peak(model: CausalLM, layout: KVCacheLayout, lens: list[int], calibrate: bool = False) -> int:
+def _eager_step_peak(model: CausalLM, layout: KVCacheLayout, lens: list[int], calibrate: bool = False) -> int:
     """Peak torch memory (pool excluded) of an eager step of `lens` prefills, all sampled with
     top-k/top-p (the sampler's sort is the largest temporary).
 
     `calibrate`: the step sets the FP8 KV scales as the first real step will, then puts them back,
-    so that the calibration's kernels compile here. Compiled in the first request, they cost it
-    1-2 s (W1 with FP8 KV read 11,524 output tok/s on an H200 instead of ~15,000)."""
+    so that the calibration's kernels compile here (see `WARM_UP_LENS`)."""
     device = next(model.parameters()).device
     num_seqs = len(lens)
     torch.cuda.reset_peak_memory_stats(device)
@@ -199,7 +208,10 @@ def profile_cuda(
     device = next(model.parameters()).device
     torch.cuda.empty_cache()
     lens = worst_step_lens(config, max_model_len)
-    peak = _worst_step_peak(model, layout, lens, calibrate=model.needs_kv_calibration(config.kv_cache_dtype))
+    calibrate = model.needs_kv_calibration(config.kv_cache_dtype)
+    peak = _eager_step_peak(model, layout, lens, calibrate)
+    for odd in WARM_UP_LENS:
+        _eager_step_peak(model, layout, [min(n, max_model_len) for n in odd], calibrate)
     graph_reserve = 0
     if cuda_graphs:
         num_graphs = num_cuda_graphs(config, max_model_len)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.executor.transfer import to_device
+from pagedserve.kernels import layers
 
 _M64 = (1 << 64) - 1
 _GREEDY_EPS = 1e-5
@@ -181,7 +182,7 @@ def sample(
         logits = apply_token_masks(logits, masks)
     if banned is not None:
         logits = ban_tokens(logits, banned)
-    token_ids = logits.argmax(dim=-1)  # all that an all-greedy batch needs
+    token_ids = layers.argmax(logits)  # all that an all-greedy batch needs
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:
         _sample_rows(logits, token_ids, params, positions, sampled_rows)

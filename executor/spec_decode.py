@@ -41,6 +41,7 @@ from pagedserve.executor.sampler import (
     sample,
 )
 from pagedserve.executor.transfer import int64_to_device, to_device
+from pagedserve.kernels import layers
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def accept_greedy(
         [S] the last emitted token (the next step's input).
     """
     num, k = proposals.shape
-    target = logits.argmax(dim=-1).view(num, k + 1)
+    target = layers.argmax(logits).view(num, k + 1)
     num_accepted = (target[:, :k] == proposals).cumprod(dim=1).sum(dim=1)  # (bool: int64)
     last = target.gather(1, num_accepted[:, None]).squeeze(1)
     return target, num_accepted + 1, last

@@ -345,8 +345,11 @@ FP8_GEMV_MAX_M = 2
 # default until measured: the one-wave grid asks for its whole weight at once, and a weight larger
 # than L2 (gate_up, down, the LM head: 117 MB to 1 GB against 50 MB) may then be read twice. The
 # first GPU run with it (an H100, bf16 at one request) was 1.41x of the read floor against 1.25x at
-# 8 requests, which do not use the GEMV.
-_PREFETCH_WEIGHTS = os.environ.get("PAGEDSERVE_GEMV_PREFETCH", "0") == "1"
+# 8 requests, which do not use the GEMV. PAGEDSERVE_GEMV_PREFETCH=head asks for the first
+# `_PREFETCH_HEAD_BYTES` of each weight row only (a few MB a projection, well inside L2): the
+# loop's first loads, whose latency a kernel that starts cold waits out, then hit L2.
+_PREFETCH = os.environ.get("PAGEDSERVE_GEMV_PREFETCH", "0")
+_PREFETCH_HEAD_BYTES = 2048
 # With split_k=None, splits are added while the grid has fewer than this many programs per SM
 # (each one already keeps (num_stages - 1) tiles in flight; a split costs a second launch).
 _GEMV_PROGRAMS_PER_SM = 2
@@ -606,6 +609,7 @@ def _gemv_kernel(
     norm_w_ptr,
     res_out_ptr,
     eps,
+    prefetch_len,
     ROWS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -629,14 +633,15 @@ def _gemv_kernel(
     residual add, which program 0 stores). SCALE_OUT: the epilogue multiplies by `scale` (the
     weight scales, the norm's 1 / rms, or both).
     USE_PDL (`kernels.pdl`): with PREFETCH_LINE (weight elements per 128-byte line; 0: off) the
-    weights, which no kernel writes, are prefetched into L2 before the wait; all else is read after."""
+    first `prefetch_len` elements of its K range of each weight row (weights: no kernel writes
+    them) are prefetched into L2 before the wait; all else is read after."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows, rn, n_mask = _gemv_rows(pid_n, N, BLOCK_N, GLU)
     w_rows = w_ptr + rows[:, None] * stride_wn
     k_begin = pid_k.to(tl.int64) * k_per_split
     if USE_PDL and PREFETCH_LINE > 0:
-        _prefetch_l2(w_rows, k_begin, k_per_split, K, PREFETCH_LINE, 16)  # 16 x 8 rows: a request a thread
+        _prefetch_l2(w_rows, k_begin, prefetch_len, K, PREFETCH_LINE, 16)  # 16 x 8 rows: a request a thread
     pdl_begin(USE_PDL)
     if ACC_2D:
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -788,15 +793,19 @@ def gemv(
     scale = weight if weight_scale is None else weight_scale  # a placeholder pointer without scales
     bias_arg = scale if bias is None else bias
     use_pdl = pdl_enabled(x.device)
-    prefetch_line = 128 // weight.element_size() if use_pdl and _PREFETCH_WEIGHTS else 0
+    prefetch_line = 128 // weight.element_size() if use_pdl and _PREFETCH in ("1", "head") else 0
+    prefetch_len = (
+        k_per_split if _PREFETCH == "1" else min(k_per_split, _PREFETCH_HEAD_BYTES // weight.element_size())
+    )
     has_res = norm is not None and norm.residual is not None
     norm_args = (  # pointers never read without the norm (or its residual): x stands in
         (norm.residual if has_res else x), norm.weight, (norm.residual_out if has_res else x), norm.eps
     ) if norm is not None else (x, x, x, 0.0)  # fmt: skip
     _gemv_kernel[(triton.cdiv(n, config.block_n), split_k)](
         x, weight, scale, bias_arg, out, partial, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        k_per_split, *norm_args, ROWS=m, HAS_SCALE=weight_scale is not None, HAS_BIAS=bias is not None,
-        SPLIT=split_k > 1, EVEN_K=k % k_per_split == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        k_per_split, *norm_args, prefetch_len, ROWS=m, HAS_SCALE=weight_scale is not None,
+        HAS_BIAS=bias is not None, SPLIT=split_k > 1, EVEN_K=k % k_per_split == 0, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
         NUM_STAGES=config.num_stages, ACC_2D=config.acc_2d, GLU=silu_and_mul, NORM=norm is not None,
         HAS_RES=has_res, SCALE_OUT=weight_scale is not None or norm is not None, USE_PDL=use_pdl,
         PREFETCH_LINE=prefetch_line, launch_pdl=use_pdl, num_warps=config.num_warps, num_stages=1,

@@ -26,7 +26,12 @@ import triton.language as tl
 from pagedserve.kernels.pdl import begin as pdl_begin
 from pagedserve.kernels.pdl import launch_args as pdl_launch_args
 
-__all__ = ["rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["argmax", "rms_norm", "rotary_embedding", "silu_and_mul"]
+
+# `argmax`: each row is cut into chunks of at least this many columns, enough of them that the
+# rows' chunks give each SM a few programs (one row of a 128K vocabulary: 63 chunks).
+_ARGMAX_MIN_CHUNK = 2048
+_ARGMAX_PROGRAMS = 264
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # One program normalises one whole row; beyond this the row no longer fits in registers.
@@ -216,6 +221,39 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _argmax_chunk_kernel(
+    x_ptr, values_ptr, indices_ptr, width, stride_x, chunk, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The largest value of one row's chunk of `chunk` columns and its first column."""
+    pdl_begin(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1).to(tl.int64) * chunk
+    best = tl.full((), float("-inf"), tl.float32)
+    best_col = first
+    for offset in range(0, chunk, BLOCK):
+        cols = first + offset + tl.arange(0, BLOCK)
+        mask = (cols < width) & (offset + tl.arange(0, BLOCK) < chunk)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        value, at = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        best_col = tl.where(value > best, first + offset + at, best_col)  # ties: the earlier column
+        best = tl.maximum(best, value)
+    tl.store(values_ptr + row * CHUNKS + tl.program_id(1), best)
+    tl.store(indices_ptr + row * CHUNKS + tl.program_id(1), best_col)
+
+
+@triton.jit
+def _argmax_merge_kernel(values_ptr, indices_ptr, out_ptr, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's argmax from its chunks' (in column order: the first of equal maxima wins)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunks = tl.arange(0, BLOCK)
+    mask = chunks < CHUNKS
+    values = tl.load(values_ptr + row * CHUNKS + chunks, mask=mask, other=float("-inf"))
+    _, at = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(indices_ptr + row * CHUNKS + at))
+
+
 # --------------------------------------------------------------------------------------------- #
 # Python entry points
 # --------------------------------------------------------------------------------------------- #
@@ -362,4 +400,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             num_warps=_num_warps(block),
             enable_fp_fusion=False,
         )
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """See `kernels.layers.argmax`: each row cut into chunks, their maxima found in parallel, then
+    merged (two launches; the chunk count depends on shapes only, so graph-safe)."""
+    _check_rows("x", x)
+    rows, width = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0 or width == 0:
+        return out.zero_()
+    chunks = max(1, min(triton.cdiv(_ARGMAX_PROGRAMS, rows), triton.cdiv(width, _ARGMAX_MIN_CHUNK)))
+    chunk = triton.cdiv(width, chunks)
+    chunks = triton.cdiv(width, chunk)
+    values = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
+    indices = torch.empty((rows, chunks), dtype=torch.int64, device=x.device)
+    _argmax_chunk_kernel[(rows, chunks)](
+        x, values, indices, width, x.stride(0), chunk, CHUNKS=chunks,
+        BLOCK=min(2048, triton.next_power_of_2(chunk)), **pdl_launch_args(x.device),
+    )  # fmt: skip
+    _argmax_merge_kernel[(rows,)](values, indices, out, CHUNKS=chunks, BLOCK=triton.next_power_of_2(chunks))
     return out

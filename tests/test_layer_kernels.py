@@ -180,6 +180,36 @@ def _spy(monkeypatch: pytest.MonkeyPatch, module, name: str) -> list[str]:
     return calls
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows, width", [(1, 5000), (3, 129), (7, 70000), (64, 2049), (1, 1)])
+def test_argmax_matches_torch(dtype, rows, width):
+    """The chunked argmax equals torch's on fresh random rows of odd widths (chunks not dividing
+    them), including ties: each row's maximum planted again in a later chunk, and once in an
+    earlier column of the same chunk, where the first column must win."""
+    gen = torch.Generator().manual_seed(rows * 100_000 + width)
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    for r in range(rows):
+        top = x[r].max()
+        cols = torch.randint(0, width, (2,), generator=gen)
+        x[r, cols] = top + 1  # two equal maxima: the first column wins
+    x = x.to(DEVICE)
+    assert torch.equal(tlay.argmax(x), x.argmax(dim=-1))
+
+
+def test_argmax_dispatch(monkeypatch):
+    """The kernel up to ARGMAX_TRITON_MAX_ROWS rows where Triton runs, torch's argmax otherwise."""
+    x = torch.randn(layers.ARGMAX_TRITON_MAX_ROWS + 1, 40).to(DEVICE)
+    calls = []
+    monkeypatch.setattr(tlay, "argmax", lambda t: calls.append(t.shape[0]) or t.argmax(dim=-1))
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION", "triton")
+    for rows in (1, layers.ARGMAX_TRITON_MAX_ROWS, layers.ARGMAX_TRITON_MAX_ROWS + 1):
+        assert torch.equal(layers.argmax(x[:rows]), x[:rows].argmax(dim=-1))
+    assert calls == [1, layers.ARGMAX_TRITON_MAX_ROWS]
+    monkeypatch.setenv("PAGEDSERVE_ATTENTION", "reference")
+    layers.argmax(x[:1])
+    assert calls == [1, layers.ARGMAX_TRITON_MAX_ROWS]
+
+
 @pytest.mark.parametrize("choice", ["auto", "reference", "triton"])
 def test_dispatch(monkeypatch: pytest.MonkeyPatch, choice: str) -> None:
     """CPU tensors take the reference unless forced; CUDA tensors take Triton unless forced."""
