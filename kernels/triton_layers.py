@@ -28,10 +28,11 @@ from pagedserve.kernels.pdl import launch_args as pdl_launch_args
 
 __all__ = ["argmax", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
-# `argmax`: each row is cut into chunks of at least this many columns, enough of them that the
-# rows' chunks give each SM a few programs (one row of a 128K vocabulary: 63 chunks).
-_ARGMAX_MIN_CHUNK = 2048
-_ARGMAX_PROGRAMS = 264
+# `argmax`: each row is cut into chunks of this many columns (one row of a 128K vocabulary: 63
+# programs), at most `_ARGMAX_MAX_CHUNKS` of them. By the width alone: a compile-time constant
+# that depended on the row count compiled the kernel again for each batch size, ~60 ms each.
+_ARGMAX_CHUNK = 2048
+_ARGMAX_MAX_CHUNKS = 64
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # One program normalises one whole row; beyond this the row no longer fits in registers.
@@ -405,14 +406,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """See `kernels.layers.argmax`: each row cut into chunks, their maxima found in parallel, then
-    merged (two launches; the chunk count depends on shapes only, so graph-safe)."""
+    merged (two launches; the chunks depend on the width only, so graph-safe and compiled once)."""
     _check_rows("x", x)
     rows, width = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0 or width == 0:
         return out.zero_()
-    chunks = max(1, min(triton.cdiv(_ARGMAX_PROGRAMS, rows), triton.cdiv(width, _ARGMAX_MIN_CHUNK)))
-    chunk = triton.cdiv(width, chunks)
+    chunk = max(_ARGMAX_CHUNK, triton.cdiv(width, _ARGMAX_MAX_CHUNKS))
     chunks = triton.cdiv(width, chunk)
     values = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
     indices = torch.empty((rows, chunks), dtype=torch.int64, device=x.device)
