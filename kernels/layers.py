@@ -23,9 +23,12 @@ from pagedserve.kernels import _use_triton
 
 __all__ = ["argmax", "gelu_tanh_and_mul", "gemma_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
-# `argmax` runs the Triton kernel up to this many rows: torch's reduction gives each row one
-# block, which reads a 128K vocabulary alone (~28 us a step at one request on an H100).
+# `argmax` runs the Triton kernel up to this many rows of at least this many columns: torch's
+# reduction gives each row one block, which reads a 128K vocabulary alone (~28 us a step at one
+# request on an H100). A narrow row takes torch's few microseconds, and its one launch from the
+# host is cheaper than the kernel's two (a small model's step is bound by the host).
 ARGMAX_TRITON_MAX_ROWS = 64
+ARGMAX_TRITON_MIN_WIDTH = 32768
 
 
 @overload
@@ -69,7 +72,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: [rows, width] logits, rows contiguous.
     """
-    if x.dim() == 2 and 0 < x.shape[0] <= ARGMAX_TRITON_MAX_ROWS and x.stride(1) == 1 and _use_triton(x):
+    wide = x.dim() == 2 and x.shape[1] >= ARGMAX_TRITON_MIN_WIDTH and x.stride(1) == 1
+    if wide and 0 < x.shape[0] <= ARGMAX_TRITON_MAX_ROWS and _use_triton(x):
         from pagedserve.kernels import triton_layers
 
         return triton_layers.argmax(x)

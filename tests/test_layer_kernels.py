@@ -197,13 +197,16 @@ def test_argmax_matches_torch(dtype, rows, width):
 
 
 def test_argmax_dispatch(monkeypatch):
-    """The kernel up to ARGMAX_TRITON_MAX_ROWS rows where Triton runs, torch's argmax otherwise."""
-    x = torch.randn(layers.ARGMAX_TRITON_MAX_ROWS + 1, 40).to(DEVICE)
+    """The kernel up to ARGMAX_TRITON_MAX_ROWS rows of ARGMAX_TRITON_MIN_WIDTH columns where Triton
+    runs, torch's argmax otherwise."""
+    x = torch.randn(layers.ARGMAX_TRITON_MAX_ROWS + 1, layers.ARGMAX_TRITON_MIN_WIDTH).to(DEVICE)
     calls = []
     monkeypatch.setattr(tlay, "argmax", lambda t: calls.append(t.shape[0]) or t.argmax(dim=-1))
     monkeypatch.setenv("PAGEDSERVE_ATTENTION", "triton")
     for rows in (1, layers.ARGMAX_TRITON_MAX_ROWS, layers.ARGMAX_TRITON_MAX_ROWS + 1):
         assert torch.equal(layers.argmax(x[:rows]), x[:rows].argmax(dim=-1))
+    assert calls == [1, layers.ARGMAX_TRITON_MAX_ROWS]
+    layers.argmax(x[:1, :-1])  # narrower rows
     assert calls == [1, layers.ARGMAX_TRITON_MAX_ROWS]
     monkeypatch.setenv("PAGEDSERVE_ATTENTION", "reference")
     layers.argmax(x[:1])

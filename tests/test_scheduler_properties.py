@@ -292,6 +292,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.executor = FakeExecutor(self.config, self.truth, self.prompt_lens)
         self.requests: dict[int, Request] = {}  # every request ever added
         self.held: tuple[int, list[int], list[int], list[int]] | None = None  # an output one step late
+        self.fetched_hosts: set[int] = set()  # host blocks the last plan fetched from disk into
         self.next_seq_id = 1
         self.known_hashes: dict[BlockHash, list[int]] = {}
 
@@ -376,14 +377,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         tier = self.scheduler.kv_cache_manager.tier
         tier_slots = {slot for _, slot in tier.items()} if tier is not None else set()
         assert {cpu for _, cpu in plan.swap_out} & {cpu for cpu, _ in plan.swap_in} <= tier_slots
-        # The tier's loads stay within the budget, except a plan's first tier hit's (it goes alone).
+        # The tier's loads stay within the budget, except a plan's first tier hit's (it goes alone),
+        # or the loads of the disk blocks the plan before fetched alone: they counted against that
+        # plan's budget, and load even if their request was aborted since (they are registered).
         if config.max_num_loaded_blocks and len(plan.load) > config.max_num_loaded_blocks:
             loaded = {gpu for _, gpu in plan.load}
             manager = self.scheduler.kv_cache_manager
-            assert any(
+            assert all(host in self.fetched_hosts for host, _ in plan.load) or any(
                 loaded <= {b for g in range(manager.num_groups) for b in manager.block_ids(r.seq_id, g)}
                 for r in self.scheduler.loading
             ), "a plan's loads past the budget are one request's"
+        self.fetched_hosts = {host for _, host in plan.fetch}
 
     def chain_hashes(self, tokens: list[int]) -> None:
         """Records the hash of every full block of a token sequence, for the content check."""
