@@ -693,10 +693,11 @@ class KVCacheManager:
 
     def _release_out_of_window(self, request: Request, tables: list[_Table]) -> None:
         """Releases each sliding group's blocks before the first one a query at the request's next
-        position can read (registered ones stay findable in the prefix cache's LRU)."""
+        position can read (registered ones stay findable in the prefix cache's LRU); with
+        proposals in flight, the position the next query has if all of them are rejected."""
         for group in self._sliding_groups:
             table = tables[group]
-            first = min(self._first_needed(group, request.num_computed_tokens), len(table.blocks))
+            first = min(self._first_needed(group, _next_position(request)), len(table.blocks))
             if first > table.first:
                 released = table.blocks[table.first : first]
                 table.blocks[table.first : first] = [None] * (first - table.first)
@@ -795,9 +796,9 @@ class KVCacheManager:
             when the CPU pool is too small.
         """
         tables = self._tables[request.seq_id]
-        computed = request.num_computed_tokens
-        end = _cdiv(computed, self.block_size)
-        starts = [max(t.first, self._first_needed(g, computed)) for g, t in enumerate(tables)]
+        end = _cdiv(request.num_computed_tokens, self.block_size)  # proposals in flight included
+        position = _next_position(request)
+        starts = [max(t.first, self._first_needed(g, position)) for g, t in enumerate(tables)]
         host_blocks = self._take_host_blocks(sum(max(0, end - start) for start in starts))
         if host_blocks is None:
             return None
@@ -857,6 +858,14 @@ class KVCacheManager:
             self._loading_block_ids.add(block.block_id)
             self._host_blocks_busy.add(host)
         self._fetched.clear()
+
+
+def _next_position(request: Request) -> int:
+    """The lowest position the request's next query can have: past its computed tokens, less the
+    proposals in flight (speculative decoding), which its output may reject, all of them. A sliding
+    window must keep what a query there reads (a block released on the proposals' count was read
+    again, empty, once they were rejected)."""
+    return request.num_computed_tokens - request.num_draft_tokens
 
 
 def _first_held(table: Sequence[Block | None]) -> int:

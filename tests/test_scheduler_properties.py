@@ -545,3 +545,60 @@ SchedulerMachine.TestCase.settings = settings(
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+def _replay(setup: dict, steps: list[tuple[str, dict]]) -> None:
+    """Runs the machine through `steps` (rule name, arguments), checking the invariants after each,
+    as Hypothesis does, then its teardown: a falsifying case it once found, kept as a regression."""
+    machine = SchedulerMachine()
+    machine.setup(**setup)
+    invariants = (
+        machine.block_bookkeeping,
+        machine.prompt_tokens_counted_as_executed,
+        machine.request_counters,
+    )
+    for name, kwargs in steps:
+        getattr(machine, name)(**kwargs)
+        for check in invariants:
+            check()
+    machine.teardown()
+
+
+def test_a_sliding_window_keeps_what_a_rejected_proposal_leaves_in_view():
+    """Found by a 20,000-example run: a request swapped out (window 2, block size 1) while its one
+    n-gram proposal was in flight kept only the blocks its next query would read had the proposal
+    been accepted. It was rejected, the query sat one position earlier, and the block before it was
+    gone: "position 3 of group 0 has no block". Windows now keep what a query reads with every
+    proposal in flight rejected (`kv_cache_manager._next_position`)."""
+    add = lambda **kw: ("add_request", dict(max_tokens_frac=0.0, priority=0, tail=[], template=0) | kw)  # noqa: E731
+    step = lambda late: ("step", {"late": late})  # noqa: E731
+    _replay(
+        dict(
+            block_size=1,
+            max_model_len=6,
+            extra_blocks=0,
+            num_cpu_blocks=1,
+            max_num_seqs=3,
+            max_num_batched_tokens=5,
+            enable_prefix_caching=False,
+            preemption_mode="swap",
+            sliding_windows=(2,),
+            tier_share=0.0,
+            num_disk_offload_blocks=0,
+            num_speculative_tokens=1,
+            max_num_loaded_blocks=0,
+        ),  # fmt: skip
+        [
+            step(False),
+            *[add(prefix_len=0)] * 7,
+            add(prefix_len=3),
+            step(True),
+            add(max_tokens_frac=1.0, prefix_len=3, priority=1, tail=[1]),
+            step(False),
+            step(False),
+            step(False),
+            add(prefix_len=2),
+            step(True),
+            step(False),
+        ],
+    )
