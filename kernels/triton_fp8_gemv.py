@@ -713,7 +713,8 @@ class GemvNorm:
     """The RMSNorm in front of a projection, applied by the GEMV itself (`gemv(..., norm=...)`).
 
     Why (issue 33): at one token the norm is a launch of its own, ~2 us for 8 KB of work, twice a
-    layer: ~0.17 ms of a 4.5 ms step on the llama-8b shape. The GEMV reads the row anyway. It
+    layer. Taking them into the GEMVs took a bf16 llama-8b-shape token from 5.84 to 5.71 ms on an
+    H100 (FP8: no change; benchmarks/results/2026-12-06-h100). The GEMV reads the row anyway. It
     adds the residual (rounded, as `kernels.layers.rms_norm` does, and stored by program 0 in
     `residual_out`), multiplies by the norm weight on the fly and sums the squares in the same
     loop. Every program covers all of K (no split), so each knows 1 / rms, which scales the
