@@ -754,19 +754,24 @@ class KVCacheManager:
     def trim(self, request: Request, num_tokens: int) -> int:
         """Speculative decoding: frees the blocks of the request's tables (GPU, or CPU while it is
         swapped out) past the one that holds position ``num_tokens - 1``: slots reserved for
-        proposals that were rejected. They were allocated for the proposals alone, so none is
+        proposals that were rejected (and, swapped out, a sliding window's blocks out of view of
+        the query at ``num_tokens``). They were allocated for the proposals alone, so none is
         shared or registered: the prefix cache registers only blocks full of known tokens. Returns
         how many blocks it freed."""
         end = _cdiv(num_tokens, self.block_size)
         cpu_tables = self._cpu_tables.get(request.seq_id)
-        if cpu_tables is not None:
+        if cpu_tables is not None:  # swapped out with its proposals in flight (`_next_position`)
             freed = 0
             for group, (first, ids) in enumerate(cpu_tables):
                 keep = max(0, end - first)
-                if len(ids) > keep:
+                # A window kept what a query reads with every proposal rejected; some were
+                # accepted: the blocks before the window of the query now are out of view.
+                drop = min(keep, max(0, self._first_needed(group, num_tokens) - first))
+                if drop or len(ids) > keep:
                     self._cpu_free.extend(reversed(ids[keep:]))
-                    freed += len(ids) - keep
-                    cpu_tables[group] = (first, ids[:keep])
+                    self._cpu_free.extend(reversed(ids[:drop]))
+                    freed += len(ids) - keep + drop
+                    cpu_tables[group] = (first + drop, ids[drop:keep])
             return freed
         tables = self._tables.get(request.seq_id)
         if not tables:

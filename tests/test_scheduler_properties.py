@@ -602,3 +602,46 @@ def test_a_sliding_window_keeps_what_a_rejected_proposal_leaves_in_view():
             step(False),
         ],
     )
+
+
+def test_a_swapped_window_lets_go_of_what_accepted_proposals_leave_out_of_view():
+    """Found by an 8,000-example run after the fix above (shrunk by hand): swapped out with a
+    proposal in flight, a window kept one block more than its query would read; the proposal was
+    accepted and the block stayed. Settling the proposals now also trims a swapped request's
+    window from the front."""
+    add = lambda **kw: ("add_request", dict(max_tokens_frac=0.0, priority=1, tail=[]) | kw)  # noqa: E731
+    step = lambda late: ("step", {"late": late})  # noqa: E731
+    _replay(
+        dict(
+            max_num_seqs=6,
+            max_model_len=16,
+            max_num_batched_tokens=15,
+            sliding_windows=(2,),
+            block_size=1,
+            num_speculative_tokens=1,
+            extra_blocks=1,
+            num_cpu_blocks=2,
+            preemption_mode="swap",
+            num_disk_offload_blocks=8,
+            tier_share=1.0,
+            max_num_loaded_blocks=2,
+            enable_prefix_caching=True,
+        ),  # fmt: skip
+        [
+            add(max_tokens_frac=0.5, prefix_len=3, priority=0, tail=[0], template=1),
+            step(True),
+            add(max_tokens_frac=0.11691662922264937, prefix_len=1, tail=[0, 0], template=0),
+            add(prefix_len=7, tail=[1, 0, 1], template=1),
+            add(prefix_len=14, template=0),
+            step(False),
+            add(max_tokens_frac=1.0, prefix_len=3, priority=2, tail=[0], template=0),
+            step(False),
+            add(prefix_len=7, template=2),
+            step(False),
+            add(prefix_len=11, tail=[0], template=2),
+            add(prefix_len=9, priority=0, tail=[0, 0], template=1),
+            *[step(late) for late in (True, True, False, False, True)],
+            add(prefix_len=14, priority=0, tail=[1, 0, 1], template=0),
+            step(False),
+        ],
+    )
