@@ -564,14 +564,21 @@ def _replay(setup: dict, steps: list[tuple[str, dict]]) -> None:
     machine.teardown()
 
 
+def _add(**kwargs) -> tuple[str, dict]:
+    """An add_request step for `_replay` (no output budget, priority 0, no tail unless given)."""
+    return "add_request", dict(max_tokens_frac=0.0, priority=0, tail=[], template=0) | kwargs
+
+
+def _step(late: bool) -> tuple[str, dict]:
+    return "step", {"late": late}
+
+
 def test_a_sliding_window_keeps_what_a_rejected_proposal_leaves_in_view():
     """Found by a 20,000-example run: a request swapped out (window 2, block size 1) while its one
     n-gram proposal was in flight kept only the blocks its next query would read had the proposal
     been accepted. It was rejected, the query sat one position earlier, and the block before it was
     gone: "position 3 of group 0 has no block". Windows now keep what a query reads with every
     proposal in flight rejected (`kv_cache_manager._next_position`)."""
-    add = lambda **kw: ("add_request", dict(max_tokens_frac=0.0, priority=0, tail=[], template=0) | kw)  # noqa: E731
-    step = lambda late: ("step", {"late": late})  # noqa: E731
     _replay(
         dict(
             block_size=1,
@@ -589,17 +596,17 @@ def test_a_sliding_window_keeps_what_a_rejected_proposal_leaves_in_view():
             max_num_loaded_blocks=0,
         ),  # fmt: skip
         [
-            step(False),
-            *[add(prefix_len=0)] * 7,
-            add(prefix_len=3),
-            step(True),
-            add(max_tokens_frac=1.0, prefix_len=3, priority=1, tail=[1]),
-            step(False),
-            step(False),
-            step(False),
-            add(prefix_len=2),
-            step(True),
-            step(False),
+            _step(False),
+            *[_add(prefix_len=0)] * 7,
+            _add(prefix_len=3),
+            _step(True),
+            _add(max_tokens_frac=1.0, prefix_len=3, priority=1, tail=[1]),
+            _step(False),
+            _step(False),
+            _step(False),
+            _add(prefix_len=2),
+            _step(True),
+            _step(False),
         ],
     )
 
@@ -609,8 +616,6 @@ def test_a_swapped_window_lets_go_of_what_accepted_proposals_leave_out_of_view()
     proposal in flight, a window kept one block more than its query would read; the proposal was
     accepted and the block stayed. Settling the proposals now also trims a swapped request's
     window from the front."""
-    add = lambda **kw: ("add_request", dict(max_tokens_frac=0.0, priority=1, tail=[]) | kw)  # noqa: E731
-    step = lambda late: ("step", {"late": late})  # noqa: E731
     _replay(
         dict(
             max_num_seqs=6,
@@ -628,20 +633,20 @@ def test_a_swapped_window_lets_go_of_what_accepted_proposals_leave_out_of_view()
             enable_prefix_caching=True,
         ),  # fmt: skip
         [
-            add(max_tokens_frac=0.5, prefix_len=3, priority=0, tail=[0], template=1),
-            step(True),
-            add(max_tokens_frac=0.11691662922264937, prefix_len=1, tail=[0, 0], template=0),
-            add(prefix_len=7, tail=[1, 0, 1], template=1),
-            add(prefix_len=14, template=0),
-            step(False),
-            add(max_tokens_frac=1.0, prefix_len=3, priority=2, tail=[0], template=0),
-            step(False),
-            add(prefix_len=7, template=2),
-            step(False),
-            add(prefix_len=11, tail=[0], template=2),
-            add(prefix_len=9, priority=0, tail=[0, 0], template=1),
-            *[step(late) for late in (True, True, False, False, True)],
-            add(prefix_len=14, priority=0, tail=[1, 0, 1], template=0),
-            step(False),
+            _add(max_tokens_frac=0.5, prefix_len=3, priority=0, tail=[0], template=1),
+            _step(True),
+            _add(priority=1, max_tokens_frac=0.11691662922264937, prefix_len=1, tail=[0, 0], template=0),
+            _add(priority=1, prefix_len=7, tail=[1, 0, 1], template=1),
+            _add(priority=1, prefix_len=14, template=0),
+            _step(False),
+            _add(max_tokens_frac=1.0, prefix_len=3, priority=2, tail=[0], template=0),
+            _step(False),
+            _add(priority=1, prefix_len=7, template=2),
+            _step(False),
+            _add(priority=1, prefix_len=11, tail=[0], template=2),
+            _add(prefix_len=9, priority=0, tail=[0, 0], template=1),
+            *[_step(late) for late in (True, True, False, False, True)],
+            _add(prefix_len=14, priority=0, tail=[1, 0, 1], template=0),
+            _step(False),
         ],
     )
