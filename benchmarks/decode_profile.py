@@ -16,6 +16,9 @@ tokens are prefilled, then:
   bandwidth the runner measured when it started (`executor.profiling.measure_copy_bandwidth`, the
   figure an executor reports for `pagedserve bench`'s floor).
 
+The graphs are captured for the shape's whole context, as an executor's are (`--max-model-len`):
+their block tables are that wide, and the attention's split plan follows from it.
+
 The issue-33 targets are ratios of the per-token latency to this floor (1.15x for bf16 at one
 request). `--device cpu` runs the script on a tiny model (2 layers of a narrowed shape) as a
 smoke test: its numbers mean nothing.
@@ -108,6 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed per mode")
     parser.add_argument("--replays", type=int, default=5, help="graph steps under the profiler")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="the context the CUDA graphs are captured for (their block tables' width, which sets the "
+        "attention's split plan); default: the shape's, as an executor takes it",
+    )  # fmt: skip
     parser.add_argument("--quantization", choices=[q for q in QUANTIZATIONS if q], default=None)
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/llama-8b-shape-profile"))
@@ -126,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     directory = args.model_dir / f"{shape.num_hidden_layers}l-{shape.hidden_size}"
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(shape.hf_config(1, 2), indent=2))
-    max_len = args.context + args.steps * 3 + args.replays + 64
+    max_len = args.max_model_len or (shape.max_position_embeddings if cuda else 1024)
+    if max_len < args.context + args.steps * 3 + args.replays + 64:
+        parser.error(f"--max-model-len {max_len} is too short for --context {args.context}")
     config = ExecutorConfig(
         model=str(directory), device=args.device, max_model_len=max_len, max_num_seqs=max(batches),
         max_num_batched_tokens=max(2048, args.context), gpu_memory_utilization=0.85, swap_space=0,

@@ -521,6 +521,7 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
+    FIT_SPLITS: tl.constexpr,
     BY_SEQ: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
@@ -542,6 +543,10 @@ def decode_kernel(
     the splits partition those (tokens_per_split comes from the window, not the table) and start at
     the window's first key; no key before it is loaded (its block may be freed or reused). The
     window's start depends on the sequence length, so SINGLE_TILE loads its block ids after it.
+    FIT_SPLITS (looping splits): the splits partition the token's own context, not the table's
+    (`tokens_per_split` is the most a split takes): the split count is fixed when a CUDA graph is
+    captured for the longest context, and a short context would otherwise fill a few splits with
+    several key tiles each, leaving the rest of the grid idle.
     SOFT_CAP: see `_attend_block`.
     """
     pdl_begin(USE_PDL)
@@ -604,8 +609,13 @@ def decode_kernel(
             if KV_FP8 == WIDEN_TO_F16:
                 q = _q_to_f16(q)
         context_end = seq_len - (q_end - token) + 1  # keys < context_end are visible to this token
+        first_key = 0
         if WINDOW:
-            kv_start += tl.maximum(context_end - window, 0)
+            first_key = tl.maximum(context_end - window, 0)
+        if FIT_SPLITS:  # whole key tiles, as few per split as fill num_splits (at least one)
+            tokens_per_split = tl.cdiv(tl.cdiv(context_end - first_key, num_splits), BLOCK_N) * BLOCK_N
+            kv_start = split * tokens_per_split
+        kv_start += first_key
 
         acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -637,10 +647,11 @@ def decode_kernel(
         if SPLIT:
             # Partial rows: (grid row * num_q_heads + q_head) * num_splits + split, each D_PAD fp32,
             # then part_rows running maxima and part_rows denominators. A split past the context
-            # stores the empty state (zeros, -inf, 0), which the merge weighs by zero.
+            # stores the empty state (-inf, 0) and no accumulator: the merge reads none there.
             num_q_heads = tl.num_programs(1) * GROUP
             prow = (row.to(tl.int64) * num_q_heads + q_heads) * num_splits + split
-            tl.store(part_ptr + prow[:, None] * D_PAD + d[None, :], acc, mask=row_mask[:, None])
+            if kv_start < kv_end:
+                tl.store(part_ptr + prow[:, None] * D_PAD + d[None, :], acc, mask=row_mask[:, None])
             tl.store(part_ptr + part_rows * D_PAD + prow, m_i, mask=row_mask)
             tl.store(part_ptr + part_rows * (D_PAD + 1) + prow, l_i, mask=row_mask)
         else:
@@ -693,7 +704,8 @@ def merge_kernel(
         m = tl.load(m_ptrs, mask=live, other=float("-inf"), cache_modifier=".cg")
         l_part = tl.load(m_ptrs + part_rows, mask=live, other=0.0, cache_modifier=".cg")
         acc_ptrs = part_ptr + prow[:, None] * D_PAD + d[None, :]
-        acc = tl.load(acc_ptrs, mask=live[:, None], other=0.0, cache_modifier=".cg")
+        filled = live & (m > float("-inf"))  # an empty split's accumulator is not even stored
+        acc = tl.load(acc_ptrs, mask=filled[:, None], other=0.0, cache_modifier=".cg")
         weight = tl.math.exp2(m - tl.max(m, 0))
         result = tl.sum(acc * weight[:, None], 0) / tl.sum(weight * l_part, 0)
         o_ptrs = out_ptr + token * stride_ot + q_head * stride_oh + d * stride_od

@@ -97,22 +97,25 @@ def applies(
     )  # fmt: skip
 
 
-def compiled_kernel(q: torch.Tensor, k_cache: torch.Tensor, config: CudaDecodeConfig) -> int | None:
+def compiled_kernel(
+    q: torch.Tensor, k_cache: torch.Tensor, config: CudaDecodeConfig, fit_splits: bool = True
+) -> int | None:
     """The kernel for these shapes (NVRTC at first use, then cached), or None where it does not
-    compile here: the failure is logged once and the launch is left to the Triton kernel."""
+    compile here: the failure is logged once and the launch is left to the Triton kernel.
+    fit_splits: each token spreads its own context over the splits (`triton_attention.FIT_SPLITS`)."""
     group = q.shape[1] // k_cache.shape[2]
-    return _kernel(group, k_cache.shape[1], q.dtype == torch.bfloat16, config, q.device.index)
+    return _kernel(group, k_cache.shape[1], q.dtype == torch.bfloat16, config, q.device.index, fit_splits)
 
 
 @functools.lru_cache(maxsize=32)
 def _kernel(
-    group: int, page_size: int, q_bf16: bool, config: CudaDecodeConfig, device_index: int
+    group: int, page_size: int, q_bf16: bool, config: CudaDecodeConfig, device_index: int, fit_splits: bool
 ) -> int | None:
     """The compiled kernel's CUfunction handle (loaded into the device's primary context), or None
     where NVRTC or the driver refuses it."""
     defines = dict(
         HEAD_DIM=_HEAD_DIM, GROUP=group, PAGE_SIZE=page_size, STAGES=config.stages, WARPS=config.warps,
-        Q_BF16=int(q_bf16),
+        Q_BF16=int(q_bf16), FIT_SPLITS=int(fit_splits),
     )  # fmt: skip
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE.read_text()
     try:

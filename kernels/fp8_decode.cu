@@ -151,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_paged_decode(
     const int row = blockIdx.x, split = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int kv_head = blockIdx.y * WARPS + warp;
-    const int kv_start = split * tokens_per_split;
+    int kv_start = split * tokens_per_split;  // FIT_SPLITS may move it once the context is known
     if (kv_head >= num_kv_heads) return;  // no barrier follows
 
     // Loads that do not wait for each other: the row's sequence data and, assuming that the row's
@@ -195,6 +195,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) fp8_paged_decode(
     }
     if (by_seq) load_q(token);
     const int context_end = seq_len - (q_end - token) + 1;
+#if FIT_SPLITS
+    // The splits partition this token's context, not the table's (tokens_per_split is the most a
+    // split takes: `attention_jit.decode_kernel`'s FIT_SPLITS): whole 64-key tiles, as few per
+    // split as fill num_splits. Where that moves the split, its first block ids are loaded again.
+    if (num_splits > 1) {
+        tokens_per_split = ((context_end + num_splits - 1) / num_splits + 63) / 64 * 64;
+        if (split * tokens_per_split != kv_start) {
+            kv_start = split * tokens_per_split;
+            ids_now = load_ids(0);
+            ids_next = load_ids(1);
+        }
+    }
+#endif
     const int kv_end = min(kv_start + tokens_per_split, context_end);
     const int num_units = kv_end > kv_start ? (kv_end - kv_start + UNIT - 1) / UNIT : 0;
 

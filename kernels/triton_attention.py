@@ -24,9 +24,12 @@ keeps an eager call cheap.
   saved a launch but cost far more at small batches (the README's Kernels section). When the
   whole context fits one key tile per program in one wave (small batches), each program holds
   exactly one tile and loads that tile's block ids together with the sequence length, saving a
-  round trip to memory. The kernel finds each token's sequence itself, and each token attends
-  causally up to its own position, so the result stays correct even if `num_tokens == num_seqs`
-  hides a sequence with two new tokens next to one with none.
+  round trip to memory. Otherwise the split count is planned for the longest context the block
+  table holds (a CUDA graph fixes it at capture), and each token spreads its own context over the
+  splits (`FIT_SPLITS`): a short context takes as many splits as it has key tiles, instead of a
+  few splits of several tiles each. The kernel finds each token's sequence itself, and each token
+  attends causally up to its own position, so the result stays correct even if
+  `num_tokens == num_seqs` hides a sequence with two new tokens next to one with none.
 * otherwise, a mixed batch (prefill chunks, whole prompts and decodes in any order): both kernels.
   The decode kernel runs with one grid row per *sequence* (`BY_SEQ`): the rows of sequences with
   exactly one new token do the work above, the others exit at once. The *varlen* kernel, launched
@@ -158,6 +161,10 @@ _MAX_SPLITS = 64
 # few bytes per program and is bound by its chain of dependent memory accesses, which one tile per
 # program shortens (see `attention_jit.decode_kernel`).
 _SINGLE_TILE_PROGRAMS_PER_SM = 2
+# Looping splits partition each token's own context (`decode_kernel`'s FIT_SPLITS), not the
+# table's, whose full width a CUDA graph's launch is planned for. `PAGEDSERVE_DECODE_SPLITS=table`
+# turns that off, for comparisons.
+FIT_SPLITS = os.environ.get("PAGEDSERVE_DECODE_SPLITS", "context") != "table"
 # The merge loads all splits of one query head at once: at most this many fp32 per thread.
 _MERGE_ELEMENTS_PER_THREAD = 128
 # The varlen kernel finds its sequence with one vector load up to this many sequences, by binary
@@ -405,6 +412,7 @@ def _decode_plan(
         BLOCK_N=config.block_n,
         SPLIT=split,
         SINGLE_TILE=split and tokens_per_split == config.block_n,
+        FIT_SPLITS=split and tokens_per_split > config.block_n and FIT_SPLITS,
         BY_SEQ=by_seq,
         WINDOW=window is not None,
         SOFT_CAP=soft_cap,
@@ -723,7 +731,7 @@ def _launch_decode(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out
     ):
         cuda_config = cuda_decode.fitted(cuda_config, k_cache.shape[2])
-        cuda_kernel = cuda_decode.compiled_kernel(q, k_cache, cuda_config)
+        cuda_kernel = cuda_decode.compiled_kernel(q, k_cache, cuda_config, FIT_SPLITS)
     if cuda_kernel is not None:
         plan = _cuda_decode_plan(q, k_cache, block_tables, cuda_config, num_splits, by_seq)
         part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out

@@ -264,6 +264,20 @@ def test_merge_over_many_splits(splits: int, single_tile: bool) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("window", [None, 200], ids=["full", "window"])
+def test_looping_splits_fit_contexts_much_shorter_than_the_table(window: int | None) -> None:
+    """A CUDA graph plans the splits for its table's full width (here 41 blocks of 16): each token
+    spreads its own context, or its window's keys, over them in whole key tiles (`FIT_SPLITS`), a
+    context shorter than one tile per split included, and gives the same result."""
+    batch = make_batch([1, 1, 1], [5, 90, 333], 8, 2, 64, 16, torch.float32, extra_table_cols=20, seed=13)
+    config = ta.DecodeConfig(block_n=16, num_warps=4, num_stages=2)
+    plan = ta.decode_plan(batch["q"], batch["k_cache"], batch["block_tables"], config, 6, window=window)
+    assert plan.meta["FIT_SPLITS"] and plan.tokens_per_split > 16 and plan.num_splits > 1
+    out = run_triton(batch, decode_config=config, num_splits=6, sliding_window=window)
+    assert_matches(out, reference_fp32(batch, sliding_window=window), torch.float32)
+
+
+@needs_triton
 def test_repeated_split_launches_share_the_scratch() -> None:
     """Launches with different split counts reuse one partials buffer; each result stays right, and
     a repeat is bit-identical."""
