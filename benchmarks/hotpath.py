@@ -229,10 +229,15 @@ class TimedEngine(Engine):
                 super()._place(held)
             self._held.clear()
 
-    def on_output(self, replica, plan, output) -> None:
-        super().on_output(replica, plan, output)
-        if not self.end_wall and self.tokens_generated >= self.expected_tokens:
-            self.end_wall, self.end_cpu = time.perf_counter(), time.process_time()
+    def on_output(self, replica, plan, output):
+        deliver = super().on_output(replica, plan, output)
+
+        def deliver_and_time() -> None:
+            deliver()
+            if not self.end_wall and self.tokens_generated >= self.expected_tokens:
+                self.end_wall, self.end_cpu = time.perf_counter(), time.process_time()
+
+        return deliver_and_time
 
 
 def prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:

@@ -116,6 +116,8 @@ class RunnerStats:
     swap_in_blocks: int = 0
     busy_seconds: float = 0.0  # wall time with at least one step in flight (overlaps counted once)
     graph_steps: int = 0  # steps that replayed a CUDA graph
+    steps_launched_ahead: int = 0  # verification steps launched before their plan (`launch_ahead`)
+    steps_discarded_ahead: int = 0  # launched ahead, but the plan was another step
 
 
 @dataclass(slots=True)
@@ -144,6 +146,7 @@ class PendingStep:
     order: list[SeqId] = field(default_factory=list)
     # Masks behind the plan: its sampling, kept until the StepMasks arrives (`apply_masks`).
     deferred: _StepSampling | None = None
+    replayed_verification: bool = False  # `_replay_verification` ran it: `launch_ahead` may follow
 
     @property
     def awaits_masks(self) -> bool:
@@ -269,6 +272,26 @@ class _StepSampling:
 
 
 @dataclass(slots=True)
+class _LaunchedAhead:
+    """A verification step launched before its plan (`ModelRunner.launch_ahead`): what the plan
+    must be for it to be that plan's step, and what to restore if it is not.
+
+    Attributes:
+        pending: the launched step (its step_id set when a plan takes it).
+        states: the verified requests, in the order the plan must name them.
+        num_draft: the proposals each verifies (k).
+        rows: [S] their slots, on the device.
+        fed: [S] their slots' last tokens before the step (its acceptance overwrote them).
+    """
+
+    pending: PendingStep
+    states: list[RequestState]
+    num_draft: int
+    rows: torch.Tensor
+    fed: torch.Tensor
+
+
+@dataclass(slots=True)
 class _Scheduled:
     state: RequestState
     num_new: int  # proposals included
@@ -342,6 +365,7 @@ class ModelRunner:
         self.stats = RunnerStats()
         self._requests: dict[SeqId, RequestState] = {}
         self._awaiting: PendingStep | None = None  # the launched step that awaits its late masks
+        self._ahead: _LaunchedAhead | None = None  # a verification launched before its plan
         self.kv_groups = model.kv_groups
         self._layer_caches = kv_cache.layer_caches(self.kv_groups.layer_slot)
         # Speculative decoding's draft model: its layers' KV in the slots after the target's.
@@ -551,6 +575,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forgets every request (a new lease); the pool's contents become meaningless."""
         self._drop_awaiting()
+        self._ahead = None
         self._requests.clear()
         self.slots.reset()
         self.kv_cache.wait_for_disk_io()  # (a fetch left running would write a host block later)
@@ -570,6 +595,8 @@ class ModelRunner:
             PlanError: the plan is inconsistent, or a step still awaits its masks; nothing was applied.
         """
         self._check_not_awaiting(plan)
+        if self._ahead is not None and (ahead := self._take_ahead(plan)) is not None:
+            return ahead
         pending = PendingStep(plan.step_id, time.perf_counter())
         if self.tracer is not None:
             pending.trace = self.tracer.begin(
@@ -602,6 +629,88 @@ class ModelRunner:
         if pending.trace is not None:
             self.tracer.launched(pending.trace)
         return pending
+
+    @torch.inference_mode()
+    def launch_ahead(self, finished: PendingStep) -> None:
+        """Launches, before its plan arrives, the verification step that most likely follows
+        `finished`, a step of greedy verifications alone that `_replay_verification` ran and whose
+        output went out: the same requests, k proposals each from their newest token, in the
+        blocks they hold already. A verification step's plan waits for the step before it (the
+        scheduler must know how many proposals were accepted), so without this the GPU idles for
+        the whole round trip and the scheduler's work; with it, the step runs meanwhile, and the
+        plan, when it is that step (`_take_ahead`), only has its output collected. Anything else
+        in the plan (a new request, a finished one, a new block, fewer proposals near max_tokens)
+        discards it: its KV writes lie past every request's computed tokens, where the plan's own
+        step writes again, and the last tokens it fed are restored (`_roll_back`).
+        Does nothing where that step cannot be launched so."""
+        if not finished.replayed_verification or self._ahead is not None or self._awaiting is not None:
+            return
+        k = self.num_speculative_tokens
+        states = [st for st, _ in finished.spec]
+        max_len = self._limits.max_model_len
+        for st in states:
+            last = st.num_computed + k  # the position of its last proposal
+            if (
+                self._requests.get(st.seq_id) is not st
+                or last >= max_len
+                or any(end * self.block_size <= last for end in st.table_ends)
+            ):
+                return
+        drafts = np.zeros(k, dtype=np.int64)
+        scheduled = [_Scheduled(st, k + 1, k, drafts, True) for st in states]
+        batch = self._host_batch(scheduled)
+        rows = int64_to_device([batch.rows], self.device)[0]
+        fed = self.slots.last_token.index_select(0, rows)  # queued before the step overwrites them
+        self.kv_cache.wait_for_copies()  # as `launch` does
+        pending = PendingStep(-1, time.perf_counter())
+        if self.tracer is not None:
+            pending.trace = self.tracer.begin(-1)
+            pending.trace.ahead = True
+        if not self._replay_verification(scheduled, batch, self._spec_rows(scheduled, batch), pending):
+            return
+        pending.order = [st.seq_id for st in states]
+        self._ahead = _LaunchedAhead(pending, states, k, rows, fed)
+        if pending.trace is not None:
+            self.tracer.launched(pending.trace)
+
+    def _take_ahead(self, plan: executor_pb2.StepPlan) -> PendingStep | None:
+        """The step launched ahead, if `plan` is exactly it (nothing but its requests, in order,
+        each with k proposals from the draft model and no new block); else rolls it back. Such a
+        plan is valid for the state the step was launched from, so nothing else is checked."""
+        ahead, self._ahead = self._ahead, None
+        assert ahead is not None
+        k = ahead.num_draft
+        same = len(plan.running) == len(ahead.states) and all(
+            field.name in ("step_id", "running") for field, _ in plan.ListFields()
+        )
+        same = same and all(
+            req.seq_id == st.seq_id
+            and req.num_new_tokens == k + 1
+            and req.num_draft_tokens == k
+            and not req.draft_token_ids
+            and not any(table.block_ids for table in req.new_blocks)
+            for req, st in zip(plan.running, ahead.states, strict=True)
+        )
+        if not same:
+            self._roll_back(ahead)
+            return None
+        pending = ahead.pending
+        pending.step_id = plan.step_id
+        if pending.trace is not None:
+            pending.trace.step_id = plan.step_id
+        self.stats.steps += 1
+        self.stats.tokens_computed += (k + 1) * len(ahead.states)
+        self.stats.steps_launched_ahead += 1
+        return pending
+
+    def _roll_back(self, ahead: _LaunchedAhead) -> None:
+        """Undoes a step launched ahead that no plan took: its requests' computed tokens and the
+        last tokens it fed (after it on the stream, so its own writes come first)."""
+        for st in ahead.states:
+            st.num_computed -= ahead.num_draft + 1
+        self.slots.last_token.index_copy_(0, ahead.rows, ahead.fed)
+        self.stats.graph_steps -= 1
+        self.stats.steps_discarded_ahead += 1
 
     @torch.inference_mode()
     def apply_masks(self, pending: PendingStep, masks: executor_pb2.StepMasks) -> None:
@@ -917,19 +1026,26 @@ class ModelRunner:
         plan: executor_pb2.StepPlan,
     ) -> bool:
         """A greedy draft-model step of verifications alone, k proposals each, where the graphs
-        hold it: the proposal graph, the target's mixed graph (the proposals written into its input
-        ids) and the acceptance graph (tokens, counts, the feed), staged by their two fills alone.
-        The general path (`_draft_proposals`, `_verify`) launches ~60 torch operations a step from
-        the host besides (index tensors, acceptance kernels, views): on the H200 a one-request step
-        was bound by them. Returns False, having done nothing, where this does not apply."""
+        hold it (`_replay_verification`). Returns False, having done nothing, where this does not
+        apply."""
+        if len(verified) != len(scheduled) or plan.masked_seq_ids or plan.late_masked_seq_ids:
+            return False
+        return self._replay_verification(verified, batch, spec_rows, pending)
+
+    def _replay_verification(
+        self, verified: list[_Scheduled], batch: HostBatch, spec_rows: np.ndarray, pending: PendingStep
+    ) -> bool:
+        """Replays the proposal graph, the target's mixed graph (the proposals written into its
+        input ids) and the acceptance graph (tokens, counts, the feed) for `verified`, a step of
+        greedy verifications alone, staged by their two fills alone. The general path
+        (`_draft_proposals`, `_verify`) launches ~60 torch operations a step from the host besides
+        (index tensors, acceptance kernels, views): on the H200 a one-request step was bound by
+        them. Returns False, having done nothing, where the graphs do not hold the step."""
         k, graphs, draft_graphs = self.num_speculative_tokens, self.graphs, self.draft_graphs
         if (
             graphs is None
             or draft_graphs is None
             or self.calibrate_kv_scales
-            or len(verified) != len(scheduled)
-            or plan.masked_seq_ids
-            or plan.late_masked_seq_ids
             or not draft_graphs.can_accept(len(verified), k)
             or not all(_argmax_matched(s, k) for s in verified)
         ):
@@ -952,6 +1068,7 @@ class ModelRunner:
         emitted = draft_graphs.accept(len(states))
         self._verified(emitted[:, -1])
         self._copy_verified(pending, [(st, k) for st in states], emitted)
+        pending.replayed_verification = True
         return True
 
     def _sample_step(self, work: _StepSampling, pending: PendingStep) -> None:

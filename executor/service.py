@@ -15,6 +15,9 @@ runs them launches plan N+1 *before* waiting for step N's sampled tokens wheneve
 by then, so the GPU goes from one step straight into the next. It never waits for a plan while a
 step is finished: the scheduler, once it has nothing more to plan, waits for output N before it
 sends anything, so holding output N back for plan N+1 would deadlock. Outputs leave in plan order.
+A speculative verification step's plan always waits so (the scheduler must know what was
+accepted): once its output is out, the runner launches the step that plan most likely is
+(`ModelRunner.launch_ahead`), and the plan, when it comes, takes it or discards it.
 
 Masks behind the plan (structured outputs): a plan N+1 with late_masked_seq_ids is launched as it
 arrives (its forward pass is queued) and output N goes out; then the loop waits for the message that
@@ -116,6 +119,10 @@ class _PlanReader:
             log.debug("executor.plan_stream_broken", error=type(e).__name__)
         finally:
             self._plans.put(_END)
+
+    def queued(self) -> bool:
+        """Whether something (a plan, most likely) waits to be read."""
+        return not self._plans.empty()
 
     def close(self) -> None:
         """The stream ended: the watcher thread, if any, exits (after the step it waits for)."""
@@ -369,7 +376,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 item = plans.next(None if awaits_masks else pending)  # masks: wait for the message
                 if item is _STEP_DONE:
                     yield self._finish(pending, epoch)
-                    pending = None
+                    finished, pending = pending, None
+                    if not plans.queued():  # the next plan waits for this output: start its step
+                        _, error = self._call_runner(
+                            finished.step_id, epoch, context, self._runner.launch_ahead, finished
+                        )
+                        if error is not None:
+                            context.abort(*error)
                     continue
                 if item is _END or self._shutting_down.is_set():
                     if pending is not None and not awaits_masks:  # the step in flight: its output goes out

@@ -43,6 +43,7 @@ class StepRecord:
     copied_beside: int = 0  # CPU-tier blocks loaded or offloaded on the copy stream beside the forward
     swapped: int = 0  # blocks swapped out or in before the forward, on its stream
     graph: bool = False
+    ahead: bool = False  # launched before its plan arrived (ModelRunner.launch_ahead)
     launch_ms: float = 0.0  # host time in ModelRunner.launch
     gpu_ms: float | None = None  # its first kernel to its sampled tokens (CUDA only)
     gap_ms: float | None = None  # GPU idle between the previous step's end and this one's start

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -424,16 +425,32 @@ class Engine:
     def plan_to_proto(self, plan: StepPlan) -> executor_pb2.StepPlan:
         return plan_to_proto(plan, self._active)
 
-    def on_output(self, replica: ExecutorReplica, plan: StepPlan, output: executor_pb2.StepOutput) -> None:
+    def on_output(
+        self, replica: ExecutorReplica, plan: StepPlan, output: executor_pb2.StepOutput
+    ) -> Callable[[], None]:
+        """Settles a step's tokens in the replica's core and returns their delivery (detokenizing,
+        stop strings, the clients' streams: `_deliver`), which the replica runs once the executor
+        has its next plan when none is in flight (`ExecutorReplica._step_loop`)."""
         core = replica.scheduler
         assert core is not None
         self.steps += 1
         seq_ids, token_ids = list(output.seq_ids), list(output.token_ids)
         counts = list(output.num_tokens)
         core.process_output(output.step_id, seq_ids, token_ids, counts)
+        return functools.partial(self._deliver, replica, seq_ids, token_ids, counts, output.logprobs)
+
+    def _deliver(
+        self,
+        replica: ExecutorReplica,
+        seq_ids: list[SeqId],
+        token_ids: list[int],
+        counts: list[int],
+        logprobs: Sequence[float],
+    ) -> None:
+        """Streams a settled step's tokens to their requests; a stop string found here finishes
+        the request in the core (`finish_request`), one plan late at most."""
         if counts:  # speculative decoding: one seq id per token; a stop ends the run where it is
             seq_ids = [seq_id for seq_id, count in zip(seq_ids, counts, strict=True) for _ in range(count)]
-        logprobs = output.logprobs
         get_active = self._active.get
         # Speculative decoding: a request's run of tokens goes out as one message (its deltas merged).
         runs: dict[int, tuple[ActiveRequest, Delta]] | None = {} if counts else None

@@ -4,10 +4,13 @@ An `ExecutorReplica` owns everything that belongs to one executor: the transport
 the `Scheduler` core (block pool, prefix cache, swap pool: block ids mean nothing on another
 executor) and the Step stream, with one plan in flight ahead of the executor (the plan of step N+1
 is sent before the output of step N is read), so the executor never waits on this process. A stop
-found late costs one discarded token, never streamed. Structured outputs: when plan N+1 names
-constrained requests whose masks follow it (`StepPlan.late_masked_seq_ids`), their masks go out
-right after output N is processed, before anything else is planned (`_send_late_masks`): the
-executor waits for them to sample N+1.
+found late costs one discarded token, never streamed. Where no plan could go ahead (speculative
+decoding's verification steps wait for their output), the next plan goes out before the output's
+tokens are detokenized and streamed, which would otherwise hold the idle executor up.
+
+Structured outputs: when plan N+1 names constrained requests whose masks follow it
+(`StepPlan.late_masked_seq_ids`), their masks go out right after output N is processed, before
+anything else is planned (`_send_late_masks`): the executor waits for them to sample N+1.
 
 The request table, the router and the clients' streams belong to the `Engine` (scheduler/engine.py),
 which the replica reaches through the small `ReplicaHost` interface: the replica says when it
@@ -27,7 +30,7 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -170,7 +173,9 @@ class ReplicaHost(Protocol):
 
     def on_output(
         self, replica: ExecutorReplica, plan: StepPlan, output: executor_pb2.StepOutput
-    ) -> None: ...
+    ) -> Callable[[], None]:
+        """Settles the output in the core; returns the delivery of its tokens to the clients."""
+        ...
 
     def on_lost(self, replica: ExecutorReplica) -> None:
         """Called once the replica's core is retired: re-place `replica.seq_ids`."""
@@ -481,6 +486,7 @@ class ExecutorReplica:
         core = self.scheduler
         call = self.transport.open_steps(self.info.lease_epoch)
         in_flight: deque[StepPlan] = deque()
+        deliver: Callable[[], None] | None = None  # the last output's tokens, not yet streamed
         self._last_contact = time.monotonic()
         try:
             while True:
@@ -492,14 +498,19 @@ class ExecutorReplica:
                     else:
                         await call.write(self._host.plan_to_proto(plan))
                         in_flight.append(plan)
+                if deliver is not None:
+                    run_delivery, deliver = deliver, None
+                    run_delivery()
                 if in_flight and (plan is None or len(in_flight) >= PLANS_IN_FLIGHT):
                     output = await call.read()
                     if output is None:
                         raise RuntimeError("the executor closed the step stream")
                     self._last_contact = time.monotonic()
-                    self._on_output(in_flight.popleft(), output)
+                    deliver = self._on_output(in_flight.popleft(), output)
                     if in_flight:
                         await self._send_late_masks(call, core, in_flight[0])
+                        run_delivery, deliver = deliver, None  # the executor is busy: now
+                        run_delivery()
                 elif not in_flight:
                     if call.ended():
                         raise RuntimeError("the executor ended the step stream while idle")
@@ -507,6 +518,8 @@ class ExecutorReplica:
                     await self._wait_for_work()
         finally:
             call.cancel()
+            if deliver is not None:  # settled in the core: its tokens reach their clients
+                deliver()
 
     @staticmethod
     async def _send_late_masks(call, core: Scheduler, plan: StepPlan) -> None:
@@ -550,9 +563,9 @@ class ExecutorReplica:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), timeout)
 
-    def _on_output(self, plan: StepPlan, output: executor_pb2.StepOutput) -> None:
+    def _on_output(self, plan: StepPlan, output: executor_pb2.StepOutput) -> Callable[[], None]:
         if output.step_id != plan.step_id:
             raise RuntimeError(f"step output {output.step_id} arrived for plan {plan.step_id}")
         self.steps += 1
         self.busy_seconds += output.step_seconds
-        self._host.on_output(self, plan, output)
+        return self._host.on_output(self, plan, output)

@@ -252,6 +252,9 @@ class _FakeRunner:
         self.calls.append(f"finish {pending.step_id}")
         return executor_pb2.StepOutput(step_id=pending.step_id)
 
+    def launch_ahead(self, finished) -> None:
+        """The real runner may launch a verification step ahead; these steps verify nothing."""
+
     def reset(self) -> None:
         """A lease ended: the real runner forgets its requests; this one holds none."""
 

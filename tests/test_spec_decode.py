@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -413,11 +414,19 @@ BLOCK = 16
 
 
 def _verify_through(
-    runner, hf_model, drafts_for, num_steps: int, d: int | dict[int, int] = 3, sampling=None, num_seqs=2
+    runner,
+    hf_model,
+    drafts_for,
+    num_steps: int,
+    d: int | dict[int, int] | Callable[[int], int] = 3,
+    sampling=None,
+    num_seqs=2,
+    ahead: bool = False,
 ) -> tuple[dict, int]:
     """Drives a runner by hand: two prompts (or the first `num_seqs`), then steps that each verify
-    `d` proposals per request (or d[seq_id]; `drafts_for(seq_id, tokens so far)`: their ids, or None
-    for a draft model's), trimming and growing the tables as the protocol says. Greedy (unless
+    `d` proposals per request (or d[seq_id], or d(step); `drafts_for(seq_id, tokens so far)`: their
+    ids, or None for a draft model's), trimming and growing the tables as the protocol says; with
+    `ahead`, after each output as the service does (`ModelRunner.launch_ahead`). Greedy (unless
     `sampling`, a pb.Sampling): the outputs must equal Hugging Face's. Returns each request's
     outputs and how many tokens the verifications accepted."""
     from pagedserve.protos import executor_pb2 as pb
@@ -425,7 +434,19 @@ def _verify_through(
     runner.reset()
     prompts = dict(list({1: list(range(30, 47)), 2: [5, 6, 7, 5, 6]}.items())[:num_seqs])
     blocks = {1: list(range(1, 9)), 2: list(range(9, 17))}
-    drafts = d if isinstance(d, dict) else dict.fromkeys(prompts, d)
+
+    def drafts_at(step: int) -> dict[int, int]:
+        if callable(d):
+            return dict.fromkeys(prompts, d(step))
+        return d if isinstance(d, dict) else dict.fromkeys(prompts, d)
+
+    def execute(plan):
+        pending = runner.launch(plan)
+        out = runner.finish(pending)
+        if ahead:
+            runner.launch_ahead(pending)
+        return out
+
     greedy = sampling or pb.Sampling(temperature=0)
     plan = pb.StepPlan(step_id=0)
     for seq_id, prompt in prompts.items():
@@ -434,7 +455,7 @@ def _verify_through(
             seq_id=seq_id, token_ids=prompt, num_computed_tokens=0, num_new_tokens=len(prompt),
             block_tables=[pb.BlockTable(first_index=0, block_ids=first)], sampling=greedy,
         )  # fmt: skip
-    out = runner.execute(plan)
+    out = execute(plan)
     tokens = {s: list(prompts[s]) for s in prompts}
     ends = {s: -(-len(prompts[s]) // BLOCK) for s in prompts}
     for seq_id, token in zip(out.seq_ids, out.token_ids, strict=True):
@@ -442,6 +463,7 @@ def _verify_through(
     accepted = 0
     for step in range(1, num_steps):
         plan = pb.StepPlan(step_id=step)
+        drafts = drafts_at(step)
         for seq_id in prompts:
             computed, n = len(tokens[seq_id]) - 1, drafts[seq_id]
             need = -(-(computed + 1 + n) // BLOCK)
@@ -453,7 +475,7 @@ def _verify_through(
             ids = drafts_for(seq_id, tokens[seq_id])
             if ids is not None:
                 running.draft_token_ids.extend(ids)
-        out = runner.execute(plan)
+        out = execute(plan)
         offset = 0
         for seq_id, count in zip(out.seq_ids, out.num_tokens, strict=True):
             tokens[seq_id] += out.token_ids[offset : offset + count]
@@ -581,6 +603,23 @@ def test_one_requests_verifications_replay_whole_in_graph_layouts(
         assert sorted(calls) == sorted(["run"] + ["propose", "accept"] * 7)
     if graphs == "per pass":
         assert "accept" not in calls
+
+
+def test_verifications_launched_ahead_of_their_plans_equal_hf(draft_runner, hf_model, monkeypatch):
+    """After each verification's output the runner launches the step the next plan most likely
+    is (`launch_ahead`; one request: the test's graphs accept one at a time): a plan that is that
+    step takes it, one that differs (here: two proposals instead of three at steps 4 and 7)
+    discards it and runs itself; a step whose proposals need a new block is not launched ahead.
+    Greedy outputs equal Hugging Face's throughout, and both cases happen."""
+    _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=True)
+    stats = draft_runner.stats
+    taken, discarded = stats.steps_launched_ahead, stats.steps_discarded_ahead
+    got, accepted = _verify_through(
+        draft_runner, hf_model, lambda *_: None, num_steps=12, num_seqs=1, ahead=True,
+        d=lambda step: 2 if step in (4, 7) else 3,
+    )  # fmt: skip
+    assert accepted > 0
+    assert stats.steps_launched_ahead > taken and stats.steps_discarded_ahead > discarded
 
 
 @pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
@@ -902,3 +941,28 @@ def test_cuda_draft_verification_launch_never_waits_for_the_device(cuda_draft_ru
         torch.cuda.set_sync_debug_mode("default")
     out = runner.finish(pending)
     assert 1 <= out.num_tokens[0] <= 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_verifications_launched_ahead_equal_hf(cuda_draft_runners, hf_model, monkeypatch):
+    """With the captured graphs: verifications launched ahead of their plans (taken, or discarded
+    where the plan has two proposals instead of three) give Hugging Face's greedy outputs, and
+    launching one makes no synchronising call (torch raises on any)."""
+    _, graphs = cuda_draft_runners
+    launch_ahead = graphs.launch_ahead
+
+    def never_waits(pending) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launch_ahead(pending)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(graphs, "launch_ahead", never_waits)
+    stats = graphs.stats
+    taken, discarded = stats.steps_launched_ahead, stats.steps_discarded_ahead
+    none = lambda *_: None  # noqa: E731
+    fewer_at = lambda step: 2 if step in (4, 7) else 3  # noqa: E731
+    _, accepted = _verify_through(graphs, hf_model, none, num_steps=12, num_seqs=1, ahead=True, d=fewer_at)
+    assert accepted > 0
+    assert stats.steps_launched_ahead > taken and stats.steps_discarded_ahead > discarded
