@@ -144,6 +144,7 @@ class PendingStep:
     spec_counts: torch.Tensor | None = None
     spec_logprobs: torch.Tensor | None = None
     order: list[SeqId] = field(default_factory=list)
+    lookahead: int = 0  # slots past their computed tokens the verified requests' tables keep
     # Masks behind the plan: its sampling, kept until the StepMasks arrives (`apply_masks`).
     deferred: _StepSampling | None = None
     replayed_verification: bool = False  # `_replay_verification` ran it: `launch_ahead` may follow
@@ -406,6 +407,7 @@ class ModelRunner:
         # Speculative decoding's draft model, as AttachResponse reports it ("" / 0: none).
         self.draft_model_dir = ""
         self.num_speculative_tokens = 0
+        self.num_lookahead_slots = 0  # SpeculativeConfig.num_lookahead_slots, with a draft model
         if cuda_graphs:
             self.graphs = StepGraphs(
                 model, self._layer_caches, self.slots, decode_graph_sizes(max_num_seqs),
@@ -535,6 +537,7 @@ class ModelRunner:
             assert config.speculative_config is not None and config.speculative_config.model is not None
             runner.draft_model_dir = config.speculative_config.model
             runner.num_speculative_tokens = config.speculative_config.num_speculative_tokens
+            runner.num_lookahead_slots = config.speculative_config.num_lookahead_slots
             if runner.draft_graphs is not None and runner.graphs is not None:
                 runner.draft_graphs.capture_proposals(runner.num_speculative_tokens, PROPOSAL_GRAPH_MAX_SEQS)
                 runner.draft_graphs.capture_acceptance(runner.graphs.logits)
@@ -638,8 +641,9 @@ class ModelRunner:
         blocks they hold already. A verification step's plan waits for the step before it (the
         scheduler must know how many proposals were accepted), so without this the GPU idles for
         the whole round trip and the scheduler's work; with it, the step runs meanwhile, and the
-        plan, when it is that step (`_take_ahead`), only has its output collected. Anything else
-        in the plan (a new request, a finished one, a new block, fewer proposals near max_tokens)
+        plan, when it is that step (`_take_ahead`), only has its output collected. The blocks are
+        there: the scheduler reserves each verification's next slots with its own where they fit.
+        Anything else in the plan (a new request, a finished one, fewer proposals near max_tokens)
         discards it: its KV writes lie past every request's computed tokens, where the plan's own
         step writes again, and the last tokens it fed are restored (`_roll_back`).
         Does nothing where that step cannot be launched so."""
@@ -675,8 +679,8 @@ class ModelRunner:
 
     def _take_ahead(self, plan: executor_pb2.StepPlan) -> PendingStep | None:
         """The step launched ahead, if `plan` is exactly it (nothing but its requests, in order,
-        each with k proposals from the draft model and no new block); else rolls it back. Such a
-        plan is valid for the state the step was launched from, so nothing else is checked."""
+        each with k proposals from the draft model; new blocks only past the step's slots, which
+        the scheduler reserves: `SpeculativeConfig.num_lookahead_slots`); else rolls it back."""
         ahead, self._ahead = self._ahead, None
         assert ahead is not None
         k = ahead.num_draft
@@ -688,12 +692,16 @@ class ModelRunner:
             and req.num_new_tokens == k + 1
             and req.num_draft_tokens == k
             and not req.draft_token_ids
-            and not any(table.block_ids for table in req.new_blocks)
             for req, st in zip(plan.running, ahead.states, strict=True)
         )
-        if not same:
+        appends = same and any(table.block_ids for req in plan.running for table in req.new_blocks)
+        if not same or (appends and not self._valid_before(plan, ahead)):
             self._roll_back(ahead)
             return None
+        if appends:  # past every slot the step reads: the table's device copy follows it
+            for req, st in zip(plan.running, ahead.states, strict=True):
+                self._append_blocks(st, req)
+            self.slots.flush()
         pending = ahead.pending
         pending.step_id = plan.step_id
         if pending.trace is not None:
@@ -702,6 +710,20 @@ class ModelRunner:
         self.stats.tokens_computed += (k + 1) * len(ahead.states)
         self.stats.steps_launched_ahead += 1
         return pending
+
+    def _valid_before(self, plan: executor_pb2.StepPlan, ahead: _LaunchedAhead) -> bool:
+        """Whether `plan` is valid for the state `ahead` was launched from (a plan with new
+        blocks; if not, it goes the usual way, whose validation says what is wrong)."""
+        for st in ahead.states:
+            st.num_computed -= ahead.num_draft + 1
+        try:
+            validate_plan(plan, self._requests, self._limits)
+        except PlanError:
+            return False
+        finally:
+            for st in ahead.states:
+                st.num_computed += ahead.num_draft + 1
+        return True
 
     def _roll_back(self, ahead: _LaunchedAhead) -> None:
         """Undoes a step launched ahead that no plan took: its requests' computed tokens and the
@@ -808,7 +830,7 @@ class ModelRunner:
             lps = spec_logprobs[i][:count] if spec_logprobs and st.sampling.return_logprobs else [0.0] * count
             runs[st.seq_id] = (tokens[i][:count], lps)
             self.stats.tokens_sampled += count  # (launch counted the other sampling rows)
-            self._advance_verified(st, num_draft, count)
+            self._advance_verified(st, num_draft, count, pending.lookahead)
         output = executor_pb2.StepOutput(step_id=pending.step_id)
         for seq_id in pending.order:
             run_tokens, run_logprobs = runs[seq_id]
@@ -818,12 +840,13 @@ class ModelRunner:
             output.logprobs.extend(run_logprobs)
         return output
 
-    def _advance_verified(self, st: RequestState, num_draft: int, count: int) -> None:
+    def _advance_verified(self, st: RequestState, num_draft: int, count: int, lookahead: int) -> None:
         """A verified request got `count` tokens (count - 1 of its `num_draft` proposals accepted):
-        its state advances by them, and its tables end at the block of its last computed token."""
+        its state advances by them, and its tables end at the block of its last computed token
+        or, with `lookahead` slots kept past it, of the last of those (as the scheduler's do)."""
         st.num_tokens += count
         st.num_computed -= num_draft - (count - 1)
-        end = -(-st.num_computed // self.block_size)
+        end = -(-(st.num_computed + lookahead) // self.block_size)
         st.table_ends = [min(e, end) for e in st.table_ends]
 
     def _admit(self, plan: executor_pb2.StepPlan, new_params: list[SamplingParams]) -> list[_Scheduled]:
@@ -848,9 +871,7 @@ class ModelRunner:
             scheduled.append(_Scheduled(state, req.num_new_tokens))
         for req in plan.running:
             state = self._requests[req.seq_id]
-            for group, table in enumerate(req.new_blocks):  # appended at each table's end (checked)
-                self.slots.set_blocks(state.slot, table.first_index, table.block_ids, group)
-                state.table_ends[group] += len(table.block_ids)
+            self._append_blocks(state, req)
             if req.num_draft_tokens and not req.draft_token_ids:  # the draft model proposes them
                 drafts = np.zeros(req.num_draft_tokens, dtype=np.int64)
                 scheduled.append(_Scheduled(state, req.num_new_tokens, req.num_draft_tokens, drafts, True))
@@ -861,6 +882,13 @@ class ModelRunner:
                 scheduled.append(_Scheduled(state, req.num_new_tokens))
         self.slots.flush()
         return scheduled
+
+    def _append_blocks(self, state: RequestState, req: executor_pb2.RunningRequest) -> None:
+        """A running request's new blocks, appended at each table's end (checked), on the host;
+        the device copy at the next `slots.flush()`."""
+        for group, table in enumerate(req.new_blocks):
+            self.slots.set_blocks(state.slot, table.first_index, table.block_ids, group)
+            state.table_ends[group] += len(table.block_ids)
 
     def _host_batch(self, scheduled: list[_Scheduled]) -> HostBatch:
         """The step's inputs on the host: one cheap pass per sequence, then NumPy over tokens."""
@@ -1067,7 +1095,7 @@ class ModelRunner:
         self.stats.graph_steps += 1
         emitted = draft_graphs.accept(len(states))
         self._verified(emitted[:, -1])
-        self._copy_verified(pending, [(st, k) for st in states], emitted)
+        self._copy_verified(pending, [(st, k) for st in states], emitted, lookahead=self.num_lookahead_slots)
         pending.replayed_verification = True
         return True
 
@@ -1293,6 +1321,7 @@ class ModelRunner:
             [(st, s.num_draft) for st, s in zip(states, verified, strict=True)],
             torch.cat([result.token_ids, result.counts[:, None]], dim=1),
             logprobs,
+            self.num_lookahead_slots if drafted is not None else 0,
         )
 
     def _copy_verified(
@@ -1301,11 +1330,13 @@ class ModelRunner:
         spec: list[tuple[RequestState, int]],
         emitted: torch.Tensor,
         logprobs: torch.Tensor | None = None,
+        lookahead: int = 0,
     ) -> None:
         """Starts copying a verification's results to the host: `emitted` [S, K + 2], each verified
         request's tokens and its count in the last column (one copy), and its [S, K + 1] logprobs
-        (None: none asked); `spec`: the requests and their proposal counts."""
-        pending.spec = spec
+        (None: none asked); `spec`: the requests and their proposal counts; `lookahead`: the slots
+        their tables keep for the next verification (the draft model's: `num_lookahead_slots`)."""
+        pending.spec, pending.lookahead = spec, lookahead
         host = to_host(emitted)
         pending.spec_token_ids, pending.spec_counts = host[:, :-1], host[:, -1]
         if logprobs is not None:

@@ -130,7 +130,7 @@ class TPWorkerRunner(ModelRunner):
             if copied is not None:
                 copied.synchronize()  # that step's copy only: the steps queued behind it run on
             for (st, num_draft), count in zip(verified, counts.tolist(), strict=True):
-                self._advance_verified(st, num_draft, count)
+                self._advance_verified(st, num_draft, count, 0)  # (n-gram proposals: no lookahead)
         self._unsettled = keep
 
     def _verify(self, logits, verified, pending, drafted=None, masks=None) -> None:

@@ -40,7 +40,10 @@ draft_model method, only their count, the executor's draft proposes them), cappe
 the step's budget, with KV slots for them (``num_computed_tokens`` counts them while the step is in
 flight, ``num_draft_tokens`` says how many). Its output carries the accepted proposals plus one
 token; ``process_output`` takes the rejected ones back out of ``num_computed_tokens`` and trims the
-request's tables to the block of its last computed token. The prefix cache registers only blocks full of
+request's tables to the block of its last computed token, or, with a draft model, of the last slot
+the next verification needs (``SpeculativeConfig.num_lookahead_slots``: a verification allocates
+them with its own where they fit, so that the executor can launch the next one before its plan
+comes). The prefix cache registers only blocks full of
 known tokens (``min(num_computed, num_known)``), and proposals are never known tokens until they
 are accepted, so no registered block ever holds a rejected token. A constrained request speculates
 with n-gram proposals cut to what its grammar allows (``RequestGrammar.allowed_prefix``), and its
@@ -291,6 +294,7 @@ class Scheduler:
         self._spec_accepted_tokens = 0
         self._spec_steps = 0
         self._spec_accepted_per_pos = [0] * (self._spec.num_speculative_tokens if self._spec else 0)
+        self._lookahead = spec.num_lookahead_slots if spec is not None else 0
         self.mask_seconds: list[float] = []  # per plan with masks: the time filling them took
         # CPU tier: how many of the blocks the pool hands out next are offloaded ahead of their
         # eviction, each plan: as many as one plan's tokens can take (each request's chunk may
@@ -407,7 +411,12 @@ class Scheduler:
             if self._spec_on and num_new == wanted:
                 num_draft, drafts = self._propose(request, num_new, step)
             total = num_new + num_draft
-            new_blocks = self._allocate_or_preempt(request, request.num_computed_tokens + total, step)
+            new_blocks = None
+            if num_draft and self._lookahead:  # the next verification's slots too, if they fit now
+                ahead = min(request.num_computed_tokens + total + self._lookahead, self.config.max_model_len)
+                new_blocks = self.kv_cache_manager.allocate_slots(request, ahead)
+            if new_blocks is None:
+                new_blocks = self._allocate_or_preempt(request, request.num_computed_tokens + total, step)
             if new_blocks is None:
                 continue  # it pre-empted itself
             running_plan = RunningPlan(request.seq_id, total, new_blocks, num_draft, drafts)
@@ -817,7 +826,8 @@ class Scheduler:
         """Speculative decoding: of the request's ``num_draft_tokens`` proposals in flight,
         ``num_accepted`` were accepted. The rejected ones' slots leave ``num_computed_tokens`` and
         its tables (GPU, or CPU if it was swapped out meanwhile) are trimmed to the block of its
-        last computed token; the executor trims its copy the same way."""
+        last computed token, or on the GPU of the next verification's last slot (lookahead); the
+        executor trims its copy the same way."""
         num_draft, request.num_draft_tokens = request.num_draft_tokens, 0
         num_accepted = min(num_accepted, num_draft)
         self._spec_steps += 1
@@ -830,7 +840,9 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             return  # pre-empted by recompute while the step ran: nothing computed is kept
         request.num_computed_tokens -= num_draft - num_accepted
-        self.kv_cache_manager.trim(request, request.num_computed_tokens)
+        # (Swapped out, its CPU tables keep what its next query sees: no lookahead there.)
+        ahead = self._lookahead if request.status is RequestStatus.RUNNING else 0
+        self.kv_cache_manager.trim(request, request.num_computed_tokens + ahead)
 
     # ---- helpers and stats ---------------------------------------------------------------------
 

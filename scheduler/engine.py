@@ -390,6 +390,16 @@ class Engine:
                 f"--speculative-config's draft_model method needs the executor to load the draft "
                 f"{spec.model!r}; it has {have} (give the executor the same --speculative-config)"
             )
+        if (
+            spec is not None
+            and spec.method == "draft_model"
+            and info.num_speculative_tokens != spec.num_speculative_tokens
+        ):
+            return (
+                f"--speculative-config's num_speculative_tokens is {spec.num_speculative_tokens}; the "
+                f"executor's draft proposes {info.num_speculative_tokens} (give the executor the same "
+                "--speculative-config)"
+            )
         for other in self._attached_replicas():
             if other is not replica and other.info is not None:
                 reason = other.info.mismatch(info)

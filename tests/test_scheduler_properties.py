@@ -14,9 +14,11 @@ every position a query of every live sequence can see (prefix-cache hits, shared
 or earlier, and swapped-in blocks included; within the window, in a sliding group) holds the right
 token, in every group. The scheduler's block bookkeeping is checked after every rule.
 
-With speculative decoding (n-gram proposals, some runs), the fake executor writes each proposal's
-token into its slot, accepts the proposals that equal what it samples, and trims its tables as the
-protocol says: a registered block or a visible slot holding a rejected proposal fails the checks.
+With speculative decoding (n-gram proposals or a draft model's, some runs), the fake executor
+writes each proposal's token into its slot (its fake draft proposes what it will sample, but every
+third token wrong), accepts the proposals that equal what it samples, and trims its tables as the
+protocol says (a draft model's verification keeps the next one's lookahead slots): a registered
+block or a visible slot holding a rejected proposal fails the checks.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class FakeExecutor:
     def __init__(self, config: SchedulerConfig, truth: dict[int, list[int]], prompt_lens: dict[int, int]):
         self.block_size = config.block_size
         self.windows = config.sliding_windows
+        self.max_model_len = config.max_model_len
+        spec = config.speculative
+        self.lookahead = 0 if spec is None else spec.num_lookahead_slots
         self.gpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_gpu_blocks)]
         self.cpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_cpu_blocks)]
         self.disk: list[list[int | None]] = [
@@ -168,12 +173,23 @@ class FakeExecutor:
                 table.extend(ids)
             assert running.num_new_tokens >= 1
             num_draft = running.num_draft_tokens
-            assert len(running.draft_token_ids) == num_draft < running.num_new_tokens
+            assert num_draft < running.num_new_tokens
+            if self.lookahead and num_draft:  # the draft model's proposals: every third one wrong
+                assert not running.draft_token_ids
+                position = len(seq.tokens)
+                drafts[running.seq_id] = [
+                    sampled_token(running.seq_id, p) if (running.seq_id + p) % 3 else 0
+                    for p in range(position, position + num_draft)
+                ]
+            elif num_draft:
+                assert len(running.draft_token_ids) == num_draft
+                drafts[running.seq_id] = list(running.draft_token_ids)
+            else:
+                assert not running.draft_token_ids
             if num_draft:
                 assert seq.computed + running.num_new_tokens - num_draft == len(seq.tokens), (
                     "proposals follow"
                 )
-                drafts[running.seq_id] = list(running.draft_token_ids)
             else:
                 assert seq.computed + running.num_new_tokens <= len(seq.tokens), "computing an unknown token"
             scheduled.append((running.seq_id, seq, running.num_new_tokens))
@@ -190,8 +206,11 @@ class FakeExecutor:
         for seq_id, seq, num_new in scheduled:  # write_kv: every new token, before any read
             end = seq.computed + num_new
             tokens = seq.tokens + drafts.get(seq_id, [])
+            most = cdiv(min(end + self.lookahead, self.max_model_len), self.block_size)
             for group, table in enumerate(seq.tables):
-                assert len(table) == cdiv(end, self.block_size), f"seq {seq_id}: blocks do not fit its tokens"
+                assert cdiv(end, self.block_size) <= len(table) <= most, (
+                    f"seq {seq_id}: blocks do not fit its tokens"
+                )
                 for p in range(seq.computed, end):
                     block = table[p // self.block_size]
                     assert block is not None, f"seq {seq_id} group {group}: no block for new position {p}"
@@ -225,8 +244,8 @@ class FakeExecutor:
                     if proposal != token:
                         break
                 seq.computed -= len(proposed) - (len(run) - 1)
-                for table in seq.tables:  # trimmed to the block of the last computed token
-                    del table[cdiv(seq.computed, self.block_size) :]
+                for table in seq.tables:  # trimmed to the block of the last computed token (or slot ahead)
+                    del table[cdiv(seq.computed + self.lookahead, self.block_size) :]
                 seq.tokens += run
                 truth = self.truth[seq_id]
                 if len(truth) < len(seq.tokens):
@@ -256,6 +275,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         tier_share=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
         num_disk_offload_blocks=st.sampled_from([0, 0, 1, 3, 8]),
         num_speculative_tokens=st.sampled_from([0, 1, 3, 3]),
+        spec_method=st.sampled_from(["ngram", "draft_model"]),
         max_num_loaded_blocks=st.sampled_from([0, 1, 1, 2]),
     )
     def setup(
@@ -267,13 +287,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_batched_tokens,
         tier_share,
         num_speculative_tokens,
+        spec_method="ngram",
         **rest,
     ):
         spec = None
-        if num_speculative_tokens:  # n-gram proposals (the fake model's tokens repeat: some are right)
+        if num_speculative_tokens and spec_method == "ngram":  # (the fake model's tokens repeat)
             spec = SpeculativeConfig(
                 "ngram", num_speculative_tokens, prompt_lookup_max=2, prompt_lookup_min=1
             )
+        elif num_speculative_tokens:  # the fake executor's draft: FakeExecutor.execute
+            spec = SpeculativeConfig("draft_model", num_speculative_tokens, model="draft")
         needed = blocks_per_sequence(max_model_len, block_size, sliding_windows, max_num_batched_tokens)
         self.config = SchedulerConfig(
             block_size=block_size,
@@ -411,15 +434,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert request.num_pending_outputs == 0 and request.seq_id not in self.executor.seqs
             for group in range(kv.num_groups):
                 holders.update(b.block_id for b in kv.blocks(request.seq_id, group) if b is not None)
+        lookahead = self.executor.lookahead  # a draft model's verification: the next one's slots
         for request in s.running:
+            most = cdiv(min(request.num_computed_tokens + lookahead, self.config.max_model_len), size)
             for group, window in enumerate(self.config.sliding_windows):
                 table = kv.blocks(request.seq_id, group)
-                assert len(table) == cdiv(request.num_computed_tokens, size)
+                assert cdiv(request.num_computed_tokens, size) <= len(table) <= most
                 held = [b for b in table if b is not None]
                 assert table[len(table) - len(held) :] == held, "only a table's head is released"
-                if window is not None:  # at most the window and the last step's chunk
-                    chunk = self.config.max_num_batched_tokens
-                    extent = request.num_tokens + request.num_draft_tokens  # proposals hold slots too
+                if window is not None:  # at most the window, the last step's chunk and lookahead
+                    chunk = self.config.max_num_batched_tokens + lookahead
+                    extent = request.num_tokens + request.num_draft_tokens + lookahead  # (slots, too)
                     assert len(held) <= blocks_per_sequence(extent, size, (window,), chunk)
                 holders.update(b.block_id for b in held)
                 for i, block in enumerate(table):

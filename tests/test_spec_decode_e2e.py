@@ -248,7 +248,8 @@ def test_draft_model_greedy_equals_hf_and_seeded_sampling_repeats(draft_services
 
 
 def test_scheduler_with_a_draft_refuses_an_executor_without_it(draft_dir):
-    """A scheduler configured for draft_model admits only an executor that loaded that draft."""
+    """A scheduler configured for draft_model admits only an executor that loaded that draft,
+    proposing as many tokens (both trim a verified request's tables by the same lookahead)."""
     from pagedserve.scheduler.engine import Engine, ExecutorInfo
     from pagedserve.scheduler.service_config import ServiceConfig
 
@@ -258,7 +259,10 @@ def test_scheduler_with_a_draft_refuses_an_executor_without_it(draft_dir):
     refusal = engine.admit_executor(None, info)
     assert "needs the executor to load the draft" in refusal and "it has no draft model" in refusal
     assert "draft model '/elsewhere'" in engine.admit_executor(None, replace(info, draft_model="/elsewhere"))
-    assert engine.admit_executor(None, replace(info, draft_model=str(draft_dir))) is None
+    info = replace(info, draft_model=str(draft_dir))
+    refusal = engine.admit_executor(None, replace(info, num_speculative_tokens=4))
+    assert "num_speculative_tokens is 3; the executor's draft proposes 4" in refusal
+    assert engine.admit_executor(None, replace(info, num_speculative_tokens=3)) is None
 
 
 def test_bench_reports_acceptance_and_steps_per_token(tiny_model_dir, tmp_path, capsys):

@@ -90,6 +90,14 @@ class SpeculativeConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"{_PREFIX}.{name}: only the ngram method takes it")
 
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a verification step holds past its own, for the verification after it: k + 1
+        with a draft model, whose executor launches that step before its plan comes (with the
+        blocks its request holds then); 0 with n-gram proposals, which come with the plan. The
+        scheduler and the executor trim a verified request's tables to the same end with it."""
+        return self.num_speculative_tokens + 1 if self.method == "draft_model" else 0
+
     @classmethod
     def parse(cls, value: str | Mapping[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
         """From the flag's JSON text or a dict (`LLM(speculative_config=...)`); ValueError naming
