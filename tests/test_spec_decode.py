@@ -630,6 +630,57 @@ def test_verifications_launched_ahead_of_their_plans_equal_hf(draft_runner, hf_m
     assert stats.steps_discarded_ahead - discarded == 2
 
 
+def test_a_bad_plan_for_a_step_launched_ahead_is_refused_and_rolled_back(draft_runner, hf_model, monkeypatch):
+    """A plan that is the step launched ahead but for blocks appended where the table does not end
+    is refused as any bad plan is (PlanError, nothing applied): the step launched ahead is rolled
+    back, and the plan made right then runs, with Hugging Face's greedy tokens throughout."""
+    from pagedserve.executor.plan_check import PlanError
+    from pagedserve.executor.runner import PendingStep
+    from pagedserve.protos import executor_pb2 as pb
+
+    _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=True)
+    runner, stats = draft_runner, draft_runner.stats
+    runner.reset()
+    k, lookahead = runner.num_speculative_tokens, runner.num_lookahead_slots
+    prompt = list(range(30, 47))
+    plan = pb.StepPlan(step_id=0)
+    plan.new_requests.add(
+        seq_id=1, token_ids=prompt, num_computed_tokens=0, num_new_tokens=len(prompt),
+        block_tables=[pb.BlockTable(first_index=0, block_ids=[1, 2])], sampling=pb.Sampling(temperature=0),
+    )  # fmt: skip
+    tokens = prompt + list(runner.execute(plan).token_ids)
+    ends = 2  # the table's length, as the executor holds it
+
+    def verification(step_id: int, bad: bool = False) -> pb.StepPlan:
+        """The next verification's plan: k proposals, blocks up to the next one's slots; `bad`:
+        one block more, appended one entry past the table's end."""
+        need = -(-(len(tokens) + k + lookahead) // BLOCK)
+        plan = pb.StepPlan(step_id=step_id)
+        running = plan.running.add(seq_id=1, num_new_tokens=k + 1, num_draft_tokens=k)
+        if bad:
+            running.new_blocks.add(first_index=ends + 1, block_ids=[9])
+        elif need > ends:
+            running.new_blocks.add(first_index=ends, block_ids=list(range(ends + 1, need + 1)))
+        return plan
+
+    def run(plan: pb.StepPlan) -> PendingStep:
+        nonlocal ends, tokens
+        pending = runner.launch(plan)
+        for table in plan.running[0].new_blocks:
+            ends += len(table.block_ids)
+        tokens += runner.finish(pending).token_ids
+        ends = min(ends, -(-(len(tokens) - 1 + lookahead) // BLOCK))  # trimmed as the protocol says
+        return pending
+
+    runner.launch_ahead(run(verification(1)))
+    discarded = stats.steps_discarded_ahead
+    with pytest.raises(PlanError, match="new blocks start at entry"):
+        runner.launch(verification(2, bad=True))
+    assert stats.steps_discarded_ahead == discarded + 1
+    run(verification(2))
+    assert tokens[len(prompt) :] == hf_greedy(hf_model, prompt, len(tokens) - len(prompt))
+
+
 @pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
 def test_draft_proposals_of_uneven_counts_equal_hf(draft_runner, hf_model, monkeypatch, graphs):
     """Requests with 3 and 1 proposals in one step: the one with fewer sits out the later passes
