@@ -706,6 +706,7 @@ class ModelRunner:
         pending.step_id = plan.step_id
         if pending.trace is not None:
             pending.trace.step_id = plan.step_id
+            pending.trace.plan_at_ms = self.tracer.now_ms()
         self.stats.steps += 1
         self.stats.tokens_computed += (k + 1) * len(ahead.states)
         self.stats.steps_launched_ahead += 1

@@ -8,7 +8,10 @@ the copy stream beside its forward, swaps on the forward's stream before it), wh
 CUDA graph, the host time its launch took, and from CUDA events recorded in stream order around it,
 the GPU time from its first kernel to its sampled tokens (`gpu_ms`) and how long the GPU sat idle
 before it (`gap_ms`): waiting for the plan, for the host to prepare the step's inputs, for the tier
-copies queued beside the step before, or for its own swaps.
+copies queued beside the step before, or for its own swaps. Host timestamps (ms since the trace
+began) place each step's launch, its plan's arrival and its output: from them the summary says how
+long a step's output takes to turn into the next step's launch and plan (the host's round trip,
+which a verification step waits for).
 
     python -m pagedserve.executor.step_trace FILE      # totals by kind of step and by decode batch size
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
@@ -45,6 +49,9 @@ class StepRecord:
     graph: bool = False
     ahead: bool = False  # launched before its plan arrived (ModelRunner.launch_ahead)
     launch_ms: float = 0.0  # host time in ModelRunner.launch
+    launched_at_ms: float = 0.0  # host clock (ms since the trace began): its launch began
+    plan_at_ms: float = 0.0  # its plan reached the runner (after the launch, for a step launched ahead)
+    output_at_ms: float = 0.0  # its output was ready to send
     gpu_ms: float | None = None  # its first kernel to its sampled tokens (CUDA only)
     gap_ms: float | None = None  # GPU idle between the previous step's end and this one's start
     _t0: float = field(default=0.0, repr=False)
@@ -67,9 +74,18 @@ class StepTracer:
         self._out: TextIO = open(path, "w", buffering=1)  # noqa: SIM115 - line-buffered, kept open
         self._cuda = device.type == "cuda"
         self._prev_end: torch.cuda.Event | None = None
+        self._origin = time.perf_counter()
+
+    def now_ms(self) -> float:
+        """The host clock of the trace: ms since it began."""
+        return 1000 * (time.perf_counter() - self._origin)
 
     def begin(self, step_id: int, copied_beside: int = 0, swapped: int = 0) -> StepRecord:
-        return StepRecord(step_id, copied_beside=copied_beside, swapped=swapped, _t0=time.perf_counter())
+        t0 = time.perf_counter()
+        at = 1000 * (t0 - self._origin)
+        return StepRecord(
+            step_id, copied_beside=copied_beside, swapped=swapped, launched_at_ms=at, plan_at_ms=at, _t0=t0
+        )
 
     def forward_starts(self, record: StepRecord, batch: HostBatch, graph: bool) -> None:
         """Records the step's shape, and its start event just before its first kernel is queued
@@ -92,6 +108,7 @@ class StepTracer:
 
     def finished(self, record: StepRecord) -> None:
         """Called once the step's outputs are in; writes its line."""
+        record.output_at_ms = self.now_ms()
         if record._start is not None and record._end is not None:
             record._end.synchronize()
             record.gpu_ms = record._start.elapsed_time(record._end)
@@ -158,10 +175,30 @@ def summarize(records: list[dict]) -> str:
     lines = table("by kind", kind) + table("by kind, decode steps by batch size", bucket)
     if any(r.get("copied_beside") or r.get("swapped") for r in records):
         lines += table("by kind and host copies", copies)
+    lines += _round_trips(records)
     gpu = sum(r["gpu_ms"] or 0 for r in records) / 1000
     gap = sum(r["gap_ms"] or 0 for r in records) / 1000
     lines.append(f"\n{len(records)} steps: GPU {gpu:.2f} s, idle between steps {gap:.2f} s")
     return "\n".join(lines)
+
+
+def _round_trips(records: list[dict]) -> list[str]:
+    """Medians, over each step and the one before it, of the host time from the earlier step's
+    output to the later one's launch and to its plan, by how the later one was launched. Negative:
+    it came before the output (planned or launched ahead)."""
+    groups: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for before, after in zip(records, records[1:], strict=False):
+        if "output_at_ms" not in before:
+            return []  # a trace of an older build
+        name = "launched ahead" if after.get("ahead") else "launched on its plan"
+        out = before["output_at_ms"]
+        groups[name].append((after["launched_at_ms"] - out, after["plan_at_ms"] - out))
+    rows = []
+    for name, pairs in sorted(groups.items()):
+        launch, plan = (statistics.median(column) for column in zip(*pairs, strict=True))
+        rows.append([name, len(pairs), f"{launch:.3f}", f"{plan:.3f}"])
+    header = ["steps", "n", "output -> its launch (ms)", "output -> its plan (ms)"]
+    return ["\nhost round trip from the step before's output (medians)", markdown_table(header, rows)]
 
 
 def main(argv: list[str] | None = None) -> None:

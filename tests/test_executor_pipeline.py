@@ -397,6 +397,10 @@ def test_step_trace_records_each_step_and_sums_up(tiny_model_dir, tmp_path):
     assert "| decode | 4 | 8 |" in text
     assert all(r["copied_beside"] == r["swapped"] == 0 for r in records)
     assert "host copies" not in text  # (no table of copies where there were none)
+    # Host timestamps: each launch on its plan, each output after its launch, in step order.
+    assert all(r["plan_at_ms"] == r["launched_at_ms"] < r["output_at_ms"] for r in records)
+    assert all(a["launched_at_ms"] < b["launched_at_ms"] for a, b in zip(records, records[1:], strict=False))
+    assert "| launched on its plan | 5 |" in text  # (the round trip from each step before)
 
 
 def test_step_trace_summary_separates_steps_around_tier_copies():

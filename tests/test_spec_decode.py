@@ -609,13 +609,17 @@ def test_one_requests_verifications_replay_whole_in_graph_layouts(
         assert "accept" not in calls
 
 
-def test_verifications_launched_ahead_of_their_plans_equal_hf(draft_runner, hf_model, monkeypatch):
+def test_verifications_launched_ahead_of_their_plans_equal_hf(draft_runner, hf_model, monkeypatch, tmp_path):
     """After each verification's output the runner launches the step the next plan most likely
     is (`launch_ahead`; one request: the test's graphs accept one at a time): a plan that is that
     step takes it, one that differs (here: two proposals instead of three at steps 4 and 7)
     discards it and runs itself. Its blocks are there: each verification's plan reserves the next
-    one's slots. Greedy outputs equal Hugging Face's throughout."""
+    one's slots. Greedy outputs equal Hugging Face's throughout; a step trace tells the steps
+    launched ahead from the others, with when their plans came."""
+    from pagedserve.executor.step_trace import StepTracer, load, summarize
+
     _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=True)
+    monkeypatch.setattr(draft_runner, "tracer", StepTracer(tmp_path / "trace.jsonl", torch.device("cpu")))
     stats = draft_runner.stats
     taken, discarded = stats.steps_launched_ahead, stats.steps_discarded_ahead
     got, accepted = _verify_through(
@@ -628,6 +632,11 @@ def test_verifications_launched_ahead_of_their_plans_equal_hf(draft_runner, hf_m
     # new blocks or not (the lookahead slots were there at the launch).
     assert stats.steps_launched_ahead - taken == 6
     assert stats.steps_discarded_ahead - discarded == 2
+    draft_runner.tracer.close()
+    records = load(tmp_path / "trace.jsonl")
+    ahead = [r for r in records if r["ahead"]]
+    assert len(ahead) == 6 and all(r["launched_at_ms"] < r["plan_at_ms"] < r["output_at_ms"] for r in ahead)
+    assert "| launched ahead | 6 |" in summarize(records)
 
 
 def test_a_bad_plan_for_a_step_launched_ahead_is_refused_and_rolled_back(draft_runner, hf_model, monkeypatch):
