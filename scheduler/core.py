@@ -412,9 +412,8 @@ class Scheduler:
                 num_draft, drafts = self._propose(request, num_new, step)
             total = num_new + num_draft
             new_blocks = None
-            if num_draft and self._lookahead:  # the next verification's slots too, if they fit now
-                ahead = min(request.num_computed_tokens + total + self._lookahead, self.config.max_model_len)
-                new_blocks = self.kv_cache_manager.allocate_slots(request, ahead)
+            if num_draft and self._lookahead:  # the next verification's slots too, where they fit
+                new_blocks = self._allocate_lookahead(request, request.num_computed_tokens + total)
             if new_blocks is None:
                 new_blocks = self._allocate_or_preempt(request, request.num_computed_tokens + total, step)
             if new_blocks is None:
@@ -446,6 +445,16 @@ class Scheduler:
         if request.grammar is not None:
             drafts = request.grammar.allowed_prefix(drafts)
         return len(drafts), drafts
+
+    def _allocate_lookahead(self, request: Request, num_tokens: int) -> list[BlockSpan] | None:
+        """Grows a draft-model verification's tables past its ``num_tokens`` to the next
+        verification's slots too (`SpeculativeConfig.num_lookahead_slots`), if that leaves a block
+        for each running request to grow by: a reservation never costs anyone a pre-emption.
+        None: not reserved (nothing changed)."""
+        ahead = min(num_tokens + self._lookahead, self.config.max_model_len)
+        if self.kv_cache_manager.num_spare_blocks(request, ahead) < len(self._running):
+            return None
+        return self.kv_cache_manager.allocate_slots(request, ahead)
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, step: _Step) -> list[BlockSpan] | None:
         """Allocates blocks for a running request, pre-empting the lowest-priority, latest-arrived

@@ -710,6 +710,11 @@ class KVCacheManager:
         num_needed = self._num_new_blocks(request, num_tokens, hit)
         return max(0, num_needed - self._num_allocatable_blocks(hit))
 
+    def num_spare_blocks(self, request: Request, num_tokens: int) -> int:
+        """Allocatable blocks left once the request's tables grow to ``num_tokens`` tokens (negative:
+        that many short), not counting what its window would release."""
+        return self._num_allocatable_blocks() - self._num_new_blocks(request, num_tokens)
+
     def num_reclaimable_blocks(self, seq_ids: Sequence[SeqId], keep: PrefixHit = NO_HIT) -> int:
         """Blocks that releasing all of ``seq_ids`` would make allocatable: those no other request
         holds, except the blocks of ``keep`` (prefix-cache hits the caller is about to take)."""

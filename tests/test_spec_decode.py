@@ -204,6 +204,39 @@ def test_accepted_run_advances_by_its_length_and_max_tokens_caps_proposals():
     assert sched.stats.spec_accepted_per_pos == (1, 1, 0, 0)
 
 
+def test_a_draft_model_verification_holds_the_next_ones_slots_where_they_fit():
+    """With a draft model a verification also allocates the next verification's k + 1 slots and
+    keeps them through the trim (the executor launches that step before its plan), but only where
+    every running request can still grow by a block: a reservation never pre-empts anyone."""
+    spec = SpeculativeConfig("draft_model", 3, model="d")  # lookahead: 4 slots, one 4-token block
+    sched = _scheduler(spec)
+    request = Request(SeqId(1), [1, 2, 3, 4, 5], max_tokens=20, sampling=SamplingOptions(temperature=0))
+    sched.add_request(request)
+    sched.process_output(sched.schedule().step_id, [1], [6])
+    plan = sched.schedule()
+    (running,) = plan.running
+    assert running.num_draft_tokens == 3 and request.num_computed_tokens == 9
+    assert len(sched.kv_cache_manager.block_ids(request.seq_id)) == 4  # 9 slots and 4 more: 13
+    sched.process_output(plan.step_id, [1], [7, 8], [2])  # one accepted, then the bonus
+    assert request.num_computed_tokens == 7
+    assert len(sched.kv_cache_manager.block_ids(request.seq_id)) == 3  # 7 computed and 4 ahead: 11
+
+    # Two requests in a pool of 6 blocks, 2 free: both verifications' own slots fit (a block each),
+    # the first one's reservation too, but then the second would have to pre-empt.
+    sched = Scheduler(SchedulerConfig(block_size=4, num_gpu_blocks=6, max_model_len=24, speculative=spec))
+    requests = [
+        Request(SeqId(i), [i, 2, 3, 4, 5], max_tokens=12, sampling=SamplingOptions(temperature=0))
+        for i in (1, 2)
+    ]
+    for request in requests:
+        sched.add_request(request)
+    sched.process_output(sched.schedule().step_id, [1, 2], [6, 6])
+    plan = sched.schedule()
+    assert [p.num_draft_tokens for p in plan.running] == [3, 3]
+    assert [len(sched.kv_cache_manager.block_ids(r.seq_id)) for r in requests] == [3, 3]
+    assert sched.stats.num_preemptions == 0
+
+
 def test_no_registered_block_ever_holds_a_rejected_token():
     """Random acceptance over many steps, with prefix caching, for several requests at once: after
     every output each registered block hashes the request's real tokens; all blocks come back."""
