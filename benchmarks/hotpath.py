@@ -9,6 +9,8 @@ and output's (de)serialization, `process_output`, each request's `Completion.add
     python -m benchmarks.hotpath --grpc          # real public gRPC service, clients in a subprocess
     python -m benchmarks.hotpath --profile       # cProfile of the scheduler process
     python -m benchmarks.hotpath --model /tmp/llama-8b-shape --workload W1-JSON   # structured outputs
+    python -m benchmarks.hotpath --num-requests 1 --input-len 512:512 --output-len 2000 \
+        --speculative-config '{"method": "draft_model", "model": "draft", "num_speculative_tokens": 6}'
 
 `--workload W1` or `W1-JSON` takes that preset's requests and lengths and the throughput flags
 (512 requests, --max-num-seqs 512, --stream-interval 4); W1-JSON puts its JSON schema on every
@@ -16,6 +18,11 @@ request, so the scheduler keeps one xgrammar matcher per request and sends their
 plan (late masks) as to a real executor, which here samples within them (`_masked_token`). Give a
 model with the real vocabulary (`pagedserve make-model --shape llama-8b --no-weights DIR`): the
 masks are as wide as it.
+
+With `--speculative-config` the fake executor verifies proposals as a real one does: a draft
+model's (it proposes them: the text's next tokens, every third one wrong) or n-gram's (accepted
+while they are the text's next tokens), and answers with the accepted run and one more token. At
+one request this is a speculating request's round trip, the scheduler's share of every step.
 
 "CPU/step" is this process's CPU time per step (all threads, gRPC's included), less the fake
 executor's own time; at the executor's 16 ms per decode step of batch 256 on an H200, anything near
@@ -47,6 +54,7 @@ import numpy as np
 import structlog
 
 from pagedserve.bench.workloads import PRESETS
+from pagedserve.common.speculative import SpeculativeConfig, parse_flag
 from pagedserve.common.validation import validate_request, values_from_proto
 from pagedserve.protos import executor_pb2, generation_pb2, generation_pb2_grpc
 from pagedserve.scheduler.admission import sampling_options, stop_conditions
@@ -66,9 +74,15 @@ class FakeExecutor:
     last known token; the sampled ids walk through `text_ids` from a per-sequence offset."""
 
     def __init__(
-        self, text_ids: list[int], vocab_size: int, eos_token_ids: list[int], step_seconds: float = 0.0
+        self,
+        text_ids: list[int],
+        vocab_size: int,
+        eos_token_ids: list[int],
+        step_seconds: float = 0.0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.text_ids = text_ids
+        self.speculative = speculative
         self.step_seconds = step_seconds  # simulated device time per step, steps run one after another
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -78,7 +92,11 @@ class FakeExecutor:
         return "fake executor"
 
     async def attach(self, scheduler_id: str, timeout: float | None) -> executor_pb2.AttachResponse:
+        spec = self.speculative
+        draft = spec is not None and spec.method == "draft_model"
         return executor_pb2.AttachResponse(
+            draft_model=spec.model if draft else "",
+            num_speculative_tokens=spec.num_speculative_tokens if draft else 0,
             lease_epoch=1,
             model="bench",
             max_model_len=MAX_MODEL_LEN,
@@ -132,16 +150,26 @@ class _FakeSteps:
         for seq_id in plan.removed_seq_ids:
             seqs.pop(seq_id, None)
         seq_ids, token_ids, states = [], [], []
+        counts: list[int] = []  # tokens per sampling request (speculative decoding)
 
-        def step(seq_id: int, state: list[int], num_new: int) -> None:
+        def step(seq_id: int, state: list[int], num_new: int, proposals: list[int] | None = None) -> None:
             # state: tokens known, tokens computed, tokens sampled, offset into text_ids
             state[1] += num_new
-            if state[1] == state[0]:
-                seq_ids.append(seq_id)
-                token_ids.append(text_ids[(state[3] + state[2]) % n])
-                states.append(state)
-                state[0] += 1
-                state[2] += 1
+            num_draft = 0 if proposals is None else len(proposals)
+            if state[1] - num_draft != state[0]:
+                return
+            run = [text_ids[(state[3] + state[2]) % n]]
+            for proposal in proposals or ():  # accepted while it is the text's next token
+                if proposal != run[-1]:
+                    break
+                run.append(text_ids[(state[3] + state[2] + len(run)) % n])
+            state[1] -= num_draft - (len(run) - 1)
+            seq_ids.append(seq_id)
+            token_ids.extend(run)
+            counts.append(len(run))
+            states.append(state)
+            state[0] += len(run)
+            state[2] += len(run)
 
         for r in plan.new_requests:
             # The sampled ids depend on the prompt, not on the seq id (arrival order varies).
@@ -150,8 +178,16 @@ class _FakeSteps:
             seqs[r.seq_id] = state
             step(r.seq_id, state, r.num_new_tokens)
         for r in plan.running:
-            step(r.seq_id, seqs[r.seq_id], r.num_new_tokens)
+            state = seqs[r.seq_id]
+            proposals = list(r.draft_token_ids)
+            if r.num_draft_tokens and not proposals:  # the draft model's: the text, every third wrong
+                at = state[3] + state[2]
+                proposals = [
+                    text_ids[(at + j) % n] if (at + j) % 3 != 2 else -1 for j in range(r.num_draft_tokens)
+                ]
+            step(r.seq_id, state, r.num_new_tokens, proposals if r.num_draft_tokens else None)
         if plan.masked_seq_ids:
+            assert not any(c > 1 for c in counts), "hotpath: no masks with speculation"
             self._apply_masks(
                 seq_ids, token_ids, states, plan.masked_seq_ids, plan.token_bitmask, plan.mask_rows
             )
@@ -159,7 +195,7 @@ class _FakeSteps:
             self._awaiting = (plan.step_id, seq_ids, token_ids, states)
             self._executor.seconds += time.perf_counter() - start
             return
-        self._emit(plan.step_id, seq_ids, token_ids, start)
+        self._emit(plan.step_id, seq_ids, token_ids, start, counts if any(c > 1 for c in counts) else ())
 
     def _apply_masks(self, seq_ids, token_ids, states, masked_seq_ids, packed: bytes, rows) -> None:
         """Structured outputs: each masked row's token made one its mask allows (`_masked_token`);
@@ -171,10 +207,13 @@ class _FakeSteps:
             if row is not None:
                 token_ids[i] = _masked_token(masks[row], token_ids[i], states[i])
 
-    def _emit(self, step_id: int, seq_ids: list[int], token_ids: list[int], start: float) -> None:
+    def _emit(
+        self, step_id: int, seq_ids: list[int], token_ids: list[int], start: float, counts: list[int] = ()
+    ) -> None:
         output = executor_pb2.StepOutput(
-            step_id=step_id, seq_ids=seq_ids, token_ids=token_ids, logprobs=[0.0] * len(seq_ids)
-        )
+            step_id=step_id, seq_ids=seq_ids, token_ids=token_ids, num_tokens=counts,
+            logprobs=[0.0] * len(token_ids),
+        )  # fmt: skip
         self._device_free_at = max(start, self._device_free_at) + self._executor.step_seconds
         self._outputs.append((self._device_free_at, output.SerializeToString()))
         self._executor.seconds += time.perf_counter() - start
@@ -364,9 +403,11 @@ async def run_clients(address: str, out: str, requests) -> None:
 async def bench(args, tokenizer, requests, text_ids) -> tuple[TimedEngine, FakeExecutor, Digest]:
     # The model's logits width, as a real executor reports it (the masks are as wide as it).
     vocab_size = max(len(tokenizer), json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
-    executor = FakeExecutor(text_ids, vocab_size, [tokenizer.eos_token_id], args.step_ms / 1000)
+    spec = parse_flag(args.speculative_config)
+    executor = FakeExecutor(text_ids, vocab_size, [tokenizer.eos_token_id], args.step_ms / 1000, spec)
     config = ServiceConfig(
         model=args.model,
+        speculative_config=spec,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         stream_interval=args.stream_interval,
@@ -406,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, default=0.0, help="simulated device time per step")
     parser.add_argument("--stream-interval", type=int, help="tokens per streamed message (default 1)")
     parser.add_argument("--grpc", action="store_true", help="stream through the public gRPC service")
+    parser.add_argument("--speculative-config", help="speculative decoding, as the scheduler's flag")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the scheduler process")
     parser.add_argument("--profile-lines", type=int, default=30)
     parser.add_argument("--client", help=argparse.SUPPRESS)

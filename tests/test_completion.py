@@ -137,3 +137,13 @@ def test_hotpath_bench_runs(tiny_model_dir, grpc_flag):
     digest = _hotpath(tiny_model_dir, *grpc_flag)
     if grpc_flag:
         assert _hotpath(tiny_model_dir, *grpc_flag, "--stream-interval=4") == digest
+
+
+def test_hotpath_bench_speculates_to_the_same_text(tiny_model_dir):
+    """`--speculative-config`: the fake executor verifies n-gram or draft-model proposals, and
+    the clients get the tokens and text they get without speculation."""
+    digest = _hotpath(tiny_model_dir)
+    draft = '{"method": "draft_model", "model": "draft", "num_speculative_tokens": 3}'
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    assert _hotpath(tiny_model_dir, f"--speculative-config={draft}") == digest
+    assert _hotpath(tiny_model_dir, f"--speculative-config={ngram}") == digest
