@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -208,7 +209,7 @@ class _FakeSteps:
                 token_ids[i] = _masked_token(masks[row], token_ids[i], states[i])
 
     def _emit(
-        self, step_id: int, seq_ids: list[int], token_ids: list[int], start: float, counts: list[int] = ()
+        self, step_id: int, seq_ids: list[int], token_ids: list[int], start: float, counts: Sequence[int] = ()
     ) -> None:
         output = executor_pb2.StepOutput(
             step_id=step_id, seq_ids=seq_ids, token_ids=token_ids, num_tokens=counts,
