@@ -707,13 +707,12 @@ class KVCacheManager:
     def num_blocks_short(self, request: Request, num_tokens: int, hit: PrefixHit = NO_HIT) -> int:
         """How many more free blocks ``allocate_slots`` (or ``swap_in``, for a swapped-out request)
         would need to grow the request to ``num_tokens`` tokens; 0 if it fits."""
-        num_needed = self._num_new_blocks(request, num_tokens, hit)
-        return max(0, num_needed - self._num_allocatable_blocks(hit))
+        return max(0, -self.num_spare_blocks(request, num_tokens, hit))
 
-    def num_spare_blocks(self, request: Request, num_tokens: int) -> int:
+    def num_spare_blocks(self, request: Request, num_tokens: int, hit: PrefixHit = NO_HIT) -> int:
         """Allocatable blocks left once the request's tables grow to ``num_tokens`` tokens (negative:
         that many short), not counting what its window would release."""
-        return self._num_allocatable_blocks() - self._num_new_blocks(request, num_tokens)
+        return self._num_allocatable_blocks(hit) - self._num_new_blocks(request, num_tokens, hit)
 
     def num_reclaimable_blocks(self, seq_ids: Sequence[SeqId], keep: PrefixHit = NO_HIT) -> int:
         """Blocks that releasing all of ``seq_ids`` would make allocatable: those no other request
