@@ -36,7 +36,10 @@ k + 1 passes, with their argmax, are also captured as one *proposal* graph per s
 (`capture_proposals`, `propose`): one replay per step; and their greedy acceptance, read from the
 target's logits after its mixed graph (a step of verifications alone, k proposals each), as one
 *acceptance* graph per size (`capture_acceptance`, `accept`): the step's tokens and counts, and the
-feed of each sequence's last token, without a kernel launched one by one from the host.
+feed of each sequence's last token, without a kernel launched one by one from the host. n-gram
+proposals come in the plan as host ids: their greedy acceptance reads them, and each sequence's
+rows, from the target's mixed graph's static inputs, as one graph per (size, k) captured when a
+step first needs it (`accept_points`).
 
 The Triton kernels choose grids and splits from tensor *shapes* only, and a graph's block tables
 always have the full `max_blocks_per_seq` columns, so every launch parameter is fixed at capture.
@@ -56,6 +59,7 @@ from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.spec_decode import accept_greedy
 from pagedserve.executor.step_inputs import DecodePassInputs, HostBatch, RequestSlots, next_pass_inputs
 from pagedserve.executor.transfer import aligned_length
+from pagedserve.kernels import layers
 
 log = structlog.get_logger(__name__)
 
@@ -159,6 +163,11 @@ class StepGraphs:
         self._accepted = torch.zeros((self.max_decode, 0), dtype=torch.int64, device=device)
         self._acceptance_sizes: list[int] = []
         self._acceptance_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Greedy acceptance of point proposals (n-gram: `accept_points`), per (decode size, k): its
+        # [size, k + 2] output and its graph, captured the first time a step needs it, in a pool
+        # of their own (None on the CPU, where it runs eagerly).
+        self._point_acceptance: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph | None]] = {}
+        self._point_pool = None
         self._pool = None
         self.device_bytes = 0  # device memory the graphs, their pool and static buffers took
         self.capture_seconds = 0.0
@@ -432,6 +441,64 @@ class StepGraphs:
         the output is not copied to the host, and a launched step's must outlive the next step."""
         self._accept(self._decode_size(num_rows))
         return self._accepted[:num_rows].clone()
+
+    def can_accept_points(self, num_rows: int, k: int) -> bool:
+        """Whether `accept_points` takes `num_rows` sequences of up to `k` proposals each."""
+        return self._decode_size(num_rows) is not None
+
+    def accept_points(self, num_rows: int, k: int) -> torch.Tensor:
+        """The greedy acceptance of point proposals (n-gram's, ids in the plan), after `run` of a
+        mixed batch of `num_rows` sequences that verify alone, up to `k` proposals each, whose
+        logits rows are their token rows (`_accept_points`): [S, k + 2] each sequence's k + 1
+        tokens (the first counts[i] emitted), then its count, in a buffer the next step of its
+        size and k overwrites. On CUDA a graph replays it, captured the first time its (size, k)
+        comes: that step computes it eagerly (warming its kernels up), then captures it, which
+        waits for the device once. The executor does not know n-gram's k (the scheduler proposes)
+        and only a few (size, k) ever come, so none is captured at start."""
+        size = self._decode_size(num_rows)
+        assert size is not None
+        out, graph = self._point_acceptance.get((size, k), (None, None))
+        if graph is not None:
+            graph.replay()
+            return out[:num_rows]
+        device = self._static.device
+        if out is None:
+            out = torch.empty((size, k + 2), dtype=torch.int64, device=device)
+        self._accept_points(size, k, out)
+        if device.type == "cuda":
+            if self._point_pool is None:
+                self._point_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the service's step watcher may wait on an event meanwhile
+            with torch.cuda.graph(graph, pool=self._point_pool, capture_error_mode="thread_local"):
+                self._accept_points(size, k, out)
+            log.info("executor.point_acceptance_graph", sequences=size, proposals=k)
+        self._point_acceptance[(size, k)] = (out, graph)
+        # On the CPU a copy: the output is not copied to the host, and must outlive the next step.
+        return out[:num_rows] if graph is not None else out[:num_rows].clone()
+
+    def _accept_points(self, size: int, k: int, out: torch.Tensor) -> None:
+        """The captured point acceptance: `accept_greedy` over each sequence's rows, with its
+        proposals read from the static host ids (row j + 1's input is proposal j) and its layout
+        from the static cu_seqlens (sequence i's rows start at cu[i], d_i + 1 of them, d_i <= k),
+        so nothing but the mixed graph's fill is staged. Padding sequences (those past the step's,
+        over the pad row) compute on clamped rows and feed the pad row its own token back."""
+        cu = self._field("cu_seqlens", size + 1)
+        starts, num_drafts = cu[:-1], cu[1:] - cu[:-1] - 1
+        j = torch.arange(k + 1, device=cu.device)
+        # The step's rows number at most the mixed graph's logits rows and tokens: so many suffice.
+        num_logits = min(size * (k + 1), len(self._logits), self._token_capacity)
+        rows = (starts[:, None] + torch.minimum(j, num_drafts[:, None])).clamp_(0, num_logits - 1)
+        targets = layers.argmax(self._logits[:num_logits])[rows]  # [size, k + 1]: each row's argmax
+        proposals = self._field("host_ids", num_logits)[rows[:, 1:]]
+        matched = (targets[:, :k] == proposals) & (j[:k] < num_drafts[:, None])
+        num_accepted = matched.cumprod(dim=1).sum(dim=1)
+        out[:, : k + 1] = targets
+        out[:, k + 1] = num_accepted + 1
+        slots = self._field("rows", size)
+        last = targets.gather(1, num_accepted[:, None]).squeeze(1)
+        kept = self.slots.last_token.index_select(0, slots)
+        self.slots.store_sampled(slots, torch.where(slots == self.slots.pad_row, kept, last))
 
     def run_next(self, ids: torch.Tensor, inputs: DecodePassInputs) -> torch.Tensor:
         """Replays the decode graph of the previous `run` (a decode batch of S sequences) with its

@@ -307,18 +307,12 @@ class _Scheduled:
         return st.num_computed + self.num_new - self.num_draft == st.num_tokens
 
 
-def _argmax_matched(s: _Scheduled, k: int) -> bool:
-    """Whether a verified request's acceptance is plain argmax matching of k draft-model proposals
+def _plain_greedy(s: _Scheduled) -> bool:
+    """Whether a verified request's acceptance is plain argmax matching of its proposals
     (`spec_decode.accept_greedy`): greedy, no logprobs, no token banned at any of its rows (a ban
     lifts as tokens are generated: none at its first row, none after)."""
     st, p = s.state, s.state.sampling
-    return (
-        s.from_draft_model
-        and s.num_draft == k
-        and p.greedy
-        and not p.return_logprobs
-        and not p.banned_ids(st.num_tokens - st.num_prompt)
-    )
+    return p.greedy and not p.return_logprobs and not p.banned_ids(st.num_tokens - st.num_prompt)
 
 
 def _verify_layout(verified: list[_Scheduled]) -> VerifyLayout:
@@ -342,6 +336,9 @@ class ModelRunner:
     # Whether a plan's late masks are awaited before sampling (a tensor-parallel worker samples
     # nothing: it takes rank 0's tokens, whenever rank 0 sends them).
     waits_for_late_masks = True
+    # Whether a greedy n-gram verification may replay its acceptance as a graph (a tensor-parallel
+    # rank sends or takes the fed tokens and counts instead: `_feed`, `_verified`, `_verify`).
+    accepts_points_in_graphs = True
 
     def __init__(
         self,
@@ -670,7 +667,7 @@ class ModelRunner:
         if self.tracer is not None:
             pending.trace = self.tracer.begin(-1)
             pending.trace.ahead = True
-        if not self._replay_verification(scheduled, batch, self._spec_rows(scheduled, batch), pending):
+        if not self._replay_verification(scheduled, batch, pending):
             return
         pending.order = [st.seq_id for st in states]
         self._ahead = _LaunchedAhead(pending, states, k, rows, fed)
@@ -831,7 +828,8 @@ class ModelRunner:
             lps = spec_logprobs[i][:count] if spec_logprobs and st.sampling.return_logprobs else [0.0] * count
             runs[st.seq_id] = (tokens[i][:count], lps)
             self.stats.tokens_sampled += count  # (launch counted the other sampling rows)
-            self._advance_verified(st, num_draft, count, pending.lookahead)
+            if num_draft:  # (a decode among them advanced at launch: `_replay_verification`)
+                self._advance_verified(st, num_draft, count, pending.lookahead)
         output = executor_pb2.StepOutput(step_id=pending.step_id)
         for seq_id in pending.order:
             run_tokens, run_logprobs = runs[seq_id]
@@ -975,9 +973,9 @@ class ModelRunner:
                     sampling.append(st)
         if verified:
             pending.order = [s.state.seq_id for s in scheduled if s.samples]
-        spec_rows = self._spec_rows(scheduled, batch) if verified else np.zeros(0, dtype=np.int64)
-        if verified and self._verify_in_graphs(scheduled, verified, batch, spec_rows, pending, plan):
+        if verified and self._verify_in_graphs(scheduled, verified, batch, pending, plan):
             return
+        spec_rows = self._spec_rows(scheduled, batch) if verified else np.zeros(0, dtype=np.int64)
         prompt_rows, prompt_targets = self._prompt_logprob_rows(scheduled, batch, pending)
         calibrate, self.calibrate_kv_scales = self.calibrate_kv_scales, False
         drafted = None
@@ -1050,54 +1048,78 @@ class ModelRunner:
         scheduled: list[_Scheduled],
         verified: list[_Scheduled],
         batch: HostBatch,
-        spec_rows: np.ndarray,
         pending: PendingStep,
         plan: executor_pb2.StepPlan,
     ) -> bool:
-        """A greedy draft-model step of verifications alone, k proposals each, where the graphs
-        hold it (`_replay_verification`). Returns False, having done nothing, where this does not
-        apply."""
-        if len(verified) != len(scheduled) or plan.masked_seq_ids or plan.late_masked_seq_ids:
+        """A greedy step of verifications alone, all of the draft model's (k proposals each) or
+        all n-gram's, these maybe among one-token decodes, where the graphs hold it
+        (`_replay_verification`). Returns False, having done nothing, where this does not apply."""
+        if plan.masked_seq_ids or plan.late_masked_seq_ids:
             return False
-        return self._replay_verification(verified, batch, spec_rows, pending)
-
-    def _replay_verification(
-        self, verified: list[_Scheduled], batch: HostBatch, spec_rows: np.ndarray, pending: PendingStep
-    ) -> bool:
-        """Replays the proposal graph, the target's mixed graph (the proposals written into its
-        input ids) and the acceptance graph (tokens, counts, the feed) for `verified`, a step of
-        greedy verifications alone, staged by their two fills alone. The general path
-        (`_draft_proposals`, `_verify`) launches ~60 torch operations a step from the host besides
-        (index tensors, acceptance kernels, views): on the H200 a one-request step was bound by
-        them. Returns False, having done nothing, where the graphs do not hold the step."""
-        k, graphs, draft_graphs = self.num_speculative_tokens, self.graphs, self.draft_graphs
-        if (
-            graphs is None
-            or draft_graphs is None
-            or self.calibrate_kv_scales
-            or not draft_graphs.can_accept(len(verified), k)
-            or not all(_argmax_matched(s, k) for s in verified)
+        if len(verified) != len(scheduled) and (
+            any(s.from_draft_model for s in verified)
+            or not all(s.num_draft or (s.num_new == 1 and s.samples) for s in scheduled)
         ):
             return False
-        # The target graph's logits rows are the verification rows alone, their sample rows unused.
-        graph_batch = replace(
-            batch, logits_indices=spec_rows, sample_rows=np.full(len(spec_rows), self.slots.pad_row)
-        )
-        if not graphs.can_run(graph_batch):
+        return self._replay_verification(scheduled, batch, pending)
+
+    def _replay_verification(self, steps: list[_Scheduled], batch: HostBatch, pending: PendingStep) -> bool:
+        """Replays, for `steps` (a greedy step of verifications alone or, for n-gram proposals,
+        of verifications and one-token decodes: every token row a logits row, staged by one fill
+        per graph), the draft's proposal graph (draft-model proposals), the target's mixed graph
+        (the proposals written into its input ids) and an acceptance graph (tokens, counts, the
+        feed): the draft's (`StepGraphs.accept`, k proposals each), or for n-gram's, up to k each
+        (a decode: none), the target's (`StepGraphs.accept_points`). The general path
+        (`_draft_proposals`, `_sample`, `_verify`) launches ~15 to ~60 torch operations a step
+        from the host besides (index tensors, acceptance kernels, views): on the H200 a
+        draft-model step of one request was bound by them, and on an H100 an n-gram step took
+        1.18 ms of launch and 0.80 ms of GPU against a decode step's 0.61 and 0.35 (2026-12-06).
+        Returns False, having done nothing, where the graphs do not hold the step."""
+        graphs, draft_graphs = self.graphs, self.draft_graphs
+        if graphs is None or self.calibrate_kv_scales or not all(_plain_greedy(s) for s in steps):
             return False
-        states = [s.state for s in verified]
-        first = decode_batch(batch, spec_rows[:: k + 1], batch.rows, self.block_size)  # pass 0
-        proposals = draft_graphs.propose(first, None, first.positions + k)
-        for st in states:
-            st.num_computed += k + 1
+        num, k = len(steps), max(s.num_draft for s in steps)
+        by_draft = all(s.from_draft_model for s in steps)  # else none may be (n-gram's alone)
+        if by_draft:
+            held = (
+                draft_graphs is not None
+                and k == self.num_speculative_tokens
+                and all(s.num_draft == k for s in steps)
+                and draft_graphs.can_accept(num, k)
+            )
+        else:
+            held = (
+                self.accepts_points_in_graphs
+                and not any(s.from_draft_model for s in steps)
+                and graphs.can_accept_points(num, k)
+            )
+        # The target graph's logits rows are every token row, in order; their sample rows unused.
+        rows = np.arange(len(batch.positions), dtype=np.int64)
+        graph_batch = replace(batch, logits_indices=rows, sample_rows=np.full(len(rows), self.slots.pad_row))
+        if not held or not graphs.can_run(graph_batch):
+            return False
+        proposals = None
+        if by_draft:
+            assert draft_graphs is not None
+            first = decode_batch(batch, rows[:: k + 1], batch.rows, self.block_size)  # pass 0
+            proposals = draft_graphs.propose(first, None, first.positions + k)
+        for s in steps:
+            s.state.num_computed += s.num_new
+            if not s.num_draft:  # a decode: its token counts now, as `_sample`'s do
+                s.state.num_tokens += 1
         if pending.trace is not None:
             self.tracer.forward_starts(pending.trace, batch, True)
         graphs.run(graph_batch, proposals)
         self.stats.graph_steps += 1
-        emitted = draft_graphs.accept(len(states))
+        if by_draft:
+            assert draft_graphs is not None
+            emitted = draft_graphs.accept(num)
+            pending.replayed_verification = True  # `launch_ahead` may follow
+        else:
+            emitted = graphs.accept_points(num, k)
         self._verified(emitted[:, -1])
-        self._copy_verified(pending, [(st, k) for st in states], emitted, lookahead=self.num_lookahead_slots)
-        pending.replayed_verification = True
+        spec = [(s.state, s.num_draft) for s in steps]
+        self._copy_verified(pending, spec, emitted, lookahead=self.num_lookahead_slots if by_draft else 0)
         return True
 
     def _sample_step(self, work: _StepSampling, pending: PendingStep) -> None:

@@ -53,6 +53,7 @@ class TPDriverRunner(ModelRunner):
 
     group: TensorParallelGroup
     on_fatal: Callable[[], None]  # ends the group (TensorParallelWorkers.fail)
+    accepts_points_in_graphs = False  # `_feed` broadcasts the fed tokens: the eager path feeds them
 
     def launch(self, plan: executor_pb2.StepPlan) -> PendingStep:
         self._check_not_awaiting(plan)  # before the workers see it: they would run it
@@ -107,6 +108,7 @@ class TPWorkerRunner(ModelRunner):
 
     group: TensorParallelGroup
     waits_for_late_masks = False  # rank 0 waits for them, then broadcasts the tokens (`_sample`)
+    accepts_points_in_graphs = False  # rank 0's tokens and counts come by broadcast (`_verify`)
     # (step id, its verified requests and their proposal counts, the token counts (host), their event)
     _unsettled: list[tuple[int, list[tuple[RequestState, int]], torch.Tensor, torch.cuda.Event | None]]
 

@@ -458,8 +458,9 @@ def _verify_through(
 ) -> tuple[dict, int]:
     """Drives a runner by hand: two prompts (or the first `num_seqs`), then steps that each verify
     `d` proposals per request (or d[seq_id], or d(step); `drafts_for(seq_id, tokens so far)`: their
-    ids, or None for a draft model's), trimming and growing the tables as the protocol says; with
-    `ahead`, after each output as the service does (`ModelRunner.launch_ahead`). Greedy (unless
+    ids, as many as it returns, or None for the draft model's d), trimming and growing the tables
+    as the protocol says; with `ahead`, after each output as the service does
+    (`ModelRunner.launch_ahead`). Greedy (unless
     `sampling`, a pb.Sampling): the outputs must equal Hugging Face's. Returns each request's
     outputs and how many tokens the verifications accepted."""
     from pagedserve.protos import executor_pb2 as pb
@@ -499,8 +500,8 @@ def _verify_through(
         plan = pb.StepPlan(step_id=step)
         drafts = drafts_at(step)
         for seq_id in prompts:
-            computed, n = len(tokens[seq_id]) - 1, drafts[seq_id]
             ids = drafts_for(seq_id, tokens[seq_id])
+            computed, n = len(tokens[seq_id]) - 1, drafts[seq_id] if ids is None else len(ids)
             lookahead[seq_id] = runner.num_lookahead_slots if ids is None and n else 0
             need = -(-(computed + 1 + n + lookahead[seq_id]) // BLOCK)
             running = plan.running.add(seq_id=seq_id, num_new_tokens=1 + n, num_draft_tokens=n)
@@ -526,7 +527,9 @@ def _verify_through(
     return outputs, accepted
 
 
-def _through_graph_layouts(runner, monkeypatch, proposal_graphs: bool = False) -> list | None:
+def _through_graph_layouts(
+    runner, monkeypatch, proposal_graphs: bool = False, decode_sizes: tuple[int, ...] = (1, 2, 4)
+) -> list | None:
     """The runner's steps computed as their CUDA graphs would compute them (padded static inputs,
     no capture: the CPU can run it); with a draft model, its passes too (returns the names of the
     draft graphs' calls: `run`, `run_next`, `propose`, `accept`), with `proposal_graphs` its greedy
@@ -536,7 +539,7 @@ def _through_graph_layouts(runner, monkeypatch, proposal_graphs: bool = False) -
     held.)"""
     from pagedserve.executor.cuda_graphs import StepGraphs
 
-    graphs = StepGraphs(runner.model, runner._layer_caches, runner.slots, [1, 2, 4], [32, 64])
+    graphs = StepGraphs(runner.model, runner._layer_caches, runner.slots, list(decode_sizes), [32, 64])
     monkeypatch.setattr(graphs, "run", graphs.run_uncaptured)
     monkeypatch.setattr(runner, "graphs", graphs)
     if runner.draft is not None:  # the draft's graphs: its passes over the step and its proposals
@@ -599,6 +602,45 @@ def test_verification_steps_equal_hf_eagerly_and_in_graph_layouts(
     _, accepted = _verify_through(ngram_runner, hf_model, drafts_for, num_steps=6)
     assert accepted > 0
     assert (ngram_runner.stats.graph_steps - before > 0) == graphs
+
+
+def _uneven_drafts(hf_model, num_seqs: int) -> Callable[[int, list[int]], list[int]]:
+    """n-gram-like proposals, the true continuation with every fourth token wrong: 1 to 3 per
+    step for one request; for two, 1 to 2 and 0 to 1 (none: the request decodes one token; the
+    test runners' mixed graphs hold 5 rows)."""
+
+    def drafts_for(seq_id: int, tokens: list[int]) -> list[int]:
+        count = 1 + len(tokens) % 3 if num_seqs == 1 else (1 if seq_id == 1 else 0) + len(tokens) % 2
+        truth = hf_greedy(hf_model, tokens, count) if count else []
+        return [t if (len(tokens) + i) % 4 else (t + 1) % 512 for i, t in enumerate(truth)]
+
+    return drafts_for
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2])
+def test_ngram_verifications_accept_in_graph_layouts(ngram_runner, hf_model, monkeypatch, num_seqs):
+    """Greedy n-gram verifications, 1 to 3 proposals per request and step (some wrong), alone or
+    beside a one-token decode: each step replays the target's mixed graph and the point
+    acceptance (`accept_points`: its proposals and layout read from the graph's static inputs;
+    two sequences pad to four), and the outputs equal Hugging Face's and the eager steps'."""
+    drafts_for = _uneven_drafts(hf_model, num_seqs)
+    want, _ = _verify_through(ngram_runner, hf_model, drafts_for, num_steps=7, num_seqs=num_seqs)
+    _through_graph_layouts(ngram_runner, monkeypatch, decode_sizes=(1, 4))
+    replayed = []  # per step replayed, its requests' proposal counts
+    replay = ngram_runner._replay_verification
+
+    def recorded(steps, *args) -> bool:
+        done = replay(steps, *args)
+        if done:
+            replayed.append([s.num_draft for s in steps])
+        return done
+
+    monkeypatch.setattr(ngram_runner, "_replay_verification", recorded)
+    got, accepted = _verify_through(ngram_runner, hf_model, drafts_for, num_steps=7, num_seqs=num_seqs)
+    assert got == want and accepted > 0
+    assert len(replayed) == 6  # every verification step
+    if num_seqs == 2:
+        assert any(0 in counts for counts in replayed)  # a decode beside a verification
 
 
 @pytest.mark.parametrize("graphs", [None, "per pass", "proposal"])
@@ -1015,6 +1057,45 @@ def test_cuda_acceptance_graph_equals_eager_and_hf(cuda_draft_runners, hf_model,
     got, accepted = _verify_through(graphs, hf_model, none, num_steps=8, num_seqs=1)
     assert got == want and accepted > 0
     assert calls == ["propose", "accept"] * 7
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_seqs", [1, 2])
+def test_cuda_ngram_acceptance_graphs_equal_eager_and_hf(tiny_model_dir, hf_model, monkeypatch, num_seqs):
+    """Greedy n-gram verifications (1 to 3 proposals, some wrong): the point acceptance graphs,
+    captured the first time each (size, k) comes, give the eager runner's outputs, which equal
+    Hugging Face's; run again, every such step replays them and its launch makes no
+    synchronising call (torch raises on any)."""
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner
+
+    def runner(eager: bool) -> ModelRunner:
+        config = ExecutorConfig(
+            model=str(tiny_model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=64,
+            max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, swap_space=0.002,
+            enforce_eager=eager,
+        )  # fmt: skip
+        return ModelRunner.create(config)
+
+    eager, graphs = runner(True), runner(False)
+    drafts_for = _uneven_drafts(hf_model, num_seqs)
+    want, _ = _verify_through(eager, hf_model, drafts_for, num_steps=8, num_seqs=num_seqs)
+    got, accepted = _verify_through(graphs, hf_model, drafts_for, num_steps=8, num_seqs=num_seqs)
+    assert got == want and accepted > 0
+    calls = []
+    accept, launch = graphs.graphs.accept_points, graphs.launch
+    monkeypatch.setattr(graphs.graphs, "accept_points", lambda *a: calls.append(a) or accept(*a))
+
+    def never_waits(plan):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(graphs, "launch", lambda plan: never_waits(plan) if plan.step_id else launch(plan))
+    again, _ = _verify_through(graphs, hf_model, drafts_for, num_steps=8, num_seqs=num_seqs)
+    assert again == want and len(calls) == 7
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
