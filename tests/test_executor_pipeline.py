@@ -236,6 +236,7 @@ class _FakeRunner:
 
     def __init__(self, auto_finish_after: float | None = None) -> None:
         self.calls: list[str] = []
+        self.ahead_of: list[int] = []  # the steps `launch_ahead` was called after
         self.events: dict[int, _Event] = {}
         self.stats = RunnerStats()
         self.num_requests = 0
@@ -254,6 +255,7 @@ class _FakeRunner:
 
     def launch_ahead(self, finished) -> None:
         """The real runner may launch a verification step ahead; these steps verify nothing."""
+        self.ahead_of.append(finished.step_id)
 
     def reset(self) -> None:
         """A lease ended: the real runner forgets its requests; this one holds none."""
@@ -312,6 +314,20 @@ def test_service_launches_next_plan_before_finishing_the_running_step():
     assert not consumer.is_alive(), "the stream did not end with its plans"
     assert got == [1, 2]
     assert runner.calls == ["launch 1", "launch 2", "finish 1", "finish 2"]
+
+
+def test_service_launches_ahead_before_it_sends_the_output():
+    """With no plan queued, the step the next plan most likely is starts before the output goes
+    out: sending holds the stream's thread until the write is done."""
+    runner = _FakeRunner(auto_finish_after=0.01)
+    service = _service(runner)
+    plans: queue.Queue = queue.Queue()
+    plans.put(executor_pb2.StepPlan(step_id=1))
+    outputs = service.Step(iter(plans.get, None), _Context(service))
+    assert next(outputs).step_id == 1
+    assert runner.calls == ["launch 1", "finish 1"] and runner.ahead_of == [1]
+    plans.put(None)
+    assert list(outputs) == []
 
 
 def test_service_finishes_the_pending_step_when_the_stream_ends():
