@@ -442,19 +442,19 @@ class StepGraphs:
         self._accept(self._decode_size(num_rows))
         return self._accepted[:num_rows].clone()
 
-    def can_accept_points(self, num_rows: int, k: int) -> bool:
-        """Whether `accept_points` takes `num_rows` sequences of up to `k` proposals each."""
+    def can_accept_points(self, num_rows: int) -> bool:
+        """Whether `accept_points` takes `num_rows` sequences."""
         return self._decode_size(num_rows) is not None
 
     def accept_points(self, num_rows: int, k: int) -> torch.Tensor:
         """The greedy acceptance of point proposals (n-gram's, ids in the plan), after `run` of a
-        mixed batch of `num_rows` sequences that verify alone, up to `k` proposals each, whose
-        logits rows are their token rows (`_accept_points`): [S, k + 2] each sequence's k + 1
-        tokens (the first counts[i] emitted), then its count, in a buffer the next step of its
-        size and k overwrites. On CUDA a graph replays it, captured the first time its (size, k)
-        comes: that step computes it eagerly (warming its kernels up), then captures it, which
-        waits for the device once. The executor does not know n-gram's k (the scheduler proposes)
-        and only a few (size, k) ever come, so none is captured at start."""
+        mixed batch of `num_rows` sequences that each verify up to `k` proposals or decode one
+        token, whose logits rows are their token rows (`_accept_points`): [S, k + 2] each
+        sequence's k + 1 tokens (the first counts[i] emitted), then its count, in a buffer the
+        next step of its size and k overwrites. On CUDA a graph replays it, captured the first
+        time its (size, k) comes: that step computes it eagerly (warming its kernels up), then
+        captures it, which waits for the device once. The executor does not know n-gram's k (the
+        scheduler proposes) and only a few (size, k) ever come, so none is captured at start."""
         size = self._decode_size(num_rows)
         assert size is not None
         out, graph = self._point_acceptance.get((size, k), (None, None))

@@ -1091,7 +1091,7 @@ class ModelRunner:
             held = (
                 self.accepts_points_in_graphs
                 and not any(s.from_draft_model for s in steps)
-                and graphs.can_accept_points(num, k)
+                and graphs.can_accept_points(num)
             )
         # The target graph's logits rows are every token row, in order; their sample rows unused.
         rows = np.arange(len(batch.positions), dtype=np.int64)
