@@ -133,8 +133,10 @@ class _PlanReader:
     def next(self, pending: PendingStep | None) -> object:
         """The next plan (or _END); with a step pending (not one that awaits its masks),
         _STEP_DONE as soon as it finished first: at once, if a plan is not queued already, for a
-        step with no device work to wait for (on the CPU `launch` ran it to its end)."""
-        finished = pending is not None and pending.done is None
+        step with no device work to wait for (on the CPU `launch` ran it to its end) or whose
+        device work is done (a step launched ahead of its plan: the watcher's two thread
+        hand-offs would come on top of the plan's round trip)."""
+        finished = pending is not None and (pending.done is None or pending.done.query())
         if pending is not None and not finished and pending is not self._watching:
             self._watch(pending)
         while True:

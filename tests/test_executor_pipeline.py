@@ -330,6 +330,30 @@ def test_service_launches_ahead_before_it_sends_the_output():
     assert list(outputs) == []
 
 
+def test_service_sends_a_step_done_at_its_plan_without_the_watcher():
+    """A step whose device work is done when its plan has been handled (as a step launched ahead
+    often is) goes out at once: no watcher thread waits for it."""
+    runner = _FakeRunner()
+    launch = runner.launch
+
+    def done_at_once(plan):
+        pending = launch(plan)
+        pending.done.fired.set()
+        return pending
+
+    runner.launch = done_at_once
+    watchers = lambda: {t for t in threading.enumerate() if t.name == "executor-step-watcher"}  # noqa: E731
+    before = watchers()
+    service = _service(runner)
+    plans: queue.Queue = queue.Queue()
+    plans.put(executor_pb2.StepPlan(step_id=1))
+    outputs = service.Step(iter(plans.get, None), _Context(service))
+    assert next(outputs).step_id == 1
+    plans.put(None)
+    assert list(outputs) == []
+    assert not watchers() - before
+
+
 def test_service_finishes_the_pending_step_when_the_stream_ends():
     runner = _FakeRunner(auto_finish_after=0.05)
     service = _service(runner)
