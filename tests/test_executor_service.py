@@ -289,6 +289,9 @@ class _FakeEvent:
     def complete(self) -> None:
         self._done.set()
 
+    def query(self) -> bool:
+        return self._done.is_set()
+
     def synchronize(self) -> None:
         self.waits += 1
         self._done.wait()
