@@ -1002,7 +1002,7 @@ class ModelRunner:
             and self.graphs.can_run(graph_batch)
         )
         if pending.trace is not None:
-            self.tracer.forward_starts(pending.trace, batch, graph)
+            self.tracer.forward_starts(pending.trace, batch, graph, len(verified))
         if graph:
             token_ids = None if drafted is None else (drafted.token_rows, drafted.input_ids)
             logits, sample_rows = self.graphs.run(graph_batch, token_ids)
@@ -1108,7 +1108,7 @@ class ModelRunner:
             if not s.num_draft:  # a decode: its token counts now, as `_sample`'s do
                 s.state.num_tokens += 1
         if pending.trace is not None:
-            self.tracer.forward_starts(pending.trace, batch, True)
+            self.tracer.forward_starts(pending.trace, batch, True, sum(1 for s in steps if s.num_draft))
         graphs.run(graph_batch, proposals)
         self.stats.graph_steps += 1
         if by_draft:

@@ -13,7 +13,11 @@ began) place each step's launch, its plan's arrival and its output: from them th
 long a step's output takes to turn into the next step's launch and plan (the host's round trip,
 which a verification step waits for).
 
-    python -m pagedserve.executor.step_trace FILE      # totals by kind of step and by decode batch size
+    python -m pagedserve.executor.step_trace FILE      # by kind of step and by decode batch size
+
+Kinds: decode (one token per sequence), verify (sequences verifying proposals, maybe beside
+one-token decodes), prefill, mixed (prefill chunks beside decodes or verifications), empty. Each
+row gives totals and medians per step.
 
 Off by default: an event pair and a line of JSON per step cost a few microseconds.
 """
@@ -43,6 +47,7 @@ class StepRecord:
     tokens: int = 0
     seqs: int = 0
     decodes: int = 0  # sequences with exactly one new token
+    verified: int = 0  # sequences verifying proposals (speculative decoding)
     kv_tokens: int = 0  # sum of the sequences' context lengths: what attention reads
     copied_beside: int = 0  # CPU-tier blocks loaded or offloaded on the copy stream beside the forward
     swapped: int = 0  # blocks swapped out or in before the forward, on its stream
@@ -62,6 +67,8 @@ class StepRecord:
     def kind(self) -> str:
         if self.tokens == 0:
             return "empty"
+        if self.verified:  # verifications, maybe beside one-token decodes
+            return "verify" if self.decodes + self.verified == self.seqs else "mixed"
         if self.decodes == self.tokens:
             return "decode"
         return "mixed" if self.decodes else "prefill"
@@ -87,13 +94,15 @@ class StepTracer:
             step_id, copied_beside=copied_beside, swapped=swapped, launched_at_ms=at, plan_at_ms=at, _t0=t0
         )
 
-    def forward_starts(self, record: StepRecord, batch: HostBatch, graph: bool) -> None:
-        """Records the step's shape, and its start event just before its first kernel is queued
-        (the host has prepared the inputs by then, so waiting for that counts as idle)."""
+    def forward_starts(self, record: StepRecord, batch: HostBatch, graph: bool, verified: int = 0) -> None:
+        """Records the step's shape (`verified`: its sequences that verify proposals), and its
+        start event just before its first kernel is queued (the host has prepared the inputs by
+        then, so waiting for that counts as idle)."""
         q_lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
         record.tokens = int(batch.cu_seqlens[-1])
         record.seqs = len(batch.rows)
         record.decodes = int((q_lens == 1).sum())
+        record.verified = verified
         record.kv_tokens = int(batch.seq_lens.sum())
         record.graph = graph
         if self._cuda:
@@ -132,7 +141,7 @@ def summarize(records: list[dict]) -> str:
     """A markdown table per kind of step, and decode steps by batch size bucket."""
 
     def kind(r: dict) -> str:
-        return StepRecord(0, r["tokens"], r["seqs"], r["decodes"]).kind
+        return StepRecord(0, r["tokens"], r["seqs"], r["decodes"], r.get("verified", 0)).kind
 
     def bucket(r: dict) -> str:
         if kind(r) != "decode":
@@ -144,7 +153,10 @@ def summarize(records: list[dict]) -> str:
         groups: dict[str, list[dict]] = defaultdict(list)
         for r in records:
             groups[key(r)].append(r)
-        header = "steps, n, tokens, decode tok, KV tok/seq, GPU s, gap s, launch s, GPU µs/token".split(", ")
+        header = (
+            "steps, n, tokens, decode tok, KV tok/seq, GPU s, gap s, launch s, GPU µs/token, "
+            "GPU ms p50, gap ms p50, launch ms p50"
+        ).split(", ")
         rows = []
         for name in sorted(groups, key=lambda g: -sum(r["gpu_ms"] or 0 for r in groups[g])):
             rs = groups[name]
@@ -156,7 +168,8 @@ def summarize(records: list[dict]) -> str:
             decodes = sum(r["decodes"] for r in rs)
             times = [f"{seconds:.2f}" for seconds in (gpu, gap, launch)]
             per_token = f"{1e6 * gpu / max(tokens, 1):.1f}"
-            rows.append([name, len(rs), tokens, decodes, f"{kv_per_seq:.0f}", *times, per_token])
+            medians = [_median(r.get(field) for r in rs) for field in ("gpu_ms", "gap_ms", "launch_ms")]
+            rows.append([name, len(rs), tokens, decodes, f"{kv_per_seq:.0f}", *times, per_token, *medians])
         return [f"\n{title}", markdown_table(header, rows)]
 
     def copies(r: dict) -> str:
@@ -180,6 +193,12 @@ def summarize(records: list[dict]) -> str:
     gap = sum(r["gap_ms"] or 0 for r in records) / 1000
     lines.append(f"\n{len(records)} steps: GPU {gpu:.2f} s, idle between steps {gap:.2f} s")
     return "\n".join(lines)
+
+
+def _median(values) -> str:
+    """The median of the values that are there (a CPU trace has no GPU times): "-" if none."""
+    present = [v for v in values if v is not None]
+    return f"{statistics.median(present):.3f}" if present else "-"
 
 
 def _round_trips(records: list[dict]) -> list[str]:

@@ -617,6 +617,25 @@ def _uneven_drafts(hf_model, num_seqs: int) -> Callable[[int, list[int]], list[i
     return drafts_for
 
 
+def test_the_step_trace_names_verification_steps(ngram_runner, hf_model, monkeypatch, tmp_path):
+    """--step-trace: a step of verifications (beside a decode or alone) is of kind "verify", in
+    eager steps and in replayed ones, with its per-step medians in the summary."""
+    from pagedserve.executor.step_trace import StepTracer, load, summarize
+
+    for graphs in (False, True):
+        if graphs:
+            _through_graph_layouts(ngram_runner, monkeypatch, decode_sizes=(1, 4))
+        path = tmp_path / f"trace-{graphs}.jsonl"
+        monkeypatch.setattr(ngram_runner, "tracer", StepTracer(path, torch.device("cpu")))
+        _verify_through(ngram_runner, hf_model, _uneven_drafts(hf_model, 2), num_steps=5)
+        ngram_runner.tracer.close()
+        records = load(path)
+        assert records[0]["verified"] == 0 and all(r["verified"] >= 1 for r in records[1:])
+        text = summarize(records)
+        assert "| verify | 4 |" in text and "| prefill | 1 |" in text
+    assert "launch ms p50" in text
+
+
 @pytest.mark.parametrize("num_seqs", [1, 2])
 def test_ngram_verifications_accept_in_graph_layouts(ngram_runner, hf_model, monkeypatch, num_seqs):
     """Greedy n-gram verifications, 1 to 3 proposals per request and step (some wrong), alone or
