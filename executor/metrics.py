@@ -38,6 +38,16 @@ class RunnerCollector(Collector):
             ("swap_out_blocks", "KV blocks copied to the CPU swap pool.", s.swap_out_blocks),
             ("swap_in_blocks", "KV blocks copied back from the CPU swap pool.", s.swap_in_blocks),
             ("graph_steps", "Steps that replayed a CUDA graph.", s.graph_steps),
+            (
+                "steps_launched_ahead",
+                "Speculative verification steps launched before their plan arrived, and taken by it.",
+                s.steps_launched_ahead,
+            ),
+            (
+                "steps_discarded_ahead",
+                "Steps launched ahead whose plan was another step (rolled back).",
+                s.steps_discarded_ahead,
+            ),
         )
         for name, doc, value in counters:
             family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])

@@ -116,7 +116,7 @@ class RunnerStats:
     swap_in_blocks: int = 0
     busy_seconds: float = 0.0  # wall time with at least one step in flight (overlaps counted once)
     graph_steps: int = 0  # steps that replayed a CUDA graph
-    steps_launched_ahead: int = 0  # verification steps launched before their plan (`launch_ahead`)
+    steps_launched_ahead: int = 0  # verification steps launched before their plan and taken by it
     steps_discarded_ahead: int = 0  # launched ahead, but the plan was another step
 
 

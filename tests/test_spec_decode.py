@@ -708,8 +708,10 @@ def test_verifications_launched_ahead_of_their_plans_equal_hf(draft_runner, hf_m
     is (`launch_ahead`; one request: the test's graphs accept one at a time): a plan that is that
     step takes it, one that differs (here: two proposals instead of three at steps 4 and 7)
     discards it and runs itself. Its blocks are there: each verification's plan reserves the next
-    one's slots. Greedy outputs equal Hugging Face's throughout; a step trace tells the steps
-    launched ahead from the others, with when their plans came."""
+    one's slots. Greedy outputs equal Hugging Face's throughout; the executor's metrics count
+    both; a step trace tells the steps launched ahead from the others, with when their plans
+    came."""
+    from pagedserve.executor.metrics import executor_registry
     from pagedserve.executor.step_trace import StepTracer, load, summarize
 
     _through_graph_layouts(draft_runner, monkeypatch, proposal_graphs=True)
@@ -726,6 +728,10 @@ def test_verifications_launched_ahead_of_their_plans_equal_hf(draft_runner, hf_m
     # new blocks or not (the lookahead slots were there at the launch).
     assert stats.steps_launched_ahead - taken == 6
     assert stats.steps_discarded_ahead - discarded == 2
+    registry = executor_registry(draft_runner, "m")  # the executor's Prometheus counters
+    for name in ("launched", "discarded"):
+        metric = f"pagedserve:executor_steps_{name}_ahead_total"
+        assert registry.get_sample_value(metric, {"model_name": "m"}) == getattr(stats, f"steps_{name}_ahead")
     draft_runner.tracer.close()
     records = load(tmp_path / "trace.jsonl")
     ahead = [r for r in records if r["ahead"]]
