@@ -617,6 +617,47 @@ def _uneven_drafts(hf_model, num_seqs: int) -> Callable[[int, list[int]], list[i
     return drafts_for
 
 
+@pytest.mark.parametrize("repeating", [False, True], ids=["random", "one token"])
+@pytest.mark.parametrize("num_drafts", [[4], [0, 3], [2, 1, 0], [1, 5, 2, 3, 0, 4, 1]])
+def test_point_acceptance_equals_the_reference_on_random_logits(ngram_runner, num_drafts, repeating):
+    """`StepGraphs.accept_points` (what its graph replays) on random logits and proposals, each
+    the row's argmax two times in three: per sequence the argmax of its rows up to its first
+    wrong proposal, that count, and its last token fed to its slot; decodes (no proposal) among
+    the verifications, the sequences padded to the graph's size (3 to 4, 7 to 8). With one token
+    the argmax of every row, the input of every row and every proposal, a sequence accepts all
+    of its own proposals and no more (its rows end before the widest sequence's)."""
+    from pagedserve.executor.cuda_graphs import StepGraphs
+    from pagedserve.executor.step_inputs import RequestSlots, build_host_batch
+
+    rng = np.random.default_rng(len(num_drafts))
+    cpu, vocab = torch.device("cpu"), ngram_runner.spec.vocab_size
+    slots = RequestSlots(32, ngram_runner.slots.max_blocks_per_seq, cpu)
+    graphs = StepGraphs(ngram_runner.model, ngram_runner._layer_caches, slots, [1, 2, 4, 8], [64])
+    q_lens = np.array(num_drafts) + 1
+    offsets = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+    logits = torch.from_numpy(rng.standard_normal((int(q_lens.sum()), vocab), dtype=np.float32))
+    if repeating:
+        logits[:, 7] += 100  # 7: each sequence's first token too
+    target = logits.argmax(dim=-1).tolist()
+    drafts = [
+        [target[o + j] if repeating or rng.random() < 2 / 3 else int(rng.integers(vocab)) for j in range(d)]
+        for o, d in zip(offsets, num_drafts, strict=True)
+    ]
+    num = len(num_drafts)
+    batch = build_host_batch(
+        np.arange(num), rng.integers(10, 40, num), q_lens, np.ones(num, dtype=bool),
+        [np.array([7, *d], dtype=np.int64) for d in drafts], slots.table_host, ngram_runner.block_size,
+    )  # fmt: skip
+    graphs._fill(batch, 64, True)
+    graphs.logits[: len(logits)] = logits
+    emitted = graphs.accept_points(num, max(num_drafts))
+    for i, (o, d) in enumerate(zip(offsets, num_drafts, strict=True)):
+        accepted = next((j for j in range(d) if drafts[i][j] != target[o + j]), d)
+        assert emitted[i, -1] == accepted + 1
+        assert emitted[i, : accepted + 1].tolist() == target[o : o + accepted + 1]
+        assert slots.last_token[i] == target[o + accepted]
+
+
 def test_the_step_trace_names_verification_steps(ngram_runner, hf_model, monkeypatch, tmp_path):
     """--step-trace: a step of verifications (beside a decode or alone) is of kind "verify", in
     eager steps and in replayed ones, with its per-step medians in the summary."""
