@@ -1093,10 +1093,12 @@ class ModelRunner:
                 and not any(s.from_draft_model for s in steps)
                 and graphs.can_accept_points(num)
             )
+        if not held:
+            return False
         # The target graph's logits rows are every token row, in order; their sample rows unused.
         rows = np.arange(len(batch.positions), dtype=np.int64)
         graph_batch = replace(batch, logits_indices=rows, sample_rows=np.full(len(rows), self.slots.pad_row))
-        if not held or not graphs.can_run(graph_batch):
+        if not graphs.can_run(graph_batch):
             return False
         proposals = None
         if by_draft:
