@@ -356,6 +356,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, endpoint: bool = True) -> a
     group.add_argument(
         "--speculative-config", default=None, metavar="JSON",
         help='speculative decoding, as the scheduler\'s flag (`serve` gives both the same): the '
-        'executor loads {"method": "draft_model", "model": DIR, ...}\'s draft; default: off',
+        'executor loads {"method": "draft_model", "model": DIR, ...}\'s draft; with "ngram" it '
+        "proposes as the scheduler does, to launch each verification before its plan; default: off",
     )  # fmt: skip
     return parser

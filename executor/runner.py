@@ -32,6 +32,8 @@ import numpy as np
 import structlog
 import torch
 
+from pagedserve.common.ngram import propose_ngram
+from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.executor.config import ExecutorConfig
 from pagedserve.executor.cuda_graphs import (
     PROPOSAL_GRAPH_MAX_SEQS,
@@ -105,6 +107,13 @@ class RequestState:
     num_computed: int  # tokens whose K/V is in the pool
     table_ends: list[int]  # per KV-cache group, the length of its block table
     sampling: SamplingParams
+    # With n-gram speculation (ModelRunner.ngram): the ids of the tokens generated here, as their
+    # outputs went out, so that known_ids + outputs are the tokens the scheduler proposes from.
+    outputs: list[int] = field(default_factory=list)
+
+    def ngram_tokens(self) -> np.ndarray:
+        """The request's tokens as the scheduler knows them once its last output arrives."""
+        return np.concatenate([self.known_ids, np.asarray(self.outputs, dtype=np.int64)])
 
 
 @dataclass(slots=True)
@@ -280,16 +289,35 @@ class _LaunchedAhead:
     Attributes:
         pending: the launched step (its step_id set when a plan takes it).
         states: the verified requests, in the order the plan must name them.
-        num_draft: the proposals each verifies (k).
+        num_drafts: the proposals each verifies (the draft model's: k each; n-gram's: up to k,
+            0 for a decode among them).
+        drafts: n-gram's proposals, each request's (the plan must propose the same); None: the
+            draft model's, made on the device.
         rows: [S] their slots, on the device.
         fed: [S] their slots' last tokens before the step (its acceptance overwrote them).
     """
 
     pending: PendingStep
     states: list[RequestState]
-    num_draft: int
+    num_drafts: list[int]
+    drafts: list[list[int]] | None
     rows: torch.Tensor
     fed: torch.Tensor
+
+    def unwind(self) -> None:
+        """Takes the step's tokens back out of its requests' state (`_replay_verification` counted
+        them at launch): for a plan's validation against the state before it, or for good."""
+        for st, num_draft in zip(self.states, self.num_drafts, strict=True):
+            st.num_computed -= num_draft + 1
+            if not num_draft:  # a decode's token counted at launch
+                st.num_tokens -= 1
+
+    def rewind(self) -> None:
+        """Undoes `unwind`."""
+        for st, num_draft in zip(self.states, self.num_drafts, strict=True):
+            st.num_computed += num_draft + 1
+            if not num_draft:
+                st.num_tokens += 1
 
 
 @dataclass(slots=True)
@@ -405,6 +433,10 @@ class ModelRunner:
         self.draft_model_dir = ""
         self.num_speculative_tokens = 0
         self.num_lookahead_slots = 0  # SpeculativeConfig.num_lookahead_slots, with a draft model
+        # n-gram speculation, as the scheduler's --speculative-config gives it (the executor's own
+        # flag): the runner keeps each request's outputs to propose as the scheduler does and
+        # launches the next verification ahead of its plan (`launch_ahead`). None: off.
+        self.ngram: SpeculativeConfig | None = None
         if cuda_graphs:
             self.graphs = StepGraphs(
                 model, self._layer_caches, self.slots, decode_graph_sizes(max_num_seqs),
@@ -538,6 +570,8 @@ class ModelRunner:
             if runner.draft_graphs is not None and runner.graphs is not None:
                 runner.draft_graphs.capture_proposals(runner.num_speculative_tokens, PROPOSAL_GRAPH_MAX_SEQS)
                 runner.draft_graphs.capture_acceptance(runner.graphs.logits)
+        elif config.speculative_config is not None:  # n-gram: proposed in the scheduler (and here)
+            runner.ngram = config.speculative_config
         runner.graph_reserve_bytes = graph_reserve
         runner.memory_profile = memory
         runner.copy_bytes_per_s = copy_bytes_per_s
@@ -633,32 +667,58 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_ahead(self, finished: PendingStep) -> None:
         """Launches, before its plan arrives, the verification step that most likely follows
-        `finished`, a step of greedy verifications alone that `_replay_verification` ran and whose
-        output went out: the same requests, k proposals each from their newest token, in the
+        `finished`, a greedy verification step that `_replay_verification` ran and whose output
+        went out: the same requests, each with the proposals the scheduler will make, in the
         blocks they hold already. A verification step's plan waits for the step before it (the
         scheduler must know how many proposals were accepted), so without this the GPU idles for
         the whole round trip and the scheduler's work; with it, the step runs meanwhile, and the
-        plan, when it is that step (`_take_ahead`), only has its output collected. The blocks are
-        there: the scheduler reserves each verification's next slots with its own where they fit.
-        Anything else in the plan (a new request, a finished one, fewer proposals near max_tokens)
+        plan, when it is that step (`_take_ahead`), only has its output collected.
+
+        The proposals: the draft model's k from each request's newest token (made on the device;
+        the scheduler reserves each verification's next slots with its own where they fit), or
+        n-gram's, made here by the scheduler's own search (`propose_ngram`) over the request's
+        tokens as the scheduler knows them now (its outputs included); a request without any
+        decodes beside the others, and a step of decodes alone is left to its plan. Anything
+        else in the plan (a new request, a finished one, other proposals, as near max_tokens)
         discards it: its KV writes lie past every request's computed tokens, where the plan's own
         step writes again, and the last tokens it fed are restored (`_roll_back`).
-        Does nothing where that step cannot be launched so."""
+        Does nothing where that step cannot be launched so (a proposal past the blocks the
+        request holds, or past max_model_len)."""
         if not finished.replayed_verification or self._ahead is not None or self._awaiting is not None:
             return
-        k = self.num_speculative_tokens
         states = [st for st, _ in finished.spec]
+        k = self.num_speculative_tokens
+        drafts: list[list[int]] | None = None
+        if self.ngram is None:
+            num_drafts = [k] * len(states)
+        else:
+            spec = self.ngram
+            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+            drafts = [
+                propose_ngram(st.ngram_tokens(), spec.num_speculative_tokens, spec.prompt_lookup_min,
+                              spec.prompt_lookup_max)
+                for st in states
+            ]  # fmt: skip
+            num_drafts = [len(d) for d in drafts]
+            if not any(num_drafts):
+                return
         max_len = self._limits.max_model_len
-        for st in states:
-            last = st.num_computed + k  # the position of its last proposal
+        for st, num_draft in zip(states, num_drafts, strict=True):
+            last = st.num_computed + num_draft  # the position of its last proposal
             if (
                 self._requests.get(st.seq_id) is not st
                 or last >= max_len
                 or any(end * self.block_size <= last for end in st.table_ends)
             ):
                 return
-        drafts = np.zeros(k, dtype=np.int64)
-        scheduled = [_Scheduled(st, k + 1, k, drafts, True) for st in states]
+        if drafts is None:
+            zeros = np.zeros(k, dtype=np.int64)
+            scheduled = [_Scheduled(st, k + 1, k, zeros, True) for st in states]
+        else:
+            scheduled = [
+                _Scheduled(st, len(d) + 1, len(d), np.asarray(d, dtype=np.int64))
+                for st, d in zip(states, drafts, strict=True)
+            ]
         batch = self._host_batch(scheduled)
         rows = int64_to_device([batch.rows], self.device)[0]
         fed = self.slots.last_token.index_select(0, rows)  # queued before the step overwrites them
@@ -670,26 +730,28 @@ class ModelRunner:
         if not self._replay_verification(scheduled, batch, pending):
             return
         pending.order = [st.seq_id for st in states]
-        self._ahead = _LaunchedAhead(pending, states, k, rows, fed)
+        self._ahead = _LaunchedAhead(pending, states, num_drafts, drafts, rows, fed)
         if pending.trace is not None:
             self.tracer.launched(pending.trace)
 
     def _take_ahead(self, plan: executor_pb2.StepPlan) -> PendingStep | None:
         """The step launched ahead, if `plan` is exactly it (nothing but its requests, in order,
-        each with k proposals from the draft model; new blocks only past the step's slots, which
-        the scheduler reserves: `SpeculativeConfig.num_lookahead_slots`); else rolls it back."""
+        each with the proposals it verifies: the draft model's k, or n-gram's very tokens; new
+        blocks only past the step's slots); else rolls it back."""
         ahead, self._ahead = self._ahead, None
         assert ahead is not None
-        k = ahead.num_draft
         same = len(plan.running) == len(ahead.states) and all(
             field.name in ("step_id", "running") for field, _ in plan.ListFields()
         )
+        drafts = ahead.drafts or [[]] * len(ahead.states)
         same = same and all(
             req.seq_id == st.seq_id
-            and req.num_new_tokens == k + 1
-            and req.num_draft_tokens == k
-            and not req.draft_token_ids
-            for req, st in zip(plan.running, ahead.states, strict=True)
+            and req.num_new_tokens == num_draft + 1
+            and req.num_draft_tokens == num_draft
+            and list(req.draft_token_ids) == draft
+            for req, st, num_draft, draft in zip(
+                plan.running, ahead.states, ahead.num_drafts, drafts, strict=True
+            )
         )
         appends = same and any(table.block_ids for req in plan.running for table in req.new_blocks)
         if not same or (appends and not self._valid_before(plan, ahead)):
@@ -705,29 +767,26 @@ class ModelRunner:
             pending.trace.step_id = plan.step_id
             pending.trace.plan_at_ms = self.tracer.now_ms()
         self.stats.steps += 1
-        self.stats.tokens_computed += (k + 1) * len(ahead.states)
+        self.stats.tokens_computed += sum(ahead.num_drafts) + len(ahead.states)
         self.stats.steps_launched_ahead += 1
         return pending
 
     def _valid_before(self, plan: executor_pb2.StepPlan, ahead: _LaunchedAhead) -> bool:
         """Whether `plan` is valid for the state `ahead` was launched from (a plan with new
         blocks; if not, it goes the usual way, whose validation says what is wrong)."""
-        for st in ahead.states:
-            st.num_computed -= ahead.num_draft + 1
+        ahead.unwind()
         try:
             validate_plan(plan, self._requests, self._limits)
         except PlanError:
             return False
         finally:
-            for st in ahead.states:
-                st.num_computed += ahead.num_draft + 1
+            ahead.rewind()
         return True
 
     def _roll_back(self, ahead: _LaunchedAhead) -> None:
         """Undoes a step launched ahead that no plan took: its requests' computed tokens and the
         last tokens it fed (after it on the stream, so its own writes come first)."""
-        for st in ahead.states:
-            st.num_computed -= ahead.num_draft + 1
+        ahead.unwind()
         self.slots.last_token.index_copy_(0, ahead.rows, ahead.fed)
         self.stats.graph_steps -= 1
         self.stats.steps_discarded_ahead += 1
@@ -802,6 +861,8 @@ class ModelRunner:
                 chunk = values[offset : offset + count]
                 output.prompt_logprobs.add(seq_id=seq_id, start=start, logprobs=chunk)
                 offset += count
+        if self.ngram is not None:
+            self._record_outputs(output)
         now = time.perf_counter()
         output.step_seconds = now - pending.started
         self.stats.busy_seconds += max(0.0, now - max(pending.started, self._busy_until))
@@ -809,6 +870,21 @@ class ModelRunner:
         if pending.trace is not None:
             self.tracer.finished(pending.trace)
         return output
+
+    def _record_outputs(self, output: executor_pb2.StepOutput) -> None:
+        """n-gram speculation: each request's tokens in `output` join its outputs, the tokens
+        `launch_ahead` proposes from (one each, or `num_tokens` each after a verification)."""
+        requests = self._requests  # (a request a plan launched meanwhile removed is not there)
+        if not output.num_tokens:  # one token each: ~0.2 us a request (W1 runs 512 at once)
+            for seq_id, token in zip(output.seq_ids, output.token_ids, strict=True):
+                if (st := requests.get(seq_id)) is not None:
+                    st.outputs.append(token)
+            return
+        tokens, offset = list(output.token_ids), 0
+        for seq_id, count in zip(output.seq_ids, output.num_tokens, strict=True):
+            if (st := requests.get(seq_id)) is not None:
+                st.outputs.extend(tokens[offset : offset + count])
+            offset += count
 
     def _finish_spec(self, pending: PendingStep) -> executor_pb2.StepOutput:
         """The output of a step that verified proposals: each request's tokens in plan order, with
@@ -1116,9 +1192,9 @@ class ModelRunner:
         if by_draft:
             assert draft_graphs is not None
             emitted = draft_graphs.accept(num)
-            pending.replayed_verification = True  # `launch_ahead` may follow
         else:
             emitted = graphs.accept_points(num, k)
+        pending.replayed_verification = True  # `launch_ahead` may follow
         self._verified(emitted[:, -1])
         spec = [(s.state, s.num_draft) for s in steps]
         self._copy_verified(pending, spec, emitted, lookahead=self.num_lookahead_slots if by_draft else 0)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedserve.common.ngram import propose_ngram
 from pagedserve.common.speculative import SpeculativeConfig
 from pagedserve.executor.sampler import SamplingParams
 from pagedserve.executor.spec_decode import (
@@ -25,7 +26,6 @@ from pagedserve.executor.spec_decode import (
 from pagedserve.scheduler.block_pool import hash_block_tokens
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.core import Scheduler
-from pagedserve.scheduler.ngram import propose_ngram
 from pagedserve.scheduler.request import Request, SamplingOptions, SeqId
 from tests.services import hf_greedy
 
@@ -514,7 +514,8 @@ def _verify_through(
                 running.draft_token_ids.extend(ids)
         out = execute(plan)
         offset = 0
-        for seq_id, count in zip(out.seq_ids, out.num_tokens, strict=True):
+        counts = out.num_tokens or [1] * len(out.seq_ids)  # (no proposal at all: a decode step)
+        for seq_id, count in zip(out.seq_ids, counts, strict=True):
             tokens[seq_id] += out.token_ids[offset : offset + count]
             offset += count
             accepted += count - 1
@@ -778,6 +779,70 @@ def test_verifications_launched_ahead_of_their_plans_equal_hf(draft_runner, hf_m
     ahead = [r for r in records if r["ahead"]]
     assert len(ahead) == 6 and all(r["launched_at_ms"] < r["plan_at_ms"] < r["output_at_ms"] for r in ahead)
     assert "| launched ahead | 6 |" in summarize(records)
+
+
+def _tokens_proposals(hf_model, k: int) -> Callable[..., list[int]]:
+    """A stand-in for `propose_ngram` (same arguments) that proposes whether or not the tokens
+    repeat an n-gram, as the tiny model's outputs seldom do: the true continuation, every fourth
+    token wrong, k tokens for the first request (its prompt starts at 30) and none or one by
+    turns for the second."""
+
+    def propose(tokens, count: int, lookup_min: int, lookup_max: int) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        if tokens[0] != 30:
+            count = min(count, len(tokens) % 2)
+        true = hf_greedy(hf_model, tokens, count) if count else []
+        return [t if (len(tokens) + i) % 4 else (t + 1) % 512 for i, t in enumerate(true)]
+
+    return propose
+
+
+def _ngram_plans_ahead(runner, hf_model, monkeypatch, num_seqs: int, k: int) -> tuple[dict, list[list[int]]]:
+    """Drives `runner` through 12 steps of n-gram verifications launched ahead (`ModelRunner.ngram`
+    set): plans that propose as the runner does (`_tokens_proposals`), but for steps 4 and 7,
+    which propose one token fewer. Returns the outputs (equal to Hugging Face's) and the tokens
+    the runner proposed from."""
+    propose, seen = _tokens_proposals(hf_model, k), []
+    recorded = lambda tokens, *a: seen.append(list(tokens)) or propose(tokens, *a)  # noqa: E731
+    monkeypatch.setattr("pagedserve.executor.runner.propose_ngram", recorded)
+    ngram = SpeculativeConfig("ngram", k, prompt_lookup_max=3, prompt_lookup_min=1)
+    monkeypatch.setattr(runner, "ngram", ngram)
+    step = dict.fromkeys((1, 2), 0)
+
+    def drafts_for(seq_id: int, tokens: list[int]) -> list[int]:
+        step[seq_id] += 1
+        drafts = propose(tokens, k, 1, 3)
+        return drafts[:-1] if step[seq_id] in (4, 7) else drafts
+
+    got, accepted = _verify_through(runner, hf_model, drafts_for, num_steps=12, num_seqs=num_seqs, ahead=True)
+    assert accepted > 0
+    return got, seen
+
+
+@pytest.mark.parametrize(("num_seqs", "k"), [(1, 3), (2, 1)])
+def test_ngram_verifications_launched_ahead_of_their_plans_equal_hf(
+    ngram_runner, hf_model, monkeypatch, num_seqs, k
+):
+    """With n-gram speculation configured (`ModelRunner.ngram`, the executor's own flag), after a
+    replayed verification's output the runner proposes from each request's tokens as the
+    scheduler knows them (its prompt and every output since) and launches that step; a request
+    without a proposal decodes beside the others. A plan that proposes the same takes it; steps 4
+    and 7 propose one token fewer, and discard theirs. Greedy outputs equal Hugging Face's
+    throughout; without n-gram configured nothing is launched ahead."""
+    _through_graph_layouts(ngram_runner, monkeypatch, decode_sizes=(1, 4))
+    stats = ngram_runner.stats
+    before = stats.steps_launched_ahead, stats.steps_discarded_ahead
+    propose = _tokens_proposals(hf_model, k)
+    plain = lambda _, tokens: propose(tokens, k, 1, 3)  # noqa: E731
+    _verify_through(ngram_runner, hf_model, plain, 12, num_seqs=num_seqs, ahead=True)
+    assert (stats.steps_launched_ahead, stats.steps_discarded_ahead) == before  # not configured
+    _, seen = _ngram_plans_ahead(ngram_runner, hf_model, monkeypatch, num_seqs, k)
+    taken, discarded = stats.steps_launched_ahead - before[0], stats.steps_discarded_ahead - before[1]
+    assert taken >= 4 and discarded == 2  # (a proposal past the blocks held launches nothing)
+    # Every history the runner proposed from is the request's prompt and greedy outputs so far.
+    prompt = list(range(30, 47))
+    truth = prompt + hf_greedy(hf_model, prompt, 60)
+    assert seen and all(tokens == truth[: len(tokens)] for tokens in seen if tokens[0] == 30)
 
 
 def test_a_bad_plan_for_a_step_launched_ahead_is_refused_and_rolled_back(draft_runner, hf_model, monkeypatch):
@@ -1189,6 +1254,37 @@ def test_cuda_draft_verification_launch_never_waits_for_the_device(cuda_draft_ru
         torch.cuda.set_sync_debug_mode("default")
     out = runner.finish(pending)
     assert 1 <= out.num_tokens[0] <= 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("num_seqs", "k"), [(1, 3), (2, 1)])
+def test_cuda_ngram_verifications_launched_ahead_equal_hf(tiny_model_dir, hf_model, monkeypatch, num_seqs, k):
+    """With the captured graphs: n-gram verifications launched ahead of their plans (taken, or
+    discarded where a plan proposes fewer) give Hugging Face's greedy outputs, and launching one
+    makes no synchronising call (torch raises on any)."""
+    from pagedserve.executor.config import ExecutorConfig
+    from pagedserve.executor.runner import ModelRunner
+
+    config = ExecutorConfig(
+        model=str(tiny_model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=64,
+        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, swap_space=0.002,
+    )  # fmt: skip
+    runner = ModelRunner.create(config)
+    _ngram_plans_ahead(runner, hf_model, monkeypatch, num_seqs, k)  # (captures each graph on first use)
+    taken, discarded = runner.stats.steps_launched_ahead, runner.stats.steps_discarded_ahead
+    launch_ahead = runner.launch_ahead
+
+    def never_waits(pending) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launch_ahead(pending)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(runner, "launch_ahead", never_waits)
+    _ngram_plans_ahead(runner, hf_model, monkeypatch, num_seqs, k)
+    assert runner.stats.steps_launched_ahead - taken >= 4
+    assert runner.stats.steps_discarded_ahead - discarded == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
