@@ -570,8 +570,8 @@ class ModelRunner:
             if runner.draft_graphs is not None and runner.graphs is not None:
                 runner.draft_graphs.capture_proposals(runner.num_speculative_tokens, PROPOSAL_GRAPH_MAX_SEQS)
                 runner.draft_graphs.capture_acceptance(runner.graphs.logits)
-        elif config.speculative_config is not None:  # n-gram: proposed in the scheduler (and here)
-            runner.ngram = config.speculative_config
+        elif config.speculative_config is not None and runner.accepts_points_in_graphs:
+            runner.ngram = config.speculative_config  # n-gram (tensor-parallel ranks never launch ahead)
         runner.graph_reserve_bytes = graph_reserve
         runner.memory_profile = memory
         runner.copy_bytes_per_s = copy_bytes_per_s
@@ -677,8 +677,8 @@ class ModelRunner:
         The proposals: the draft model's k from each request's newest token (made on the device;
         the scheduler reserves each verification's next slots with its own where they fit), or
         n-gram's, made here by the scheduler's own search (`propose_ngram`) over the request's
-        tokens as the scheduler knows them now (its outputs included); a request without any
-        decodes beside the others, and a step of decodes alone is left to its plan. Anything
+        tokens as the scheduler knows them now (its outputs included); a request without a
+        proposal decodes beside the others, and a step of decodes alone is left to its plan. Anything
         else in the plan (a new request, a finished one, other proposals, as near max_tokens)
         discards it: its KV writes lie past every request's computed tokens, where the plan's own
         step writes again, and the last tokens it fed are restored (`_roll_back`).

@@ -1256,6 +1256,20 @@ def test_cuda_draft_verification_launch_never_waits_for_the_device(cuda_draft_ru
     assert 1 <= out.num_tokens[0] <= 4
 
 
+def _launch_ahead_never_waits(runner, monkeypatch) -> None:
+    """Has `runner.launch_ahead` raise on any synchronising call (torch's sync debug mode)."""
+    launch_ahead = runner.launch_ahead
+
+    def never_waits(pending) -> None:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launch_ahead(pending)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(runner, "launch_ahead", never_waits)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("num_seqs", "k"), [(1, 3), (2, 1)])
 def test_cuda_ngram_verifications_launched_ahead_equal_hf(tiny_model_dir, hf_model, monkeypatch, num_seqs, k):
@@ -1272,16 +1286,7 @@ def test_cuda_ngram_verifications_launched_ahead_equal_hf(tiny_model_dir, hf_mod
     runner = ModelRunner.create(config)
     _ngram_plans_ahead(runner, hf_model, monkeypatch, num_seqs, k)  # (captures each graph on first use)
     taken, discarded = runner.stats.steps_launched_ahead, runner.stats.steps_discarded_ahead
-    launch_ahead = runner.launch_ahead
-
-    def never_waits(pending) -> None:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            launch_ahead(pending)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    monkeypatch.setattr(runner, "launch_ahead", never_waits)
+    _launch_ahead_never_waits(runner, monkeypatch)
     _ngram_plans_ahead(runner, hf_model, monkeypatch, num_seqs, k)
     assert runner.stats.steps_launched_ahead - taken >= 4
     assert runner.stats.steps_discarded_ahead - discarded == 2
@@ -1293,16 +1298,7 @@ def test_cuda_verifications_launched_ahead_equal_hf(cuda_draft_runners, hf_model
     where the plan has two proposals instead of three) give Hugging Face's greedy outputs, and
     launching one makes no synchronising call (torch raises on any)."""
     _, graphs = cuda_draft_runners
-    launch_ahead = graphs.launch_ahead
-
-    def never_waits(pending) -> None:
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            launch_ahead(pending)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    monkeypatch.setattr(graphs, "launch_ahead", never_waits)
+    _launch_ahead_never_waits(graphs, monkeypatch)
     stats = graphs.stats
     taken, discarded = stats.steps_launched_ahead, stats.steps_discarded_ahead
     none = lambda *_: None  # noqa: E731
