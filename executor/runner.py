@@ -686,6 +686,8 @@ class ModelRunner:
         request holds, or past max_model_len)."""
         if not finished.replayed_verification or self._ahead is not None or self._awaiting is not None:
             return
+        if self.draft is None and self.ngram is None:  # the scheduler alone proposes (no flag here)
+            return
         states = [st for st, _ in finished.spec]
         k = self.num_speculative_tokens
         drafts: list[list[int]] | None = None

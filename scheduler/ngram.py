@@ -10,7 +10,7 @@ import numpy as np
 from pagedserve.common.ngram import propose_ngram
 from pagedserve.scheduler.request import Request, SeqId
 
-__all__ = ["NgramProposer", "propose_ngram"]
+__all__ = ["NgramProposer"]
 
 
 class NgramProposer:
