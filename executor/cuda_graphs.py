@@ -207,6 +207,7 @@ class StepGraphs:
             block_tables=self.slots.block_tables(seqs["rows"], self.slots.max_blocks_per_seq),
             seq_lens=seqs["seq_lens"].to(torch.int32),
             cu_seqlens_q=cu_seqlens,
+            decode_only=not mixed,
         )
         input_ids = self.slots.input_ids(tokens["host_ids"], tokens["feed_slots"])
         logits_indices = seqs["logits_indices"] if mixed else None

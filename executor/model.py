@@ -71,6 +71,9 @@ class AttentionMetadata:
             group (zero padded; a sliding-window group's entries before its window are stale).
         seq_lens: [num_seqs] int32, context length of each sequence including its new tokens.
         cu_seqlens_q: [num_seqs + 1] int32, row ranges of each sequence's tokens.
+        decode_only: every sequence has exactly one new token (known on the host: a decode graph,
+            an eager step checked); lets the decode kernel rotate and write the new keys itself
+            (`kernels.rotary_paged_attention`).
     """
 
     positions: torch.Tensor
@@ -78,6 +81,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
+    decode_only: bool = False
 
 
 def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -283,22 +287,26 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         group = self.kv_group
         slots = meta.slot_mapping[group]
+        context = (meta.block_tables[group], meta.seq_lens, meta.cu_seqlens_q, self.scale)
+        options = dict(
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
+        )
         if self.calibrate_kv_scales or self.rotary.partial:
             self.rotary(meta.positions, q, k)  # in place (views of the qkv output, or the normed copies)
             if self.calibrate_kv_scales:
                 self.k_scale.copy_(kv_scale_from_amax(k))
                 self.v_scale.copy_(kv_scale_from_amax(v))
             kernels.write_kv(k, v, k_cache, v_cache, slots, self.k_scale, self.v_scale)
-        else:  # the same in one launch
+            out = kernels.paged_attention(q, k_cache, v_cache, *context, **options)
+        else:  # the same in fewer launches
             cos, sin = self.rotary.cos, self.rotary.sin
-            kernels.rotary_write_kv(
-                meta.positions, q, k, v, cos, sin, k_cache, v_cache, slots, self.k_scale, self.v_scale
-            )
-        out = kernels.paged_attention(
-            q, k_cache, v_cache, meta.block_tables[group], meta.seq_lens, meta.cu_seqlens_q, self.scale,
-            k_scale=self.k_scale, v_scale=self.v_scale, sliding_window=self.sliding_window,
-            soft_cap=self.soft_cap,
-        )  # fmt: skip
+            out = kernels.rotary_paged_attention(
+                meta.positions, q, k, v, cos, sin, k_cache, v_cache, slots, *context,
+                decode_only=meta.decode_only, **options,
+            )  # fmt: skip
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

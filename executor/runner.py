@@ -1374,6 +1374,7 @@ class ModelRunner:
                         block_tables=self.slots.block_tables(passes.rows, passes.table_width),
                         seq_lens=inputs.seq_lens.to(torch.int32),
                         cu_seqlens_q=cu_seqlens,
+                        decode_only=True,
                     )
                     ids = out[:, j - 1]
                     logits = self.draft(ids, meta, self._draft_caches, None if j < passes.width else ids[:0])

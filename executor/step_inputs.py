@@ -249,6 +249,7 @@ def stage_batch(batch: HostBatch, slots: RequestSlots) -> StepInputs:
         block_tables=slots.block_tables(rows, batch.width),
         seq_lens=seq_lens.to(torch.int32),
         cu_seqlens_q=cu.to(torch.int32),
+        decode_only=bool((np.diff(batch.cu_seqlens) == 1).all()),
     )
     input_ids = host_ids if all_from_host else slots.input_ids(host_ids, feed_slots)
     return StepInputs(input_ids, meta, logits_indices, sample_rows)

@@ -14,7 +14,14 @@ import torch
 
 from pagedserve.kernels import reference
 
-__all__ = ["fused_moe", "paged_attention", "rotary_write_kv", "write_kv", "reference"]
+__all__ = [
+    "fused_moe",
+    "paged_attention",
+    "rotary_paged_attention",
+    "rotary_write_kv",
+    "write_kv",
+    "reference",
+]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -88,3 +95,41 @@ def rotary_write_kv(
 
         layers.rotary_embedding_reference(positions, q, key, cos, sin)
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rotary_paged_attention(
+    positions,
+    q,
+    key,
+    value,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    scale,
+    *,
+    decode_only=False,
+    k_scale=None,
+    v_scale=None,
+    sliding_window=None,
+    soft_cap=None,
+):
+    """`rotary_write_kv` then `paged_attention` (whose result it returns). On CUDA, in a decode step
+    (decode_only: every sequence has exactly one new token) over caches in q's dtype, the decode
+    kernel rotates and writes the new keys itself: a small-batch decode layer's rotary launch costs
+    its launch and the wait for the one before, not its work (issue 33). q and key are then left
+    unrotated; the caches and the result are the two launches'."""
+    options = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if _use_triton(q):
+        from pagedserve.kernels import triton_attention
+
+        return triton_attention.rotary_paged_attention(
+            positions, q, key, value, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+            cu_seqlens_q, scale, decode_only=decode_only, **options,
+        )  # fmt: skip
+    rotary_write_kv(positions, q, key, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, **options)

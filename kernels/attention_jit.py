@@ -339,6 +339,20 @@ def _cache_values(x, scale_ptr, cache_ptr, KV_FP8: tl.constexpr):
     return y.to(cache_ptr.dtype.element_ty)
 
 
+@triton.jit
+def _rotate(x, partner, d, cos_ptr, sin_ptr, position, stride_table, HALF: tl.constexpr):
+    """Rows [R, 2 * HALF] of rotate-half heads at one position, rotated as
+    `triton_layers.rotate_half` rotates them: x * cos - partner * sin in the first half and
+    x * cos + partner * sin in the second, where partner is the same row's other half (column
+    d + HALF or d - HALF), in float32 and rounded to x's dtype. Negating sin is exact, so with FMA
+    contraction off (the launch compiles without it) every value rounds as the rotary kernel's."""
+    table = position * stride_table + d % HALF
+    cos = tl.load(cos_ptr + table)
+    sin = tl.load(sin_ptr + table)
+    sin = tl.where(d < HALF, -sin, sin)
+    return (x.to(tl.float32) * cos[None, :] + partner.to(tl.float32) * sin[None, :]).to(x.dtype)
+
+
 # --------------------------------------------------------------------------------------------- #
 # Kernels
 # --------------------------------------------------------------------------------------------- #
@@ -490,6 +504,12 @@ def decode_kernel(
     cu_seqlens_q_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    positions_ptr,
+    new_k_ptr,
+    new_v_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_mapping_ptr,
     qk_scale,
     cap_scale,
     window,
@@ -498,6 +518,11 @@ def decode_kernel(
     tokens_per_split,
     table_tokens,
     part_rows,
+    stride_nkt,
+    stride_nkh,
+    stride_nvt,
+    stride_nvh,
+    stride_table,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -528,6 +553,7 @@ def decode_kernel(
     DOT_PREC: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
+    ROTARY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One decode token x one KV head group x one context partition (split).
@@ -548,6 +574,14 @@ def decode_kernel(
     captured for the longest context, and a short context would otherwise fill a few splits with
     several key tiles each, leaving the rest of the grid idle.
     SOFT_CAP: see `_attend_block`.
+    ROTARY (a decode batch in which every sequence has exactly one new token; whole rotate-half
+    heads, HEAD_DIM == D_PAD = 2 * HALF; caches in q's dtype): the kernel also does
+    `rotary_write_kv_kernel`'s work, one launch fewer per layer. q and the new keys arrive
+    unrotated (new_k_ptr, new_v_ptr: the step's keys and values). Every program rotates its q rows
+    in registers. The program whose split holds the token's own position (the context's last key)
+    also rotates that key, stores it and the value at the token's slot, and waits at a barrier of
+    its block before it loads K/V, so that its tile holds them. No other program reads that slot:
+    the splits partition the context, and only this token's sequence owns it.
     """
     pdl_begin(USE_PDL)
     row = tl.program_id(0)
@@ -556,6 +590,7 @@ def decode_kernel(
     kv_start = split * tokens_per_split  # from the window's first key with WINDOW (below)
     rows = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
+    HALF = D_PAD // 2  # ROTARY's rotate-half
     q_heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
     if HEAD_DIM == D_PAD:
@@ -599,6 +634,11 @@ def decode_kernel(
             q_ptr + token.to(tl.int64) * stride_qt + q_heads[:, None] * stride_qh + d[None, :] * stride_qd
         )
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        if ROTARY:
+            position = tl.load(positions_ptr + token).to(tl.int64)
+            partner = tl.where(d < HALF, HALF, -HALF)  # column offset of each column's other half
+            q_partner = tl.load(q_ptrs + partner[None, :] * stride_qd, mask=q_mask, other=0.0)
+            q = _rotate(q, q_partner, d, cos_ptr, sin_ptr, position, stride_table, HALF)
         if DOT_FP32:
             q = q.to(tl.float32)
         if KV_FP8:
@@ -623,6 +663,21 @@ def decode_kernel(
         kv_end = tl.minimum(kv_start + tokens_per_split, context_end)
         k_head_off = kv_head.to(tl.int64) * stride_kh
         v_head_off = kv_head.to(tl.int64) * stride_vh
+        if ROTARY:
+            slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+            if (kv_start < kv_end) & (kv_end == context_end) & (slot >= 0):  # this split holds the token
+                new_k = new_k_ptr + token.to(tl.int64) * stride_nkt + kv_head * stride_nkh + d[None, :]
+                new_v = new_v_ptr + token.to(tl.int64) * stride_nvt + kv_head * stride_nvh + d[None, :]
+                key = _rotate(
+                    tl.load(new_k), tl.load(new_k + partner[None, :]), d, cos_ptr, sin_ptr, position,
+                    stride_table, HALF,
+                )  # fmt: skip
+                in_page = slot % PAGE_SIZE
+                k_dst = k_ptr + (slot // PAGE_SIZE) * stride_kb + in_page * stride_kt + k_head_off
+                v_dst = v_ptr + (slot // PAGE_SIZE) * stride_vb + in_page * stride_vt + v_head_off
+                tl.store(k_dst + d[None, :] * stride_kd, key)
+                tl.store(v_dst + d[None, :] * stride_vd, tl.load(new_v))
+            tl.debug_barrier()  # the stores above are visible to the whole block's loads below
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
         if SINGLE_TILE:
             if kv_start < kv_end:

@@ -122,7 +122,15 @@ from pagedserve.kernels.attention_jit import (
 from pagedserve.kernels.pdl import launch_args as pdl_launch_args
 from pagedserve.kernels.triton_layers import check_rotary
 
-__all__ = ["paged_attention", "rotary_write_kv", "write_kv", "DecodeConfig", "PrefillConfig", "ScoreOptions"]
+__all__ = [
+    "paged_attention",
+    "rotary_paged_attention",
+    "rotary_write_kv",
+    "write_kv",
+    "DecodeConfig",
+    "PrefillConfig",
+    "ScoreOptions",
+]
 
 _LOG2E = 1.4426950408889634
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -719,9 +727,11 @@ def _launch_decode(
     by_seq: bool,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     scores: ScoreOptions | None = None,
+    rotary: DecodeRotary | None = None,
 ) -> None:
     scales = scales or _kv_scales(k_cache, None, None, q.device)
     scores = scores or score_options(scale, None, None, 0)
+    assert rotary is None or k_cache.dtype == q.dtype, "the decode kernel rotates over caches in q's dtype"
     # The CUDA FP8 kernel has neither a window nor a cap: such layers take the Triton FP8 kernel
     # (the module docstring says why).
     plain = scores.window is None and not scores.soft_cap
@@ -746,6 +756,13 @@ def _launch_decode(
         q, k_cache, block_tables, config, num_splits, by_seq, window=scores.window, soft_cap=scores.soft_cap
     )
     part = _split_scratch(q.device, plan.part_elements) if plan.part_rows else out  # unread unsplit
+    if rotary is None:  # the pointers are never read
+        rotary_args, rotary_strides, compile_options = (q,) * 6, (0,) * 5, {}
+    else:
+        rotary_args = (rotary.positions, rotary.key, rotary.value, rotary.cos, rotary.sin)
+        rotary_args += (rotary.slot_mapping,)
+        rotary_strides = (*rotary.key.stride()[:2], *rotary.value.stride()[:2], rotary.cos.stride(0))
+        compile_options = {"enable_fp_fusion": False}  # the rotation rounds as the rotary kernel's
     decode_kernel[plan.grid](
         q,
         k_cache,
@@ -756,6 +773,7 @@ def _launch_decode(
         seq_lens,
         cu_seqlens_q,
         *scales,
+        *rotary_args,
         scores.qk_scale,
         scores.cap_scale,
         scores.window_arg,
@@ -764,6 +782,7 @@ def _launch_decode(
         plan.tokens_per_split,
         plan.table_tokens,
         plan.part_rows,
+        *rotary_strides,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -771,7 +790,9 @@ def _launch_decode(
         block_tables.stride(0),
         **plan.meta,
         KV_FP8=_fp8_mode(k_cache, q.dtype, FP8_DECODE_WIDEN),
+        ROTARY=rotary is not None,
         **pdl_launch_args(q.device),
+        **compile_options,
     )
     _launch_merge(plan, out, part, cu_seqlens_q)
 
@@ -933,3 +954,85 @@ def rotary_write_kv(
         KV_FP8=k_cache.dtype == _FP8, **pdl_launch_args(q.device), num_warps=launch.num_warps,
         enable_fp_fusion=False,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DecodeRotary:
+    """What `rotary_write_kv` would take besides q and the caches, for a decode launch that does its
+    work itself (`attention_jit.decode_kernel`'s ROTARY)."""
+
+    positions: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+# `PAGEDSERVE_DECODE_ROTARY=0` keeps the rotary launch apart from the decode launch, for comparisons.
+DECODE_ROTARY = os.environ.get("PAGEDSERVE_DECODE_ROTARY", "1") != "0"
+
+
+def fuses_rotary(q: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor, decode_only: bool) -> bool:
+    """Whether `rotary_paged_attention` rotates and writes inside the decode launch, from shapes
+    only: a decode batch (decode_only: the caller knows every sequence has exactly one new token;
+    a batch whose token count equals its sequence count may still hide one with two beside one with
+    none, and another program would then read a key before its writer stored it) with head_dim a
+    power of two of at least 16 (whole rows, no padding columns) over caches in q's dtype (FP8
+    caches decode on the CUDA kernel, which rotates nothing)."""
+    head_dim = q.shape[2]
+    return (
+        DECODE_ROTARY
+        and decode_only
+        and q.shape[0] == seq_lens.shape[0]
+        and head_dim == _pow2_at_least(head_dim, 16)
+        and k_cache.dtype == q.dtype
+    )
+
+
+def rotary_paged_attention(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    decode_only: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """`rotary_write_kv` then `paged_attention`; see `kernels.rotary_paged_attention`. Where
+    `fuses_rotary` holds, one decode launch does all of it and leaves q and key unrotated in memory
+    (the caches hold what the two launches would write)."""
+    if not fuses_rotary(q, k_cache, seq_lens, decode_only):
+        rotary_write_kv(positions, q, key, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale=k_scale,
+            v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        )  # fmt: skip
+    check_rotary(positions, q, key, cos, sin)
+    assert key.shape == value.shape and value.stride(2) == 1, "value: as key, head rows contiguous"
+    assert key.shape[1:] == k_cache.shape[2:], "key/value heads or head_dim disagree with the cache"
+    assert slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
+    assert slot_mapping.stride(0) == 1 or slot_mapping.numel() <= 1
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, None)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0:
+        return out
+    scores = score_options(scale, sliding_window, soft_cap, block_tables.shape[1] * k_cache.shape[1])
+    _launch_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, None, None, by_seq=False,
+        scales=_kv_scales(k_cache, k_scale, v_scale, q.device), scores=scores,
+        rotary=DecodeRotary(positions, key, value, cos, sin, slot_mapping),
+    )  # fmt: skip
+    return out

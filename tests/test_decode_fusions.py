@@ -95,6 +95,88 @@ def test_rotary_write_kv_dispatch_and_zero_tokens(monkeypatch):
     assert not cache.any()
 
 
+# The decode launch's modes (`triton_attention._decode_plan`), picked through the SM count and the
+# table width: (sequences, q heads, KV heads, head_dim, table blocks, SMs, what the plan must be).
+_DECODE_MODES = {
+    "one tile a split": (2, 8, 2, 64, 16, 132, "SINGLE_TILE"),
+    "fitted splits": (2, 4, 1, 32, 520, 132, "FIT_SPLITS"),
+    "unsplit": (3, 6, 3, 16, 4, 1, None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("windowed", [False, True], ids=["plain", "window-cap"])
+@pytest.mark.parametrize("mode", list(_DECODE_MODES))
+def test_decode_launch_rotates_and_writes_as_rotary_write_kv_then_attention(
+    monkeypatch, mode, windowed, dtype
+):
+    """`rotary_paged_attention` in a decode batch (one launch fewer): the caches bit for bit what
+    `rotary_write_kv` writes, the result that of `paged_attention` after it (equal under the
+    interpreter; compiled, the fused launch runs without FMA contraction, so within rounding), and
+    q and key left unrotated; a padding row (slot -1) writes nothing. With a sliding window (half
+    the table) and a soft-cap too, whatever launch the window's span then gets."""
+    num_seqs, num_q_heads, num_kv_heads, head_dim, width, sm_count, flag = _DECODE_MODES[mode]
+    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: sm_count)
+    gen = torch.Generator().manual_seed(width * 10 + head_dim)
+    page, max_len = 16, width * 16
+    window, soft_cap = (max_len // 2, 30.0) if windowed else (None, None)
+    lens = torch.randint(1, max_len + 1, (num_seqs,), generator=gen)
+    lens[0] = min(max_len, 2 * page + 1)  # its token starts a block
+    tables = torch.stack([torch.randperm(num_seqs * width, generator=gen)[:width] for _ in range(num_seqs)])
+    slots = tables.gather(1, ((lens - 1) // page)[:, None])[:, 0] * page + (lens - 1) % page
+    slots[-1] = -1
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    qkv = _randn(num_seqs, q_size + 2 * kv_size, gen=gen, dtype=dtype, scale=2.0)
+    cache = _randn(num_seqs * width, page, num_kv_heads, head_dim, gen=gen, dtype=dtype)
+    cos, sin = _tables(max_len, head_dim // 2)
+    args = dict(
+        positions=(lens - 1).to(DEVICE), block_tables=tables.to(torch.int32).to(DEVICE),
+        slots=slots.to(DEVICE), seq_lens=lens.to(torch.int32).to(DEVICE),
+        cu=torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    results = []
+    for fused in (False, True):
+        q, k, v = qkv.clone().split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_seqs, num_q_heads, head_dim)
+        k = k.view(num_seqs, num_kv_heads, head_dim)
+        v = v.view(num_seqs, num_kv_heads, head_dim)
+        k_cache, v_cache = cache.clone(), cache.flip(0).clone()
+        out = triton_attention.rotary_paged_attention(
+            args["positions"], q, k, v, cos, sin, k_cache, v_cache, args["slots"], args["block_tables"],
+            args["seq_lens"], args["cu"], head_dim**-0.5, decode_only=fused, sliding_window=window,
+            soft_cap=soft_cap,
+        )  # fmt: skip
+        results.append((out, k_cache, v_cache, q, k))
+    unfused, fused = results
+    if not windowed:
+        plan = triton_attention.decode_plan(fused[3], cache, args["block_tables"])
+        assert (plan.num_splits > 1) == (flag is not None) and (flag is None or plan.meta[flag])
+    assert torch.equal(fused[1], unfused[1]) and torch.equal(fused[2], unfused[2])
+    q0, k0, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    assert torch.equal(fused[3].reshape(num_seqs, -1), q0) and torch.equal(fused[4].reshape(num_seqs, -1), k0)
+    if DEVICE == "cpu":
+        assert torch.equal(fused[0], unfused[0])
+    else:
+        torch.testing.assert_close(fused[0], unfused[0], atol=2e-2, rtol=2e-2)
+
+
+def test_decode_launch_rotates_only_where_it_may(monkeypatch):
+    """Not in a batch that is not known to be decodes alone, nor over FP8 caches, nor where head
+    rows would carry padding columns, nor with `PAGEDSERVE_DECODE_ROTARY=0`."""
+    bf16 = torch.bfloat16
+    q = torch.empty(2, 4, 64, dtype=bf16)
+    seq_lens = torch.ones(2, dtype=torch.int32)
+    cache = torch.empty(1, 16, 2, 64, dtype=bf16)
+    fuses = triton_attention.fuses_rotary
+    assert fuses(q, cache, seq_lens, True)
+    assert not fuses(q, cache, seq_lens, False)
+    assert not fuses(q, cache.to(torch.float8_e4m3fn), seq_lens, True)
+    assert not fuses(q[:, :, :48], cache[..., :48], seq_lens, True)
+    assert not fuses(q, cache, torch.ones(3, dtype=torch.int32), True)
+    monkeypatch.setattr(triton_attention, "DECODE_ROTARY", False)
+    assert not fuses(q, cache, seq_lens, True)
+
+
 # --------------------------------------------------------------------------------------------- #
 # GEMV with SiLU-and-mul
 # --------------------------------------------------------------------------------------------- #
@@ -243,6 +325,7 @@ def _decode_inputs(model_dir, quant: str | None, num_seqs: int):
         block_tables=torch.tensor([tables], dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE),
+        decode_only=True,
     )
     ids = torch.randint(3, spec.vocab_size, (num_seqs,), generator=gen).to(DEVICE)
     return model, ids, meta, caches
