@@ -1,6 +1,7 @@
 """The small-batch decode step's fused launches (issue 33) against the unfused kernels they replace.
 
 * `kernels.rotary_write_kv`: rotary then the KV write, in one launch;
+* `kernels.rotary_paged_attention`: those and the decode attention, in one launch;
 * the GEMV with SiLU-and-mul in its epilogue (`triton_fp8_gemv.gemv(..., silu_and_mul=True)`),
   chosen by `executor.quantization.gemv_silu_and_mul_applies` for a SwiGLU MLP's gate_up;
 * programmatic dependent launch (`kernels.pdl`): on CUDA, a decode step replayed from a CUDA graph
@@ -24,6 +25,13 @@ from pagedserve.tiny_model import TinyModelSpec, write_tiny_model
 from tests.triton_marks import DEVICE, needs_cuda, needs_triton
 
 pytestmark = needs_triton
+
+
+@pytest.fixture(autouse=True)
+def _decode_rotary(monkeypatch):
+    """The decode launch that rotates and writes (`PAGEDSERVE_DECODE_ROTARY=1`) in every test here:
+    the model-level steps below take it too."""
+    monkeypatch.setattr(triton_attention, "DECODE_ROTARY", True)
 
 
 def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16, scale: float = 1.0):
@@ -162,7 +170,7 @@ def test_decode_launch_rotates_and_writes_as_rotary_write_kv_then_attention(
 
 def test_decode_launch_rotates_only_where_it_may(monkeypatch):
     """Not in a batch that is not known to be decodes alone, nor over FP8 caches, nor where head
-    rows would carry padding columns, nor with `PAGEDSERVE_DECODE_ROTARY=0`."""
+    rows would carry padding columns, nor without `PAGEDSERVE_DECODE_ROTARY=1`."""
     bf16 = torch.bfloat16
     q = torch.empty(2, 4, 64, dtype=bf16)
     seq_lens = torch.ones(2, dtype=torch.int32)
@@ -304,7 +312,7 @@ def test_dispatch_by_token_count(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    spec = TinyModelSpec(hidden_size=80, intermediate_size=144, num_attention_heads=4, num_key_value_heads=2)
+    spec = TinyModelSpec(hidden_size=64, intermediate_size=144, num_attention_heads=4, num_key_value_heads=2)
     return write_tiny_model(tmp_path_factory.mktemp("tiny-fusions"), spec)
 
 
@@ -353,7 +361,10 @@ def test_decode_step_on_the_fused_kernels_matches_reference(monkeypatch, tiny_di
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gemv, "gemv", recording)
+    rotary_launches = []
+    monkeypatch.setattr(triton_attention, "rotary_write_kv", lambda *args: rotary_launches.append(args))
     actual = _decode_step(tiny_dir, quant, num_seqs)
+    assert not rotary_launches, "the decode launch did not rotate (head_dim 16)"
     assert (True, num_seqs == 1) in calls, "gate_up did not take the fused GEMV"
     num_layers = load_model_spec(tiny_dir).num_layers
     assert sum(norm for _, norm in calls) == (2 * num_layers + 1 if num_seqs == 1 else 0)
