@@ -120,7 +120,7 @@ from pagedserve.kernels.attention_jit import (
     write_kv_kernel,
 )
 from pagedserve.kernels.pdl import launch_args as pdl_launch_args
-from pagedserve.kernels.triton_layers import check_rotary
+from pagedserve.kernels.triton_layers import RotaryLaunch, check_rotary
 
 __all__ = [
     "paged_attention",
@@ -921,6 +921,28 @@ def write_kv(
     )
 
 
+def _check_rotary_write(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> RotaryLaunch:
+    """Checks what a launch that rotates and writes the new keys takes (`check_rotary`, then value,
+    the caches and the slots) and returns the rotary kernel's cut of the heads."""
+    launch = check_rotary(positions, q, key, cos, sin)
+    assert key.shape == value.shape and value.stride(2) == 1, "value: as key, head rows contiguous"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and key.shape[1:] == k_cache.shape[2:]
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache head rows must be contiguous"
+    assert slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
+    assert slot_mapping.stride(0) == 1 or slot_mapping.numel() <= 1
+    return launch
+
+
 def rotary_write_kv(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -935,12 +957,7 @@ def rotary_write_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """`kernels.layers.rotary_embedding` then `write_kv` in one launch; see `kernels.rotary_write_kv`."""
-    launch = check_rotary(positions, q, key, cos, sin)
-    assert key.shape == value.shape and value.stride(2) == 1, "value: as key, head rows contiguous"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and key.shape[1:] == k_cache.shape[2:]
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache head rows must be contiguous"
-    assert slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
-    assert slot_mapping.stride(0) == 1 or slot_mapping.numel() <= 1
+    launch = _check_rotary_write(positions, q, key, value, cos, sin, k_cache, v_cache, slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
@@ -1022,11 +1039,7 @@ def rotary_paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale=k_scale,
             v_scale=v_scale, sliding_window=sliding_window, soft_cap=soft_cap,
         )  # fmt: skip
-    check_rotary(positions, q, key, cos, sin)
-    assert key.shape == value.shape and value.stride(2) == 1, "value: as key, head rows contiguous"
-    assert key.shape[1:] == k_cache.shape[2:], "key/value heads or head_dim disagree with the cache"
-    assert slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
-    assert slot_mapping.stride(0) == 1 or slot_mapping.numel() <= 1
+    _check_rotary_write(positions, q, key, value, cos, sin, k_cache, v_cache, slot_mapping)
     _check_attention_inputs(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, None)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:

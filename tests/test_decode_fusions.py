@@ -43,6 +43,14 @@ def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat1
 # --------------------------------------------------------------------------------------------- #
 
 
+def _split_heads(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    """Head views (q, k, v) of a copy of a fused qkv output, as the model's attention takes them."""
+    q, k, v = qkv.clone().split(
+        [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
+    )
+    return (x.view(qkv.shape[0], -1, head_dim) for x in (q, k, v))
+
+
 def _tables(max_len: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = torch.outer(torch.arange(max_len).float(), 1.0 / (10000 ** (torch.arange(half).float() / half)))
     return freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
@@ -72,10 +80,7 @@ def test_rotary_write_kv_equals_rotary_then_write(
     scales = (torch.tensor([0.05], device=DEVICE), torch.tensor([0.03], device=DEVICE))
     results = []
     for fused in (False, True):
-        q, k, v = qkv.clone().split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, num_q_heads, head_dim)
-        k = k.view(num_tokens, num_kv_heads, head_dim)
-        v = v.view(num_tokens, num_kv_heads, head_dim)
+        q, k, v = _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
         poison = torch.full((4, 16, num_kv_heads, head_dim), 7.0, device=DEVICE).to(cache_dtype)
         k_cache, v_cache = poison.clone(), poison.clone()
         if fused:
@@ -144,10 +149,7 @@ def test_decode_launch_rotates_and_writes_as_rotary_write_kv_then_attention(
     )  # fmt: skip
     results = []
     for fused in (False, True):
-        q, k, v = qkv.clone().split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_seqs, num_q_heads, head_dim)
-        k = k.view(num_seqs, num_kv_heads, head_dim)
-        v = v.view(num_seqs, num_kv_heads, head_dim)
+        q, k, v = _split_heads(qkv, num_q_heads, num_kv_heads, head_dim)
         k_cache, v_cache = cache.clone(), cache.flip(0).clone()
         out = triton_attention.rotary_paged_attention(
             args["positions"], q, k, v, cos, sin, k_cache, v_cache, args["slots"], args["block_tables"],
