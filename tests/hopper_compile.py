@@ -1,0 +1,166 @@
+"""Compiles the attention launches for Hopper (sm_90) on a machine without a GPU, and runs none.
+
+    python tests/hopper_compile.py   (one JSON line per compiled kernel variant, then the case names)
+
+The interpreter (`TRITON_INTERPRET=1`, what the CPU tests run) executes a kernel's Python body: it
+checks the arithmetic, not whether Triton can lower the kernel. A variant that only a GPU takes
+(PDL, split plans at a real model's width, the rotating decode launch) could then first fail to
+compile inside a serving process. Here the launch wrappers run on CPU tensors against a stand-in
+driver that names an sm_90 target; each `kernel[grid](...)` becomes a warm-up (compile, no launch),
+so Triton's real pipeline down to the cubin (ptxas included) runs for the constexprs and
+specialisations the wrappers choose. Outputs are left unwritten: nothing here checks values.
+Run by `tests/test_hopper_compile.py` in a subprocess, since the interpreter is chosen at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("run without TRITON_INTERPRET: the kernels must be defined for the compiler")
+os.environ["PAGEDSERVE_DECODE_ROTARY"] = "1"  # read at import: the rotating launch may be chosen
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from pagedserve.kernels import pdl, triton_attention  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+class _HopperDriver:
+    """What `JITFunction.run` asks of the active driver before it compiles."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return HOPPER
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@dataclasses.dataclass
+class CompiledVariant:
+    """One compiled kernel variant: its constexprs and ptxas's resource line."""
+
+    case: str
+    kernel: str
+    constexprs: dict
+    registers: int
+    local_bytes: int  # spilled registers (ptxas's LOCAL)
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        dump = [CUOBJDUMP, "--dump-resource-usage", f.name]
+        out = subprocess.run(dump, capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+).*LOCAL:(\d+)", out)
+    assert found, out
+    return int(found[1]), int(found[2])
+
+
+@contextlib.contextmanager
+def compile_only(record: list[CompiledVariant], case: list[str]) -> Iterator[None]:
+    """Launches compile for sm_90 with PDL on and run nothing; each variant is added to `record`
+    (labelled with `case[0]`, the case running)."""
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = plain_run(self, *args, grid=grid, warmup=True, **kwargs)
+        constexprs = {k: v for k, v in kwargs.items() if k.isupper()}
+        registers, local = _resources(kernel.asm["cubin"])
+        record.append(CompiledVariant(case[0], self.fn.__name__, constexprs, registers, local))
+        return kernel
+
+    plain_run, plain_pdl, plain_driver = JITFunction.run, pdl.pdl_enabled, driver._active
+    driver.set_active(_HopperDriver())
+    JITFunction.run, pdl.pdl_enabled = run, lambda device: True
+    try:
+        yield
+    finally:
+        JITFunction.run, pdl.pdl_enabled = plain_run, plain_pdl
+        driver.set_active(plain_driver)  # None where no GPU: reset_active would look for one
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """A batch of `num_seqs` sequences of `context` tokens, `new_tokens` of them new (1: decode)."""
+
+    num_seqs: int
+    context: int
+    new_tokens: int = 1
+    heads: tuple[int, int, int] = (32, 8, 128)  # q heads, KV heads, head_dim: the llama-8b shape
+    table_blocks: int = 512  # the block table's width (a graph's: max_model_len / 16)
+    sm_count: int = 132
+    window_cap: bool = False  # Gemma's sliding window and logit soft-cap
+    kv_dtype: torch.dtype = torch.bfloat16
+
+
+def _launch(case: AttentionCase) -> None:
+    q_heads, kv_heads, head_dim = case.heads
+    page, dtype = 16, torch.bfloat16
+    tokens = case.num_seqs * case.new_tokens
+    q = torch.zeros(tokens, q_heads, head_dim, dtype=dtype)
+    key, value = (torch.zeros(tokens, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    blocks = case.num_seqs * case.table_blocks
+    k_cache, v_cache = (torch.zeros(blocks, page, kv_heads, head_dim, dtype=case.kv_dtype) for _ in range(2))
+    scales = (torch.ones(1), torch.ones(1)) if case.kv_dtype != dtype else (None, None)
+    cos = sin = torch.zeros(case.table_blocks * page, head_dim // 2)
+    tables = torch.arange(blocks, dtype=torch.int32).view(case.num_seqs, case.table_blocks)
+    seq_lens = torch.full((case.num_seqs,), case.context, dtype=torch.int32)
+    cu = torch.arange(case.num_seqs + 1, dtype=torch.int32) * case.new_tokens
+    positions = torch.arange(tokens) % case.new_tokens + case.context - case.new_tokens
+    slots = torch.arange(tokens)
+    window, cap = (case.context // 2, 30.0) if case.window_cap else (None, None)
+    triton_attention._sm_count = lambda device: case.sm_count
+    triton_attention.rotary_paged_attention(
+        positions, q, key, value, cos, sin, k_cache, v_cache, slots, tables, seq_lens, cu, head_dim**-0.5,
+        decode_only=case.new_tokens == 1, k_scale=scales[0], v_scale=scales[1], sliding_window=window,
+        soft_cap=cap,
+    )  # fmt: skip
+
+
+CASES = {
+    "decode, one request": AttentionCase(1, 640),
+    "decode, one tile a split": AttentionCase(2, 200, table_blocks=16),
+    "decode, unsplit": AttentionCase(64, 4000, table_blocks=256),
+    "decode, window and soft-cap, head_dim 256": AttentionCase(4, 900, heads=(16, 8, 256), window_cap=True),
+    "decode over an FP8 cache": AttentionCase(8, 640, kv_dtype=torch.float8_e4m3fn),
+    "mixed: chunked prefill": AttentionCase(2, 700, new_tokens=300),
+    "mixed: speculative verification": AttentionCase(8, 640, new_tokens=5),
+}
+
+
+def main() -> None:
+    record: list[CompiledVariant] = []
+    running = [""]
+    with compile_only(record, running):
+        for name, case in CASES.items():
+            running[0] = name
+            _launch(case)
+    for variant in record:
+        print(json.dumps(dataclasses.asdict(variant), default=str), flush=True)
+    print(json.dumps({"cases": list(CASES)}))
+
+
+if __name__ == "__main__":
+    main()
