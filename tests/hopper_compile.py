@@ -1,4 +1,4 @@
-"""Compiles the attention launches for Hopper (sm_90) on a machine without a GPU, and runs none.
+"""Compiles the attention and small-batch GEMV launches for Hopper (sm_90) without a GPU; runs none.
 
     python tests/hopper_compile.py   (one JSON line per compiled kernel variant, then the case names)
 
@@ -36,6 +36,7 @@ from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from pagedserve.kernels import pdl, triton_attention  # noqa: E402
+from pagedserve.kernels import triton_fp8_gemv as gemv  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -93,11 +94,13 @@ def compile_only(record: list[CompiledVariant], case: list[str]) -> Iterator[Non
 
     plain_run, plain_pdl, plain_driver = JITFunction.run, pdl.pdl_enabled, driver._active
     driver.set_active(_HopperDriver())
-    JITFunction.run, pdl.pdl_enabled = run, lambda device: True
+    JITFunction.run = run
+    pdl.pdl_enabled = gemv.pdl_enabled = lambda device: True  # the GEMV imported it by name
     try:
         yield
     finally:
-        JITFunction.run, pdl.pdl_enabled = plain_run, plain_pdl
+        JITFunction.run = plain_run
+        pdl.pdl_enabled = gemv.pdl_enabled = plain_pdl
         driver.set_active(plain_driver)  # None where no GPU: reset_active would look for one
 
 
@@ -139,7 +142,36 @@ def _launch(case: AttentionCase) -> None:
     )  # fmt: skip
 
 
-CASES = {
+@dataclasses.dataclass(frozen=True)
+class GemvCase:
+    """A projection of M rows over an [N, K] weight, FP8 (with its scales: `weight_only_linear`,
+    which takes the GEMV up to 2 rows and the tiled kernel above) or bf16 (`gemv`), with the
+    fusions a llama-8b decode layer takes at one row."""
+
+    m: int
+    n: int
+    k: int
+    fp8: bool = True
+    silu_and_mul: bool = False
+    norm: bool = False
+
+
+def _gemv(case: GemvCase) -> None:
+    x = torch.zeros(case.m, case.k, dtype=torch.bfloat16)
+    weight = torch.zeros(case.n, case.k, dtype=gemv.FP8_DTYPE if case.fp8 else torch.bfloat16)
+    scale = torch.ones(case.n) if case.fp8 else None
+    norm = None
+    if case.norm:
+        norm = gemv.GemvNorm(
+            torch.ones(case.k, dtype=x.dtype), 1e-5, torch.zeros_like(x), torch.zeros_like(x)
+        )
+    if case.fp8 and not (case.norm or case.silu_and_mul):
+        gemv.weight_only_linear(x, weight, scale, None, x.dtype)
+    else:
+        gemv.gemv(x, weight, scale, None, x.dtype, silu_and_mul=case.silu_and_mul, norm=norm)
+
+
+CASES: dict[str, AttentionCase | GemvCase] = {
     "decode, one request": AttentionCase(1, 640),
     "decode, one tile a split": AttentionCase(2, 200, table_blocks=16),
     "decode, unsplit": AttentionCase(64, 4000, table_blocks=256),
@@ -147,6 +179,14 @@ CASES = {
     "decode over an FP8 cache": AttentionCase(8, 640, kv_dtype=torch.float8_e4m3fn),
     "mixed: chunked prefill": AttentionCase(2, 700, new_tokens=300),
     "mixed: speculative verification": AttentionCase(8, 640, new_tokens=5),
+    "FP8 GEMV, one row: norm and qkv": GemvCase(1, 6144, 4096, norm=True),
+    "FP8 GEMV, one row: gate_up and SiLU": GemvCase(1, 28672, 4096, silu_and_mul=True),
+    "FP8 GEMV, one row: down": GemvCase(1, 4096, 14336),
+    "FP8 GEMV, 2 rows: o": GemvCase(2, 4096, 4096),
+    "FP8 tiled, 8 rows: o": GemvCase(8, 4096, 4096),
+    "FP8 tiled, 32 rows: gate_up": GemvCase(32, 28672, 4096),
+    "bf16 GEMV, one row: norm and qkv": GemvCase(1, 6144, 4096, fp8=False, norm=True),
+    "bf16 GEMV, one row: gate_up and SiLU": GemvCase(1, 28672, 4096, fp8=False, silu_and_mul=True),
 }
 
 
@@ -156,7 +196,7 @@ def main() -> None:
     with compile_only(record, running):
         for name, case in CASES.items():
             running[0] = name
-            _launch(case)
+            _launch(case) if isinstance(case, AttentionCase) else _gemv(case)
     for variant in record:
         print(json.dumps(dataclasses.asdict(variant), default=str), flush=True)
     print(json.dumps({"cases": list(CASES)}))

@@ -1,4 +1,4 @@
-"""The attention launches compile for Hopper (sm_90) with PDL, on any machine: `hopper_compile.py`
+"""The attention and GEMV launches compile for Hopper (sm_90) with PDL, on any machine: `hopper_compile.py`
 runs the launch wrappers against an sm_90 target and compiles each variant they choose down to
 the cubin, which the interpreter-run tests never do."""
 
@@ -58,3 +58,16 @@ def test_mixed_steps_rotate_apart_and_take_the_varlen_kernel(variants):
     for case in ("mixed: chunked prefill", "mixed: speculative verification"):
         kernels = {v["kernel"] for v in variants if v["case"] == case}
         assert {"rotary_write_kv_kernel", "varlen_kernel"} <= kernels
+
+
+def test_decode_projections_compile_with_their_fusions(variants):
+    def kernels(case: str) -> list[tuple[str, dict]]:
+        return [(v["kernel"], v["constexprs"]) for v in variants if v["case"] == case]
+
+    for weights in ("FP8", "bf16"):
+        ((kernel, meta),) = kernels(f"{weights} GEMV, one row: norm and qkv")
+        assert kernel == "_gemv_kernel" and meta["NORM"]
+        ((kernel, meta),) = kernels(f"{weights} GEMV, one row: gate_up and SiLU")
+        assert kernel == "_gemv_kernel" and meta["GLU"]
+    assert kernels("FP8 GEMV, 2 rows: o")[0][0] == "_gemv_kernel"
+    assert kernels("FP8 tiled, 8 rows: o")[0][0] == "_weight_only_kernel"
