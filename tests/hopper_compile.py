@@ -1,4 +1,4 @@
-"""Compiles the attention and small-batch GEMV launches for Hopper (sm_90) without a GPU; runs none.
+"""Compiles a decode step's Triton launches for Hopper (sm_90) without a GPU, and runs none.
 
     python tests/hopper_compile.py   (one JSON line per compiled kernel variant, then the case names)
 
@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -35,7 +36,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from pagedserve.kernels import pdl, triton_attention  # noqa: E402
+from pagedserve.kernels import pdl, triton_attention, triton_layers  # noqa: E402
 from pagedserve.kernels import triton_fp8_gemv as gemv  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -118,7 +119,7 @@ class AttentionCase:
     kv_dtype: torch.dtype = torch.bfloat16
 
 
-def _launch(case: AttentionCase) -> None:
+def _attention(case: AttentionCase) -> None:
     q_heads, kv_heads, head_dim = case.heads
     page, dtype = 16, torch.bfloat16
     tokens = case.num_seqs * case.new_tokens
@@ -156,7 +157,7 @@ class GemvCase:
     norm: bool = False
 
 
-def _gemv(case: GemvCase) -> None:
+def _projection(case: GemvCase) -> None:
     x = torch.zeros(case.m, case.k, dtype=torch.bfloat16)
     weight = torch.zeros(case.n, case.k, dtype=gemv.FP8_DTYPE if case.fp8 else torch.bfloat16)
     scale = torch.ones(case.n) if case.fp8 else None
@@ -171,7 +172,24 @@ def _gemv(case: GemvCase) -> None:
         gemv.gemv(x, weight, scale, None, x.dtype, silu_and_mul=case.silu_and_mul, norm=norm)
 
 
-CASES: dict[str, AttentionCase | GemvCase] = {
+def _layers(rows: int) -> None:
+    """The layer kernels around them (llama-8b widths): the norm with its residual, rotary, SiLU
+    and the greedy sampler's argmax."""
+    x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
+    triton_layers.rms_norm(x, torch.ones(4096, dtype=x.dtype), 1e-5, residual=torch.zeros_like(x))
+    q, k = torch.zeros(rows, 32, 128, dtype=x.dtype), torch.zeros(rows, 8, 128, dtype=x.dtype)
+    triton_layers.rotary_embedding(torch.zeros(rows, dtype=torch.int64), q, k, *torch.zeros(2, 8192, 64))
+    triton_layers.silu_and_mul(torch.zeros(rows, 28672, dtype=x.dtype))
+    triton_layers.argmax(torch.zeros(rows, 128256))
+
+
+def _cases() -> dict[str, Callable[[], None]]:
+    attention = {name: functools.partial(_attention, case) for name, case in ATTENTION.items()}
+    projections = {name: functools.partial(_projection, case) for name, case in PROJECTIONS.items()}
+    return attention | projections | {"norm, rotary, SiLU and argmax, 8 rows": functools.partial(_layers, 8)}
+
+
+ATTENTION = {
     "decode, one request": AttentionCase(1, 640),
     "decode, one tile a split": AttentionCase(2, 200, table_blocks=16),
     "decode, unsplit": AttentionCase(64, 4000, table_blocks=256),
@@ -179,6 +197,8 @@ CASES: dict[str, AttentionCase | GemvCase] = {
     "decode over an FP8 cache": AttentionCase(8, 640, kv_dtype=torch.float8_e4m3fn),
     "mixed: chunked prefill": AttentionCase(2, 700, new_tokens=300),
     "mixed: speculative verification": AttentionCase(8, 640, new_tokens=5),
+}
+PROJECTIONS = {
     "FP8 GEMV, one row: norm and qkv": GemvCase(1, 6144, 4096, norm=True),
     "FP8 GEMV, one row: gate_up and SiLU": GemvCase(1, 28672, 4096, silu_and_mul=True),
     "FP8 GEMV, one row: down": GemvCase(1, 4096, 14336),
@@ -193,13 +213,14 @@ CASES: dict[str, AttentionCase | GemvCase] = {
 def main() -> None:
     record: list[CompiledVariant] = []
     running = [""]
+    cases = _cases()
     with compile_only(record, running):
-        for name, case in CASES.items():
+        for name, launch in cases.items():
             running[0] = name
-            _launch(case) if isinstance(case, AttentionCase) else _gemv(case)
+            launch()
     for variant in record:
         print(json.dumps(dataclasses.asdict(variant), default=str), flush=True)
-    print(json.dumps({"cases": list(CASES)}))
+    print(json.dumps({"cases": list(cases)}))
 
 
 if __name__ == "__main__":

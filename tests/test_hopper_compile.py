@@ -1,6 +1,6 @@
-"""The attention and GEMV launches compile for Hopper (sm_90) with PDL, on any machine: `hopper_compile.py`
-runs the launch wrappers against an sm_90 target and compiles each variant they choose down to
-the cubin, which the interpreter-run tests never do."""
+"""A decode step's Triton launches (attention, GEMVs, layer kernels) compile for Hopper (sm_90)
+with PDL on any machine: `hopper_compile.py` runs the launch wrappers against an sm_90 target and
+compiles each variant they choose down to the cubin, which the interpreter-run tests never do."""
 
 from __future__ import annotations
 
@@ -71,3 +71,8 @@ def test_decode_projections_compile_with_their_fusions(variants):
         assert kernel == "_gemv_kernel" and meta["GLU"]
     assert kernels("FP8 GEMV, 2 rows: o")[0][0] == "_gemv_kernel"
     assert kernels("FP8 tiled, 8 rows: o")[0][0] == "_weight_only_kernel"
+
+
+def test_layer_kernels_compile(variants):
+    kernels = {v["kernel"] for v in variants if v["case"].startswith("norm, rotary")}
+    assert {"_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_argmax_chunk_kernel"} <= kernels
