@@ -63,7 +63,6 @@ class _HopperDriver:
 class CompiledVariant:
     """One compiled kernel variant: its constexprs and ptxas's resource line."""
 
-    case: str
     kernel: str
     constexprs: dict
     registers: int
@@ -82,15 +81,16 @@ def _resources(cubin: bytes) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def compile_only(record: list[CompiledVariant], case: list[str]) -> Iterator[None]:
-    """Launches compile for sm_90 with PDL on and run nothing; each variant is added to `record`
-    (labelled with `case[0]`, the case running)."""
+def compile_only() -> Iterator[list[CompiledVariant]]:
+    """Inside, launches compile for sm_90 with PDL on and run nothing; the list yielded receives
+    each launch's variant, in launch order."""
+    compiled: list[CompiledVariant] = []
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = plain_run(self, *args, grid=grid, warmup=True, **kwargs)
         constexprs = {k: v for k, v in kwargs.items() if k.isupper()}
         registers, local = _resources(kernel.asm["cubin"])
-        record.append(CompiledVariant(case[0], self.fn.__name__, constexprs, registers, local))
+        compiled.append(CompiledVariant(self.fn.__name__, constexprs, registers, local))
         return kernel
 
     plain_run, plain_pdl, plain_driver = JITFunction.run, pdl.pdl_enabled, driver._active
@@ -98,7 +98,7 @@ def compile_only(record: list[CompiledVariant], case: list[str]) -> Iterator[Non
     JITFunction.run = run
     pdl.pdl_enabled = gemv.pdl_enabled = lambda device: True  # the GEMV imported it by name
     try:
-        yield
+        yield compiled
     finally:
         JITFunction.run = plain_run
         pdl.pdl_enabled = gemv.pdl_enabled = plain_pdl
@@ -211,15 +211,13 @@ PROJECTIONS = {
 
 
 def main() -> None:
-    record: list[CompiledVariant] = []
-    running = [""]
     cases = _cases()
-    with compile_only(record, running):
+    with compile_only() as compiled:
         for name, launch in cases.items():
-            running[0] = name
+            first = len(compiled)
             launch()
-    for variant in record:
-        print(json.dumps(dataclasses.asdict(variant), default=str), flush=True)
+            for variant in compiled[first:]:
+                print(json.dumps({"case": name} | dataclasses.asdict(variant), default=str), flush=True)
     print(json.dumps({"cases": list(cases)}))
 
 
