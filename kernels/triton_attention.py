@@ -884,6 +884,21 @@ def _launch_varlen(
     )
 
 
+def _check_kv_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Checks what every launch that stores new keys and values at their slots takes."""
+    assert key.shape == value.shape, "key and value must have the same shape"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    assert key.shape[1:] == k_cache.shape[2:], "key/value heads or head_dim disagree with the cache"
+    assert slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
+    assert slot_mapping.stride(0) == 1 or slot_mapping.numel() <= 1
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -894,11 +909,8 @@ def write_kv(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Stores each token's key and value at its slot; see `kernels.reference.write_kv`."""
-    assert key.dim() == 3 and key.shape == value.shape, "key/value must be [num_tokens, kv_heads, head_dim]"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape
-    assert key.shape[1:] == k_cache.shape[2:], "key/value heads or head_dim disagree with the cache"
-    assert slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
-    assert slot_mapping.stride(0) == 1 or slot_mapping.numel() <= 1
+    assert key.dim() == 3, "key/value must be [num_tokens, kv_heads, head_dim]"
+    _check_kv_write(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -932,14 +944,12 @@ def _check_rotary_write(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> RotaryLaunch:
-    """Checks what a launch that rotates and writes the new keys takes (`check_rotary`, then value,
-    the caches and the slots) and returns the rotary kernel's cut of the heads."""
+    """Checks what a launch that rotates and writes the new keys takes (`check_rotary`, then
+    `_check_kv_write` and contiguous head rows) and returns the rotary kernel's cut of the heads."""
     launch = check_rotary(positions, q, key, cos, sin)
-    assert key.shape == value.shape and value.stride(2) == 1, "value: as key, head rows contiguous"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and key.shape[1:] == k_cache.shape[2:]
+    _check_kv_write(key, value, k_cache, v_cache, slot_mapping)
+    assert value.stride(2) == 1, "value head rows must be contiguous"
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache head rows must be contiguous"
-    assert slot_mapping.shape == (key.shape[0],) and slot_mapping.dtype in (torch.int32, torch.int64)
-    assert slot_mapping.stride(0) == 1 or slot_mapping.numel() <= 1
     return launch
 
 
