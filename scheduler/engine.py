@@ -188,7 +188,7 @@ class Engine:
     * `core_stats()`: SchedulerStats summed over executors; its counters never decrease;
     * `executor_statuses()`: one ExecutorStatusView per known executor;
     * `release_executors()`: gives every lease up (a draining scheduler);
-    * `steps`, `tokens_generated`, `num_active_requests`.
+    * `steps`, `tokens_generated`, `num_active_requests`, `num_steps_in_flight`.
     """
 
     def __init__(
@@ -266,6 +266,12 @@ class Engine:
     @property
     def num_active_requests(self) -> int:
         return len(self._active)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Plans sent to executors whose outputs have not come back. A step planned one ahead can
+        still run after its requests finished: `steps` settles once this is 0."""
+        return sum(len(replica.plans_in_flight) for replica in self._replicas.values())
 
     async def wait_until_attached(self) -> ExecutorInfo:
         """Returns once an executor is attached and requests can be submitted."""

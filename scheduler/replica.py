@@ -236,6 +236,7 @@ class ExecutorReplica:
         self.requests_routed = 0
         self.steps = 0
         self.busy_seconds = 0.0
+        self.plans_in_flight: deque[StepPlan] = deque()  # sent, output not yet read (the step loop's)
         self._retired = dict.fromkeys(COUNTERS, 0)  # counters of this executor's earlier cores
         self._wakeup = asyncio.Event()
         self._heartbeats = True  # until the executor answers UNIMPLEMENTED
@@ -485,7 +486,7 @@ class ExecutorReplica:
         assert self.info is not None and self.scheduler is not None
         core = self.scheduler
         call = self.transport.open_steps(self.info.lease_epoch)
-        in_flight: deque[StepPlan] = deque()
+        in_flight = self.plans_in_flight = deque()
         deliver: Callable[[], None] | None = None  # the last output's tokens, not yet streamed
         self._last_contact = time.monotonic()
         try:
@@ -518,6 +519,7 @@ class ExecutorReplica:
                     await self._wait_for_work()
         finally:
             call.cancel()
+            self.plans_in_flight = deque()  # their outputs will not come
             if deliver is not None:  # settled in the core: its tokens reach their clients
                 deliver()
 

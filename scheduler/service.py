@@ -270,6 +270,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             steps=self.engine.steps,
             tokens_generated=self.engine.tokens_generated,
             num_active_requests=self.engine.num_active_requests,
+            num_steps_in_flight=self.engine.num_steps_in_flight,
             process_cpu_seconds=time.process_time(),  # what a scheduler costs per step (bench)
         )
         core = self.engine.core_stats()

@@ -271,11 +271,13 @@ def scheduler_stats(services: Services) -> admin_pb2.SchedulerStats:
 
 
 def wait_for_idle(services: Services, timeout: float = 20.0) -> admin_pb2.SchedulerStats:
-    """Polls until no request is active and no GPU block is held (cached free blocks may stay)."""
+    """Polls until no request is active, no GPU block is held (cached free blocks may stay) and no
+    step is in flight (a step planned one ahead may still run after its requests finished)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = scheduler_stats(services)
-        if stats.gpu_blocks_in_use == 0 and stats.num_active_requests == 0 or time.monotonic() > deadline:
+        idle = (stats.gpu_blocks_in_use, stats.num_active_requests, stats.num_steps_in_flight) == (0, 0, 0)
+        if idle or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
 

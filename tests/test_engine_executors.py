@@ -183,6 +183,33 @@ def test_requests_spread_and_survive_the_loss_of_an_executor(tokenizer, text_ids
     asyncio.run(scenario())
 
 
+def test_a_step_planned_ahead_is_counted_once_it_returns(tokenizer, text_ids):
+    """A stop token ends a request while the step planned one ahead still runs (and the plan that
+    tells the executor to drop the request follows it): the request is done and its blocks free,
+    but `steps` settles only when `num_steps_in_flight` is back to 0."""
+    fakes = {"only:1": FlakyExecutor(text_ids, len(tokenizer), step_seconds=0.2)}
+    prompt = prompts(1)[0]
+    stop_id = expected_tokens(text_ids, prompt)[2]
+
+    async def scenario():
+        async with Harness(tokenizer, fakes) as h:
+            active = h.engine.submit(
+                "r",
+                prompt,
+                SamplingOptions(temperature=0),
+                StopConditions(MAX_TOKENS, stop_token_ids=frozenset({stop_id})),
+            )
+            assert (await collect(active))[-1] == stop_id
+            stats = h.engine.core_stats()
+            assert (h.engine.num_active_requests, stats.gpu_blocks_in_use) == (0, 0)
+            assert h.engine.num_steps_in_flight >= 1
+            assert h.engine.steps < fakes["only:1"].steps  # sent, not yet counted
+            await h.until(lambda: h.engine.num_steps_in_flight == 0)
+            assert h.engine.steps == fakes["only:1"].steps
+
+    asyncio.run(scenario())
+
+
 def test_requests_wait_while_no_executor_is_attached(tokenizer, text_ids):
     fakes = {"only:1": FlakyExecutor(text_ids, len(tokenizer))}
 
