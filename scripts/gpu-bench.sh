@@ -56,7 +56,8 @@
 #              setting (tagged -pdl-1, ...), each with a step trace (the GPU's idle time between steps)
 #   spec       issue 30, speculative decoding: W7 on the built-in model (SPEC_MODEL) at --max-concurrency
 #              1,4,16 without speculation, with ngram (k 4, lookup 4..2) and with draft_model (SPEC_DRAFT,
-#              default src/pagedserve/models/default_draft; k 4): output tok/s per request, executor steps
+#              default src/pagedserve/models/default_draft; k SPEC_DRAFT_K, default 6, the docs' choice for
+#              the built-in model): output tok/s per request, executor steps
 #              per output token, acceptance rate and mean accepted length; then W1 on the llama-8b shape
 #              with ngram and disable_by_batch_size 8 vs off (the cost of speculation configured)
 # The end-to-end stages run executor and scheduler as two processes and the bench client in a third.
@@ -199,7 +200,7 @@ if wants spec; then  # issue 30 (QUICK: the same passes on the CPU, a few short 
   spec_model=${SPEC_MODEL:-$root/src/pagedserve/models/default}
   spec_draft=${SPEC_DRAFT:-$root/src/pagedserve/models/default_draft}
   ngram='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
-  draft_cfg="{\"method\":\"draft_model\",\"model\":\"$spec_draft\",\"num_speculative_tokens\":4}"
+  draft_cfg="{\"method\":\"draft_model\",\"model\":\"$spec_draft\",\"num_speculative_tokens\":${SPEC_DRAFT_K:-6}}"
   spec_w7=(--workload W7 --num-warmups 2 --max-concurrency 1,4,16) spec_exec="" spec_w1=(--num-warmups 8)
   if [ -n "${QUICK:-}" ]; then
     spec_w7=(--workload W7 --num-prompts 4 --output-len 16 --num-warmups 0 --max-concurrency 1,2) spec_exec="--device cpu"

@@ -22,6 +22,12 @@ def test_admin_stats_cover_the_scheduler_core_stats():
 
     proto_fields = set(admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name)
     # Set by AdminService itself: the engine's totals and the process's CPU time.
-    service_fields = {"steps", "tokens_generated", "num_active_requests", "process_cpu_seconds"}
+    service_fields = {
+        "steps",
+        "tokens_generated",
+        "num_active_requests",
+        "num_steps_in_flight",
+        "process_cpu_seconds",
+    }
     core_fields = {f.name for f in dataclasses.fields(SchedulerStats)}
     assert proto_fields - service_fields <= core_fields

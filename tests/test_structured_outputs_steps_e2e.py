@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from pagedserve.client import generate, make_request
-from tests.services import running_services
+from tests.services import running_services, wait_for_idle
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +44,11 @@ def services(tiny_model_dir, tmp_path_factory):
 
 def _batch(services, requests) -> tuple[list, int]:
     """Runs the requests concurrently (one batch); returns their completions and the executor
-    steps they took."""
-    before = services.executor_stats().steps
+    steps they took (the steps planned ahead of their ends included)."""
+    before = wait_for_idle(services).steps
     with services.channel() as channel, ThreadPoolExecutor(len(requests)) as pool:
         outs = list(pool.map(lambda r: generate(channel, r, timeout=120), requests))
-    return outs, services.executor_stats().steps - before
+    return outs, wait_for_idle(services).steps - before
 
 
 def test_constrained_batch_takes_about_the_steps_of_an_unconstrained_one(services):
