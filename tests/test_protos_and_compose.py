@@ -21,7 +21,7 @@ def test_admin_stats_cover_the_scheduler_core_stats():
     from pagedserve.scheduler.core import SchedulerStats
 
     proto_fields = set(admin_pb2.SchedulerStats.DESCRIPTOR.fields_by_name)
-    # Set by AdminService itself: the engine's totals and the process's CPU time.
+    # Set by AdminService itself: the engine's totals and steps in flight, and the process's CPU time.
     service_fields = {
         "steps",
         "tokens_generated",
