@@ -670,3 +670,41 @@ def test_free_port_is_below_the_ephemeral_range_and_never_handed_out_twice():
     assert all(port not in _ephemeral_ports() for port in ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[0]))  # free indeed
+
+
+def _ports_of_a_fresh_process(queue, done) -> None:
+    """Reports 20 ports, then lives (holding its slice) until `done` is set."""
+    from pagedserve.bench.launch import free_port
+
+    queue.put([free_port() for _ in range(20)])
+    done.wait(60)
+
+
+def test_processes_that_pick_ports_at_once_pick_from_slices_of_their_own(monkeypatch):
+    """CI once saw two test workers pick one port: each checked it free, and the second service to
+    bind it, seconds later, failed. Each process picks from a slice of the range no other holds."""
+    import multiprocessing
+    import os
+
+    from pagedserve.bench import launch
+
+    mine = launch.free_port() // launch.PORT_SLICE
+    ctx = multiprocessing.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    workers = [ctx.Process(target=_ports_of_a_fresh_process, args=(queue, done)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        slices = [{port // launch.PORT_SLICE for port in queue.get(timeout=60)} for _ in workers]
+    finally:
+        done.set()
+        for worker in workers:
+            worker.join()
+    assert all(len(s) == 1 for s in slices), slices  # each process stays in its slice
+    assert len({mine, *set.union(*slices)}) == 3, (mine, slices)  # and no two share one
+
+    # A forked child inherits the slice and the parent's record of it, under another pid: it claims
+    # a slice of its own (here the parent's lock is still held, as it would be).
+    assert launch._slice is not None
+    monkeypatch.setattr(launch, "_slice", (os.getpid() + 1, *launch._slice[1:]))
+    assert launch.free_port() // launch.PORT_SLICE != mine

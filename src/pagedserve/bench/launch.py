@@ -8,14 +8,17 @@ and the scheduler gets one `--executor` flag per executor.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO
 
 import grpc
 
@@ -31,6 +34,8 @@ class LaunchError(RuntimeError):
 
 
 _handed_out: set[int] = set()
+PORT_SLICE = 1000  # ports a process picks from (see _port_candidates)
+_slice: tuple[int, range, IO[str] | None] | None = None  # (owner pid, its ports, the lock held open)
 
 
 def _ephemeral_ports() -> range:
@@ -41,25 +46,58 @@ def _ephemeral_ports() -> range:
     return range(low, high + 1)
 
 
+def _below_ephemeral() -> range:
+    return range(10000, _ephemeral_ports().start)
+
+
+def _port_candidates() -> range:
+    """The ports this process picks from: a slice of the range below the ephemeral ports that no
+    other process calling free_port holds (parallel test workers, benchmarks, their launchers).
+
+    A pick is checked free, but its service binds it only seconds later, after loading: two
+    processes picking at random from one range could both take it. Each process claims a slice
+    by an exclusive lock on a file per slice, held open while the process lives (the kernel drops
+    it at exit, so no claim goes stale). With every slice held: the whole range, as before."""
+    global _slice
+    below = _below_ephemeral()
+    if _slice is not None and _slice[0] == os.getpid():
+        return _slice[1]
+    _slice = (os.getpid(), below, None)  # (a forked child claims a slice of its own)
+    lock_dir = Path(tempfile.gettempdir()) / f"pagedserve-ports-{os.getuid()}"
+    with contextlib.suppress(OSError):
+        lock_dir.mkdir(exist_ok=True)
+        for start in range(below.start, below.stop - PORT_SLICE + 1, PORT_SLICE):
+            lock = open(lock_dir / f"{start}.lock", "w")  # noqa: SIM115 - held for the process's life
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                lock.close()
+                continue
+            _slice = (os.getpid(), range(start, start + PORT_SLICE), lock)
+            break
+    return _slice[1]
+
+
 def free_port() -> int:
     """A loopback TCP port that nothing listens on, for a service about to be started.
 
     Chosen below the kernel's ephemeral range: a port from bind(0) lies inside it, so in the moment
     before the service binds it any outgoing connection (each gRPC channel opens some) may take it as
     its source port, and the service then fails with "Address already in use". Ports already handed
-    out by this process are not handed out again."""
-    below = range(10000, _ephemeral_ports().start)
-    for _ in range(200):
-        port = random.choice(below) if below else 0  # (0: the kernel's choice, as before)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
+    out by this process are not handed out again, nor those of other processes that call this
+    (`_port_candidates`; past 200 tries there, the whole range below the ephemeral ports)."""
+    for candidates in (_port_candidates(), _below_ephemeral()):
+        for _ in range(200):
+            port = random.choice(candidates) if candidates else 0  # (0: the kernel's choice)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
     raise LaunchError("no free loopback port below the ephemeral range")
 
 
