@@ -688,7 +688,7 @@ def test_processes_that_pick_ports_at_once_pick_from_slices_of_their_own(monkeyp
 
     from pagedserve.bench import launch
 
-    mine = launch.free_port() // launch.PORT_SLICE
+    mine = launch.free_port() // launch.PORT_SLICE  # (slices start at 10,000, a multiple of it)
     ctx = multiprocessing.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()
     workers = [ctx.Process(target=_ports_of_a_fresh_process, args=(queue, done)) for _ in range(2)]
